@@ -1,0 +1,41 @@
+# Set-up is idempotent: every target that needs the venv depends on its stamp file.
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+PIP     := $(VENV)/bin/pip
+KVFLASH := $(VENV)/bin/kvflash
+# A CUDA machine takes the torch build of the index; elsewhere the CPU wheel 2.13.0.
+TORCH   ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
+PYTEST  := $(PY) -m pytest -q -p no:cacheprovider
+
+.PHONY: setup model demo test test-slow test-gpu lint clean
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) install -q --disable-pip-version-check "$(TORCH)"
+	$(PIP) install -q --disable-pip-version-check -e '.[test]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+model: setup
+	$(KVFLASH) model pull
+
+demo: model
+	$(KVFLASH) model info
+	$(KVFLASH) generate "In two sentences, why does a long document need a large KV cache?" --max-tokens 80
+
+test: model
+	$(PYTEST)
+
+test-slow: model
+	$(PYTEST) -m slow
+
+test-gpu: model
+	$(PYTEST) -m gpu
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,36 @@
+"""The `kvflash` command: one typer app; each command group lives in its own module."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+from kvflash.cli import generate_cmd, model_cmd
+from rich.console import Console
+
+from kvflash import KVFlashError
+
+app = typer.Typer(
+    name="kvflash",
+    help="Long-document LLM sessions on GPUs smaller than the document's KV cache.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+app.command("generate")(generate_cmd.generate)
+app.add_typer(model_cmd.app, name="model")
+
+
+def main() -> None:
+    """Errors meant for the user print as one line on stderr with exit status 1, never a traceback."""
+    try:
+        app()
+    except KVFlashError as e:
+        Console(stderr=True).print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

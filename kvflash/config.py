@@ -1,0 +1,109 @@
+"""Configuration dataclasses shared by the models and the engine."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """HF `rope_scaling`: `linear` (divide positions) or `llama3` (frequency-dependent)."""
+
+    kind: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family decoder; covers Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2."""
+
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rms_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    max_position: int = 8192
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+
+    def __post_init__(self) -> None:
+        from kvflash import KVFlashError
+
+        if self.arch not in SUPPORTED_ARCHS:
+            raise KVFlashError(f"unknown architecture {self.arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
+        if self.n_heads % self.n_kv_heads:
+            raise KVFlashError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return self.n_layers * 2 * self.n_kv_heads * self.head_dim * elem
+
+    def n_params(self) -> int:
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = h * d * (self.n_heads * 2 + self.n_kv_heads * 2)
+        if self.qkv_bias:
+            attn += d * (self.n_heads + 2 * self.n_kv_heads)
+        per_layer = attn + 3 * h * i + 2 * h + (2 * d if self.qk_norm else 0)
+        emb = self.vocab_size * h * (1 if self.tie_embeddings else 2)
+        return self.n_layers * per_layer + emb + h
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+POLICIES = ("qk", "lru", "sink", "full")
+
+
+@dataclass(frozen=True)
+class ResidencyConfig:
+    """What stays on the GPU for a sequence whose KV is larger than its budget (DESIGN: Residency).
+
+    The floor is sinks + tail + pins + 2 chunks: the append head and at least one selected chunk.
+    """
+
+    chunk_tokens: int = 64
+    sink_chunks: int = 1
+    tail_chunks: int = 4
+    policy: str = "qk"
+    tau: int = 16
+    """Decode re-selects every max(tau, history_tokens // tau_history_div) tokens."""
+    tau_history_div: int = 45
+    score_queries: int = 8
+    """The last this-many query tokens of a step score the chunks (max over them)."""
+
+    def __post_init__(self) -> None:
+        from kvflash import KVFlashError
+
+        if self.policy not in POLICIES:
+            raise KVFlashError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.chunk_tokens < 1 or self.sink_chunks < 0 or self.tail_chunks < 0:
+            raise KVFlashError("chunk_tokens must be positive; sink and tail chunks non-negative")
+
+    def floor_chunks(self, pinned: int = 0) -> int:
+        return self.sink_chunks + self.tail_chunks + pinned + 2
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Pool and host-tier sizes; `pool_tokens` 'auto' takes free device memory minus a reserve."""
+
+    pool_tokens: int | str = 65536
+    host_bytes: int = 8 << 30
+    residency: ResidencyConfig = field(default_factory=ResidencyConfig)
+    prefill_step_tokens: int = 512

@@ -1,0 +1,67 @@
+"""The engine: a model plus the shared chunk pool and host tier, and the prefill/decode loops over them.
+
+Prefill of a prompt longer than a sequence's budget runs in whole-chunk steps; under `qk` the last
+step is run twice, first as a scout whose queries score the chunks, so that the question at the end
+of a prompt chooses which chunks of the document it attends to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+
+from kvflash.config import EngineConfig
+from kvflash.generate import Sampler, decode
+from kvflash.host_tier import HostTier
+from kvflash.models.loader import LoadedModel
+from kvflash.paged_kv import PagedKV
+from kvflash.pool import ChunkPool, slots_for
+
+
+class Engine:
+    def __init__(self, lm: LoadedModel, cfg: EngineConfig):
+        self.lm, self.cfg = lm, cfg
+        c = cfg.residency.chunk_tokens
+        n = slots_for(lm.config, cfg.pool_tokens, c, lm.dtype, lm.device)
+        self.pool = ChunkPool(lm.config, n, c, lm.dtype, lm.device)
+        self.host = HostTier(self.pool, cfg.host_bytes)
+
+    def new_sequence(self, budget_tokens: int | None = None) -> PagedKV:
+        c = self.cfg.residency.chunk_tokens
+        budget = self.pool.n_slots if budget_tokens is None else -(-budget_tokens // c)
+        return PagedKV(self.pool, self.host, self.cfg.residency, min(budget, self.pool.n_slots))
+
+    def step_chunks(self, kv: PagedKV) -> int:
+        """Chunks one prefill step may write: leaves room for sinks, tail, pins and one selected chunk."""
+        pins = sum(ch.pinned for ch in kv.seq.chunks)
+        room = kv.budget - kv.cfg.floor_chunks(pins) + 1
+        return max(1, min(self.cfg.prefill_step_tokens // kv.cfg.chunk_tokens, room))
+
+    def prefill(
+        self, kv: PagedKV, ids: list[int], on_progress: Callable[[int], None] | None = None
+    ) -> torch.Tensor:
+        """Appends ids to the sequence; returns the logits [V] after the last one."""
+        model, dev = self.lm.model, self.lm.device
+        c = kv.cfg.chunk_tokens
+        pos, done, logits = len(kv.seq), 0, None
+        while done < len(ids):
+            boundary = (pos // c + self.step_chunks(kv)) * c
+            n = min(len(ids) - done, boundary - pos)
+            piece = torch.tensor(ids[done : done + n], device=dev)
+            positions = torch.arange(pos, pos + n, device=dev)
+            if done + n == len(ids) and kv.cfg.policy == "qk" and len(kv.seq.chunks) + 1 > kv.budget:
+                kv.scout = True
+                model(piece, positions, kv)
+                kv.scout = False
+            logits = model(piece, positions, kv)[0]
+            pos, done = pos + n, done + n
+            if on_progress:
+                on_progress(n)
+        assert logits is not None, "prefill needs at least one token"
+        return logits
+
+    def generate(
+        self, kv: PagedKV, first_logits: torch.Tensor, max_tokens: int, sampler: Sampler, stop: frozenset[int]
+    ) -> Iterator[int]:
+        return decode(self.lm.model, first_logits, kv, len(kv.seq), max_tokens, sampler, stop)

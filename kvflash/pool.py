@@ -1,0 +1,75 @@
+"""The GPU chunk pool: one tensor of slots, one slot per chunk, so a page-in or out is one copy."""
+
+from __future__ import annotations
+
+import torch
+
+from kvflash import KVFlashError
+from kvflash.config import ModelConfig
+
+
+class PoolFull(KVFlashError):
+    pass
+
+
+def chunk_shape(cfg: ModelConfig, chunk_tokens: int) -> tuple[int, ...]:
+    """Per-chunk layout `[n_layers, 2, n_kv_heads, chunk_tokens, head_dim]`, shared by every tier."""
+    return (cfg.n_layers, 2, cfg.n_kv_heads, chunk_tokens, cfg.head_dim)
+
+
+def chunk_bytes(cfg: ModelConfig, chunk_tokens: int, dtype: torch.dtype) -> int:
+    return cfg.kv_bytes_per_token(dtype) * chunk_tokens
+
+
+def slots_for(
+    cfg: ModelConfig,
+    budget_tokens: int | str,
+    chunk_tokens: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    reserve_bytes: int = 2 << 30,
+) -> int:
+    """Whole slots for a token budget, or `auto`: free device memory minus a reserve."""
+    if budget_tokens == "auto":
+        if device.type != "cuda":
+            raise KVFlashError("pool size 'auto' needs a CUDA device; give --pool-tokens N")
+        free, _ = torch.cuda.mem_get_info(device)
+        n = (free - reserve_bytes) // chunk_bytes(cfg, chunk_tokens, dtype)
+    else:
+        n = -(-int(budget_tokens) // chunk_tokens)
+    if n < 1:
+        raise KVFlashError(f"pool budget {budget_tokens} leaves no chunk slot")
+    return int(n)
+
+
+class ChunkPool:
+    """Slots of `[n_layers, 2, Hkv, C, D]`; the epoch changes with every residency change, so anything
+    derived from residency (slot lists, masks) is rebuilt when it moves instead of being trusted."""
+
+    def __init__(
+        self, cfg: ModelConfig, n_slots: int, chunk_tokens: int, dtype: torch.dtype, device: torch.device
+    ):
+        self.cfg = cfg
+        self.chunk_tokens = chunk_tokens
+        self.kv = torch.zeros((n_slots, *chunk_shape(cfg, chunk_tokens)), dtype=dtype, device=device)
+        self._free = list(range(n_slots - 1, -1, -1))
+        self.epoch = 0
+
+    @property
+    def n_slots(self) -> int:
+        return self.kv.shape[0]
+
+    @property
+    def n_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int:
+        if not self._free:
+            raise PoolFull(f"the chunk pool's {self.n_slots} slots are all in use")
+        self.epoch += 1
+        return self._free.pop()
+
+    def release(self, slot: int) -> None:
+        assert 0 <= slot < self.n_slots and slot not in self._free, f"bad release of slot {slot}"
+        self._free.append(slot)
+        self.epoch += 1

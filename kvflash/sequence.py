@@ -1,0 +1,52 @@
+"""A sequence: token ids plus a chunk table (logical chunk index -> where its KV lives, and why)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Chunk:
+    index: int
+    gpu: int | None = None
+    host: int | None = None
+    sealed: bool = False
+    """Full and final: only sealed chunks are summarised, scored, paged out, hashed or stored."""
+    pinned: bool = False
+    last_use: int = 0
+    score: float = float("-inf")
+
+
+@dataclass
+class Sequence:
+    chunk_tokens: int
+    tokens: list[int] = field(default_factory=list, repr=False)
+    chunks: list[Chunk] = field(default_factory=list, repr=False)
+    summaries: torch.Tensor | None = field(default=None, repr=False)
+    """[capacity, n_layers, n_kv_heads, head_dim] fp32: the L2-normalised mean key of each sealed chunk."""
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def n_sealed(self) -> int:
+        return len(self.tokens) // self.chunk_tokens
+
+    def ensure_chunks(self, n_tokens: int) -> None:
+        while len(self.chunks) * self.chunk_tokens < n_tokens:
+            self.chunks.append(Chunk(len(self.chunks)))
+
+    def set_summary(self, index: int, summary: torch.Tensor) -> None:
+        if self.summaries is None or self.summaries.shape[0] <= index:
+            cap = max(64, 2 * (index + 1))
+            grown = torch.zeros((cap, *summary.shape), dtype=torch.float32, device=summary.device)
+            if self.summaries is not None:
+                grown[: self.summaries.shape[0]] = self.summaries
+            self.summaries = grown
+        self.summaries[index] = summary
+
+    def chunk_tokens_of(self, index: int) -> list[int]:
+        c = self.chunk_tokens
+        return self.tokens[index * c : (index + 1) * c]

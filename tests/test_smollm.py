@@ -1,0 +1,119 @@
+"""The real default model: answers, perplexity, and the generate command end to end."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvflash.generate import Sampler, Sampling, decode, prefill
+from kvflash.kvcache import ContiguousKV
+from kvflash.models.loader import load_model
+
+PROSE = (
+    "The river ran slowly through the old town, past the mill and the church, and under the stone "
+    "bridge where children liked to fish in the summer. In the evenings the light turned gold on the "
+    "water, and the people who lived along the banks would sit outside their houses and talk about "
+    "the day. Most of them had lived there all their lives, and they knew every bend of the river "
+    "and every tree that grew beside it."
+)
+
+
+@pytest.fixture(scope="module")
+def smollm(smollm_path):
+    return load_model(smollm_path, dtype="fp32", device="cpu")
+
+
+def greedy(lm, prompt: str, max_tokens: int = 24) -> str:
+    tok = lm.tokenizer
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}]))
+    kv = ContiguousKV(lm.config, len(ids) + max_tokens, lm.dtype, lm.device)
+    logits = prefill(lm.model, ids, kv)
+    out = decode(lm.model, logits, kv, len(ids), max_tokens, Sampler(Sampling(), lm.device), tok.eos_ids)
+    return tok.decode(list(out))
+
+
+def test_capital_of_france(smollm) -> None:
+    assert "Paris" in greedy(smollm, "What is the capital of France?")
+
+
+def test_perplexity_on_prose_is_sane(smollm) -> None:
+    ids = smollm.tokenizer.encode(PROSE)
+    kv = ContiguousKV(smollm.config, len(ids), smollm.dtype, smollm.device)
+    logits = smollm.model(torch.tensor(ids), torch.arange(len(ids)), kv, all_logits=True)
+    nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]))
+    ppl = math.exp(nll.item())
+    assert 4.0 < ppl < 25.0, f"perplexity {ppl:.2f}"
+
+
+def test_prefill_in_slices_equals_one_shot(smollm) -> None:
+    ids = smollm.tokenizer.encode(PROSE)
+    one = prefill(smollm.model, ids, ContiguousKV(smollm.config, len(ids), torch.float32, "cpu"))
+    sliced = prefill(
+        smollm.model, ids, ContiguousKV(smollm.config, len(ids), torch.float32, "cpu"), step_tokens=7
+    )
+    torch.testing.assert_close(sliced, one, rtol=1e-4, atol=1e-4)
+
+
+def kvflash(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "kvflash.cli.app", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_generate_command_json(smollm_path) -> None:
+    r = kvflash(
+        "generate",
+        "What is the capital of France?",
+        "--max-tokens",
+        "12",
+        "--json",
+        "--model",
+        str(smollm_path),
+    )
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert "Paris" in out["text"]
+    assert out["completion_tokens"] >= 1 and out["prompt_tokens"] > 5
+
+
+def test_model_info_json(smollm_path) -> None:
+    r = kvflash("model", "info", "--model", str(smollm_path), "--json")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["architecture"] == "llama" and info["layers"] == 30 and info["kv_heads"] == 3
+    assert info["kv_bytes_per_token"] == 30 * 2 * 3 * 64 * 4
+    assert len(info["fingerprint"]) == 32
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["generate", "hi", "--model", "/nonexistent.gguf"], "model not found"),
+        (["generate", "hi", "--dtype", "fp12"], "unknown dtype"),
+        (["model", "info", "--model", "{garbage}"], "model not found"),
+    ],
+)
+def test_bad_input_is_one_line(args, message) -> None:
+    r = kvflash(*args)
+    assert r.returncode != 0
+    assert message in r.stderr
+    assert "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_corrupt_model_file_is_one_line(tmp_path) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 100)
+    r = kvflash("generate", "hi", "--model", str(bad))
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_bad_flag_is_a_usage_error() -> None:
+    r = kvflash("generate", "hi", "--max-tokens", "zero")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
