@@ -1,0 +1,177 @@
+"""PagedKV over the chunk pool: dense equality, constant memory, floors, pins and tier round trips."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvflash import KVFlashError
+from kvflash.config import ResidencyConfig
+from kvflash.host_tier import HostTier
+from kvflash.kvcache import ContiguousKV
+from kvflash.paged_kv import PagedKV
+from kvflash.pool import ChunkPool
+from kvflash.residency import required_chunks
+from tests.tiny import tiny_config, tiny_model
+
+CPU = torch.device("cpu")
+
+
+def make_kv(cfg, n_slots: int, budget: int | None = None, **res) -> PagedKV:
+    rc = ResidencyConfig(**{"chunk_tokens": 16, "tail_chunks": 2, **res})
+    pool = ChunkPool(cfg, n_slots, rc.chunk_tokens, torch.float32, CPU)
+    return PagedKV(pool, HostTier(pool, 1 << 26), rc, budget or n_slots)
+
+
+def test_full_budget_equals_dense_reference_prefill_and_64_decode_steps() -> None:
+    cfg = tiny_config()
+    model = tiny_model(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (200,))
+    dense = ContiguousKV(cfg, 300, torch.float32, CPU)
+    paged = make_kv(cfg, n_slots=20)
+    torch.testing.assert_close(
+        model(ids, torch.arange(200), paged, all_logits=True),
+        model(ids, torch.arange(200), dense, all_logits=True),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    tok = int(ids[-1])
+    for i in range(64):
+        step, pos = torch.tensor([tok]), torch.tensor([200 + i])
+        a, b = model(step, pos, dense)[0], model(step, pos, paged)[0]
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        tok = int(a.argmax())
+
+
+@pytest.mark.parametrize("policy", ["qk", "lru", "sink"])
+def test_budget_below_context_keeps_pool_memory_constant(policy: str) -> None:
+    cfg = tiny_config()
+    model = tiny_model(cfg)
+    kv = make_kv(cfg, n_slots=8, policy=policy)
+    pool_bytes = kv.pool.kv.untyped_storage().nbytes()
+    for lo in range(0, 384, 32):
+        ids = torch.randint(0, cfg.vocab_size, (32,))
+        logits = model(ids, torch.arange(lo, lo + 32), kv)
+        assert torch.isfinite(logits).all()
+        assert len(kv.resident()) <= 8
+    assert kv.pool.kv.untyped_storage().nbytes() == pool_bytes
+    assert len(kv.seq) == 384 and kv.seq.n_sealed == 24
+    assert kv.host.n_used >= 24 - 8
+
+
+def test_full_policy_refuses_context_larger_than_budget() -> None:
+    cfg = tiny_config()
+    kv = make_kv(cfg, n_slots=4, policy="full")
+    model = tiny_model(cfg)
+    model(torch.zeros(64, dtype=torch.long), torch.arange(64), kv)
+    with pytest.raises(KVFlashError, match="policy qk, lru or sink"):
+        model(torch.zeros(16, dtype=torch.long), torch.arange(64, 80), kv)
+
+
+def test_budget_below_floor_is_refused_up_front() -> None:
+    with pytest.raises(KVFlashError, match="below the floor"):
+        make_kv(tiny_config(), n_slots=16, budget=4)
+
+
+def test_pin_that_breaks_the_floor_is_refused() -> None:
+    kv = make_kv(tiny_config(), n_slots=8)  # floor 1 + 2 + 2 = 5 -> room for 3 pinned chunks
+    kv.pin_range(0, 48)
+    with pytest.raises(KVFlashError, match="break the floor"):
+        kv.pin_range(48, 49)
+    kv.unpin_all()
+    kv.pin_range(100, 101)
+
+
+def _forward_random(kv: PagedKV, n: int, gen: torch.Generator, written: dict) -> None:
+    """Drives one step through the KVCache interface with random K/V, recording what was written."""
+    cfg = kv.pool.cfg
+    start = len(kv.seq)
+    pos = torch.arange(start, start + n)
+    kv.begin(torch.zeros(n, dtype=torch.long), pos)
+    for layer in range(cfg.n_layers):
+        q = torch.randn(n, cfg.n_heads, cfg.head_dim, generator=gen)
+        k = torch.randn(n, cfg.n_kv_heads, cfg.head_dim, generator=gen)
+        v = torch.randn(n, cfg.n_kv_heads, cfg.head_dim, generator=gen)
+        kv.attend(layer, q, k, v)
+        for j, p in enumerate(pos.tolist()):
+            written[(p, layer)] = (k[j].clone(), v[j].clone())
+    kv.end()
+
+
+def _chunk_bytes(kv: PagedKV, i: int) -> torch.Tensor:
+    ch = kv.seq.chunks[i]
+    return kv.pool.kv[ch.gpu] if ch.gpu is not None else kv.host.view(ch.host)
+
+
+actions = st.lists(
+    st.one_of(
+        st.tuples(st.just("step"), st.integers(1, 40)),
+        st.tuples(st.just("pin"), st.integers(0, 300), st.integers(1, 40)),
+        st.tuples(st.just("unpin"), st.integers(0, 300), st.integers(1, 40)),
+        st.tuples(st.just("unpin_all")),
+    ),
+    min_size=1,
+    max_size=25,
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(actions=actions, policy=st.sampled_from(["qk", "lru", "sink"]), seed=st.integers(0, 2**16))
+def test_pool_invariants_under_random_operations(actions, policy, seed) -> None:
+    cfg = tiny_config(n_layers=2, n_kv_heads=2, head_dim=8, n_heads=4)
+    kv = make_kv(cfg, n_slots=10, budget=9, policy=policy, tail_chunks=2)
+    gen = torch.Generator().manual_seed(seed)
+    written: dict = {}
+    c = kv.cfg.chunk_tokens
+    for act in actions:
+        if act[0] == "step":
+            _forward_random(kv, act[1], gen, written)
+            first = (len(kv.seq) - act[1]) // c
+            last = (len(kv.seq) - 1) // c
+            need = required_chunks(kv.seq, kv.cfg, first, last)
+            assert need <= {ch.index for ch in kv.resident()}, "a sink, tail or pinned chunk was evicted"
+        elif act[0] == "pin":
+            try:
+                kv.pin_range(act[1], act[1] + act[2])
+            except KVFlashError:
+                pinned = sum(ch.pinned for ch in kv.seq.chunks)
+                assert kv.cfg.floor_chunks(pinned + 1) > kv.budget or pinned
+        elif act[0] == "unpin":
+            kv.unpin(act[1], act[1] + act[2])
+        else:
+            kv.unpin_all()
+        gpu = [ch.gpu for ch in kv.seq.chunks if ch.gpu is not None]
+        assert len(gpu) == len(set(gpu)) and len(gpu) <= kv.budget
+        assert len(gpu) + kv.pool.n_free == kv.pool.n_slots, "a slot leaked"
+        host = [ch.host for ch in kv.seq.chunks if ch.host is not None]
+        assert len(host) == len(set(host)) and len(host) == kv.host.n_used
+    for i in range(kv.seq.n_sealed):
+        ch = kv.seq.chunks[i]
+        assert ch.gpu is not None or ch.host is not None, f"chunk {i} was lost"
+        data = _chunk_bytes(kv, i)
+        for p in range(i * c, (i + 1) * c):
+            for layer in range(cfg.n_layers):
+                k, v = written[(p, layer)]
+                assert torch.equal(data[layer, 0, :, p - i * c], k)
+                assert torch.equal(data[layer, 1, :, p - i * c], v)
+    kv.free()
+    assert kv.pool.n_free == kv.pool.n_slots and kv.host.n_used == 0
+
+
+def test_tier_round_trips_are_bit_exact() -> None:
+    cfg = tiny_config()
+    pool = ChunkPool(cfg, 3, 16, torch.bfloat16, CPU)
+    host = HostTier(pool, 1 << 24)
+    pool.kv.copy_(torch.randn(pool.kv.shape).to(torch.bfloat16))
+    original = pool.kv[0].clone()
+    slot = 0
+    for _ in range(5):
+        h = host.page_out(slot)
+        pool.kv[slot].fill_(float("nan"))
+        slot = (slot + 1) % 3
+        host.page_in(h, slot)
+        host.fence()
+        host.release(h)
+    assert torch.equal(pool.kv[slot].view(torch.int16), original.view(torch.int16))
