@@ -20,9 +20,17 @@ setup: $(VENV)/.installed
 model: setup
 	$(KVFLASH) model pull
 
+DEMO_DOC   := demo/harbor_chronicle.txt
+DEMO_STORE := .demo-store
+
+# Turn 1 prefills the ~8K-token document cold and snapshots it; turn 2 (a new process) restores it.
 demo: model
-	$(KVFLASH) model info
-	$(KVFLASH) generate "In two sentences, why does a long document need a large KV cache?" --max-tokens 80
+	rm -rf $(DEMO_STORE)
+	@echo "== turn 1: cold prefill of $(DEMO_DOC) =="
+	$(KVFLASH) ask $(DEMO_DOC) "Who built the lighthouse of Port Elden, and when?" --store $(DEMO_STORE) -n 48
+	@echo "== turn 2: a new process restores the document's KV from disk =="
+	$(KVFLASH) ask $(DEMO_DOC) "What is the Copper Oven famous for?" --store $(DEMO_STORE) -n 48
+	$(KVFLASH) snapshot list --store $(DEMO_STORE)
 
 test: model
 	$(PYTEST)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import sys
 
 import typer
-from kvflash.cli import generate_cmd, model_cmd
 from rich.console import Console
 
 from kvflash import KVFlashError
+from kvflash.cli import ask_cmd, generate_cmd, model_cmd, snapshot_cmd
 
 app = typer.Typer(
     name="kvflash",
@@ -18,7 +18,10 @@ app = typer.Typer(
     add_completion=False,
 )
 app.command("generate")(generate_cmd.generate)
+app.command("ask")(ask_cmd.ask)
+app.command("chat")(ask_cmd.chat)
 app.add_typer(model_cmd.app, name="model")
+app.add_typer(snapshot_cmd.app, name="snapshot")
 
 
 def main() -> None:

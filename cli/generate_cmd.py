@@ -7,10 +7,10 @@ import time
 from pathlib import Path
 
 import typer
-from kvflash.cli.options import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt
 from rich.console import Console
 
 from kvflash import KVFlashError
+from kvflash.cli.options import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt
 from kvflash.generate import Sampler, Sampling, decode, prefill
 from kvflash.kvcache import ContiguousKV
 from kvflash.models.loader import load_model

@@ -6,10 +6,10 @@ import json
 from pathlib import Path
 
 import typer
-from kvflash.cli.options import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt
 from rich.console import Console
 from rich.table import Table
 
+from kvflash.cli.options import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt
 from kvflash.models.fetch import default_model_path
 from kvflash.models.loader import load_model
 

@@ -1,0 +1,141 @@
+"""Kernels over the chunk pool (DESIGN: Kernels): Triton on CUDA, the torch reference twins elsewhere.
+
+Each call picks its implementation from its arguments: Triton when every tensor is on CUDA, triton
+imports and the pool's shape suits the kernels (power-of-two chunk_tokens and head_dim >= 16);
+otherwise the twin in `reference`. `KVFLASH_KERNELS=torch` forces the twins, to bisect a numerical
+difference. Triton is imported only on first CUDA use, so CPU-only runs never pay for it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from collections.abc import Callable
+
+import torch
+
+from kvflash.kernels import reference
+from kvflash.kernels._common import pow2
+
+__all__ = [
+    "chunk_scores",
+    "chunk_summaries",
+    "gather_chunks",
+    "paged_decode_attention",
+    "prefill_attention",
+    "scatter_chunks",
+    "topk_chunks",
+    "uses_triton",
+    "write_tokens",
+]
+
+_MODULE = {
+    "paged_decode_attention": "triton_decode",
+    "prefill_attention": "triton_prefill",
+    "chunk_summaries": "triton_scoring",
+    "write_tokens": "triton_copy",
+    "gather_chunks": "triton_copy",
+    "scatter_chunks": "triton_copy",
+}
+
+
+@functools.cache
+def _have_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def uses_triton(*tensors: torch.Tensor, head_dim: int, chunk_tokens: int = 1) -> bool:
+    """Whether a call on these tensors runs the Triton kernel (True) or the reference twin."""
+    return (
+        os.environ.get("KVFLASH_KERNELS", "").lower() != "torch"
+        and all(t.is_cuda for t in tensors)
+        and pow2(head_dim)
+        and head_dim >= 16
+        and pow2(chunk_tokens)
+        and _have_triton()
+    )
+
+
+def _pick(name: str, pool: torch.Tensor, *tensors: torch.Tensor) -> Callable:
+    """The implementation of `name` for a call on this (contiguous) pool and these tensors."""
+    if pool.is_contiguous() and uses_triton(
+        pool, *tensors, head_dim=pool.shape[5], chunk_tokens=pool.shape[4]
+    ):
+        return getattr(importlib.import_module(f"kvflash.kernels.{_MODULE[name]}"), name)
+    return getattr(reference, name)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: int,
+    slot_table: torch.Tensor,
+    n_slots: torch.Tensor,
+    last_valid: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
+    """q [B, Hq, D] -> [B, Hq, D] in q's dtype. Sequence b attends over slot_table[b, :n_slots[b]]
+    (int32), all tokens valid except in its last listed slot, where only the first last_valid[b] are."""
+    fn = _pick("paged_decode_attention", kv_pool, q, slot_table, n_slots, last_valid)
+    return fn(q, kv_pool, layer, slot_table, n_slots, last_valid, sm_scale)
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: int,
+    slots: torch.Tensor,
+    chunk_index: torch.Tensor,
+    q_start: int,
+    sm_scale: float,
+) -> torch.Tensor:
+    """q [T, Hq, D] at positions q_start + t -> [T, Hq, D], causal over the listed slots (int32, in
+    logical order: chunk_index ascending), key j of slot i at position chunk_index[i] * C + j."""
+    fn = _pick("prefill_attention", kv_pool, q, slots, chunk_index)
+    return fn(q, kv_pool, layer, slots, chunk_index, q_start, sm_scale)
+
+
+def chunk_summaries(kv_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """[n, L, Hkv, D] fp32: the L2-normalised mean key of each listed (full) chunk."""
+    return _pick("chunk_summaries", kv_pool, slots)(kv_pool, slots)
+
+
+def chunk_scores(q: torch.Tensor, summaries: torch.Tensor) -> torch.Tensor:
+    """[N] fp32: max over q's tokens and heads of cos(q, its kv-head's summary); summaries [N, Hkv, D]."""
+    if uses_triton(q, summaries, head_dim=q.shape[-1]):
+        from kvflash.kernels.triton_scoring import chunk_scores as fn
+    else:
+        fn = reference.chunk_scores
+    return fn(q, summaries)
+
+
+def topk_chunks(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the min(k, N) best scores, best first (torch.topk serves both paths)."""
+    return reference.topk_chunks(scores, k)
+
+
+def write_tokens(
+    kv_pool: torch.Tensor,
+    layer: int,
+    slot: torch.Tensor,
+    offset: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
+    """Stores k/v [T, Hkv, D] at position offset[t] of slot slot[t] (int32) in layer `layer`."""
+    _pick("write_tokens", kv_pool, slot, offset, k, v)(kv_pool, layer, slot, offset, k, v)
+
+
+def gather_chunks(kv_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """New contiguous staging [n, L, 2, Hkv, C, D] holding the listed slots."""
+    return _pick("gather_chunks", kv_pool, slots)(kv_pool, slots)
+
+
+def scatter_chunks(staging: torch.Tensor, kv_pool: torch.Tensor, slots: torch.Tensor) -> None:
+    """Writes staging[i] into slot slots[i] of the pool."""
+    _pick("scatter_chunks", kv_pool, staging, slots)(staging, kv_pool, slots)

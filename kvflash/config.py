@@ -84,8 +84,10 @@ class ResidencyConfig:
     tau: int = 16
     """Decode re-selects every max(tau, history_tokens // tau_history_div) tokens."""
     tau_history_div: int = 45
-    score_queries: int = 8
-    """The last this-many query tokens of a step score the chunks (max over them)."""
+    score_queries: int = 32
+    """The last this-many query tokens of a step score the chunks: enough to cover a question."""
+    summary_blocks: int = 4
+    """Each chunk is summarised by the mean key of each of this many equal runs of its tokens."""
 
     def __post_init__(self) -> None:
         from kvflash import KVFlashError
@@ -94,6 +96,10 @@ class ResidencyConfig:
             raise KVFlashError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if self.chunk_tokens < 1 or self.sink_chunks < 0 or self.tail_chunks < 0:
             raise KVFlashError("chunk_tokens must be positive; sink and tail chunks non-negative")
+        if self.summary_blocks < 1 or self.chunk_tokens % self.summary_blocks:
+            raise KVFlashError(
+                f"summary_blocks {self.summary_blocks} must divide chunk_tokens {self.chunk_tokens}"
+            )
 
     def floor_chunks(self, pinned: int = 0) -> int:
         return self.sink_chunks + self.tail_chunks + pinned + 2

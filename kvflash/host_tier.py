@@ -6,6 +6,8 @@ only when a page-in was issued or a paged-out slot is about to be rewritten.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from kvflash import KVFlashError
@@ -31,6 +33,7 @@ class HostTier:
         self._free: list[int] = []
         self._pending_in = False
         self._pending_out = False
+        self._lock = threading.Lock()  # a restore's prefetch thread allocates too
 
     @property
     def n_used(self) -> int:
@@ -49,12 +52,14 @@ class HostTier:
         return self._blocks[host_slot // BLOCK_SLOTS][host_slot % BLOCK_SLOTS]
 
     def alloc(self) -> int:
-        if not self._free:
-            self._grow()
-        return self._free.pop()
+        with self._lock:
+            if not self._free:
+                self._grow()
+            return self._free.pop()
 
     def release(self, host_slot: int) -> None:
-        self._free.append(host_slot)
+        with self._lock:
+            self._free.append(host_slot)
 
     def page_out(self, gpu_slot: int) -> int:
         """Copies a pool slot into a new host slot (async on CUDA); returns the host slot."""

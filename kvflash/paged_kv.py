@@ -8,6 +8,9 @@ With a budget that holds the whole context it computes what the dense cache comp
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -30,9 +33,15 @@ class PagedKV:
             )
         self.pool, self.host, self.cfg, self.budget = pool, host, cfg, budget_chunks
         self.seq = Sequence(cfg.chunk_tokens)
+        self.fetch: Callable[[str, torch.Tensor], None] | None = None
+        """Reads a stored chunk (by chain hash) into a host-tier slot: set by a lazy restore."""
+        self._fetch_lock = threading.Lock()
         self.scout = False
         """A scout step computes scores only: it neither advances the sequence nor seals chunks."""
         self.step = 0
+        self.chunk_nbytes = pool.kv[0].numel() * pool.kv.element_size()
+        self.moved = {"disk": 0, "host_to_gpu": 0, "gpu_to_host": 0}
+        """Bytes of chunk KV moved per tier since the sequence began (for stats lines)."""
         self._since_select = 0
         self._scores: torch.Tensor | None = None
 
@@ -75,13 +84,31 @@ class PagedKV:
         assert ch.sealed, f"chunk {ch.index} is not sealed and cannot leave the GPU"
         if ch.host is None:
             ch.host = self.host.page_out(ch.gpu)
+            self.moved["gpu_to_host"] += self.chunk_nbytes
         self.pool.release(ch.gpu)
         ch.gpu = None
 
+    def load_to_host(self, ch: Chunk) -> None:
+        """Brings a disk-only chunk into the host tier (called by selection and by prefetch)."""
+        with self._fetch_lock:
+            if ch.host is not None or ch.gpu is not None or ch.disk is None:
+                return
+            h = self.host.alloc()
+            try:
+                self.fetch(ch.disk, self.host.view(h))
+            except BaseException:
+                self.host.release(h)
+                raise
+            ch.host = h
+            self.moved["disk"] += self.chunk_nbytes
+
     def _make_resident(self, ch: Chunk) -> None:
+        if ch.host is None and ch.disk is not None:
+            self.load_to_host(ch)
         ch.gpu = self.pool.alloc()
         if ch.host is not None:
             self.host.page_in(ch.host, ch.gpu)
+            self.moved["host_to_gpu"] += self.chunk_nbytes
 
     def _apply_scores(self) -> None:
         if self._scores is not None:
@@ -100,7 +127,8 @@ class PagedKV:
         self.seq.ensure_chunks(end)
         first, last = start // c, (end - 1) // c
         self._apply_scores()
-        due = t > 1 or self._since_select >= self.tau()
+        # A scout keeps what is resident: it only needs the question's queries, cheaply.
+        due = (t > 1 or self._since_select >= self.tau()) and not self.scout
         want = select_resident(self.seq, self.cfg, self.budget, first, last, reselect=due)
         if due:
             self._since_select = 0
@@ -150,13 +178,20 @@ class PagedKV:
         return out.squeeze(0).transpose(0, 1)
 
     def _score(self, layer: int, q: torch.Tensor) -> None:
-        """Adds this layer's max over (query tokens, query heads) of cos(q, chunk summary)."""
-        summ = self.seq.summaries[: self._n_cand, layer]  # [N, Hkv, D], unit norm
-        h_kv = summ.shape[1]
-        qs = F.normalize(q[-self.cfg.score_queries :].float(), dim=-1)
-        qs = qs.view(qs.shape[0], h_kv, -1, qs.shape[-1])  # [t, Hkv, G, D]
-        cos = torch.einsum("thgd,nhd->nthg", qs, summ)
-        self._scores += cos.flatten(1).amax(1) / self.pool.cfg.n_layers
+        """Adds this layer's estimate of the attention mass each chunk would get.
+
+        Each block mean key stands in for its tokens; a softmax over all blocks of all candidate
+        chunks gives every (query token, head) a distribution, and a chunk scores the largest share
+        any of them gives it. Summed shares would favour chunks that everyone looks at a little;
+        the max finds the chunk one retrieval head looks at a lot (see docs/RESIDENCY.md).
+        """
+        summ = self.seq.summaries[: self._n_cand, layer]  # [N, Hkv, B, D]
+        n, h_kv, blocks, d = summ.shape
+        qs = q[-self.cfg.score_queries :].float()
+        qs = qs.view(qs.shape[0], h_kv, -1, d)  # [t, Hkv, G, D]
+        logits = torch.einsum("thgd,nhbd->thgnb", qs, summ).flatten(3) * d**-0.5
+        mass = torch.softmax(logits, dim=-1).view(*logits.shape[:3], n, blocks).sum(-1)
+        self._scores += mass.flatten(0, 2).amax(0) / self.pool.cfg.n_layers
 
     def end(self) -> None:
         self.step += 1
@@ -171,12 +206,16 @@ class PagedKV:
             self._seal(self.seq.chunks[i])
 
     def _seal(self, ch: Chunk) -> None:
-        keys = self.pool.kv[ch.gpu, :, 0].float().mean(dim=2)  # [L, Hkv, D]
-        self.seq.set_summary(ch.index, F.normalize(keys, dim=-1))
+        keys = self.pool.kv[ch.gpu, :, 0].float()  # [L, Hkv, C, D]
+        l, h, c, d = keys.shape
+        blocks = self.cfg.summary_blocks
+        self.seq.set_summary(ch.index, keys.view(l, h, blocks, c // blocks, d).mean(3))
         ch.sealed = True
 
     def free(self) -> None:
         """Returns every GPU and host slot of this sequence."""
+        with self._fetch_lock:
+            self.fetch = None
         for ch in self.seq.chunks:
             if ch.gpu is not None:
                 self.pool.release(ch.gpu)

@@ -3,7 +3,7 @@
 Layout (little-endian): a header, then one fixed-size record per chunk:
   header  magic "KVFPAGE1", version u16, fingerprint 32 bytes, chunk_tokens u32, dtype u8,
           n_layers u32, n_kv_heads u32, head_dim u32, n_chunks u32, header crc32 u32
-  record  flags u8 (1 = was resident), score f32, token ids i32[C], summary f32[L, Hkv, D],
+  record  flags u8 (1 = was resident), score f32, token ids i32[C], summary f32[L, Hkv, B, D],
           KV bytes [L, 2, Hkv, C, D] in the KV dtype, record crc32 u32
 Because records have a fixed size, the blob's length is checked against the header before anything
 is allocated, and every checksum is checked before anything is written into the pool or host tier.
@@ -38,8 +38,13 @@ def floor_to_chunk(n_tokens: int, chunk_tokens: int) -> int:
 
 def _record_size(kv: PagedKV) -> int:
     cfg, c = kv.pool.cfg, kv.cfg.chunk_tokens
-    summary = cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4
+    summary = 4 * _summary_shape(kv).numel()
     return RECORD_HEAD.size + 4 * c + summary + chunk_bytes(cfg, c, kv.pool.kv.dtype) + 4
+
+
+def _summary_shape(kv: PagedKV) -> torch.Size:
+    cfg = kv.pool.cfg
+    return torch.Size((cfg.n_layers, cfg.n_kv_heads, kv.cfg.summary_blocks, cfg.head_dim))
 
 
 def _chunk_data(kv: PagedKV, index: int) -> torch.Tensor:
@@ -136,11 +141,11 @@ def deserialize(kv: PagedKV, blob: bytes, fingerprint: str) -> int:
     if len(kv.seq):
         raise KVFlashError("deserialize needs an empty sequence")
     n = _validate(kv, blob, fingerprint)
-    cfg, c = kv.pool.cfg, kv.cfg.chunk_tokens
+    c = kv.cfg.chunk_tokens
     mv = memoryview(blob)
     rsize, pos = _record_size(kv), HEADER.size + 4
-    sum_shape = (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
-    sum_bytes = 4 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim
+    sum_shape = _summary_shape(kv)
+    sum_bytes = 4 * sum_shape.numel()
     gpu_room = max(0, kv.budget - kv.cfg.floor_chunks() + 1)
     kv.seq.ensure_chunks(n * c)
     for i in range(n):

@@ -15,3 +15,8 @@ def kvflash_home() -> Path:
 def models_dir() -> Path:
     """Downloaded model files."""
     return kvflash_home() / "models"
+
+
+def snapshots_dir() -> Path:
+    """The default snapshot store."""
+    return kvflash_home() / "snapshots"

@@ -12,6 +12,8 @@ class Chunk:
     index: int
     gpu: int | None = None
     host: int | None = None
+    disk: str | None = None
+    """Chain hash of a stored copy not yet read (lazy restore): fetched through the host tier."""
     sealed: bool = False
     """Full and final: only sealed chunks are summarised, scored, paged out, hashed or stored."""
     pinned: bool = False
@@ -25,7 +27,7 @@ class Sequence:
     tokens: list[int] = field(default_factory=list, repr=False)
     chunks: list[Chunk] = field(default_factory=list, repr=False)
     summaries: torch.Tensor | None = field(default=None, repr=False)
-    """[capacity, n_layers, n_kv_heads, head_dim] fp32: the L2-normalised mean key of each sealed chunk."""
+    """[capacity, n_layers, n_kv_heads, summary_blocks, head_dim] fp32: block mean keys of sealed chunks."""
 
     def __len__(self) -> int:
         return len(self.tokens)

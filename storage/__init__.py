@@ -1,0 +1,45 @@
+"""Disk snapshot store: compressed, content-addressed chunk files and a SQLite index (docs/FORMAT.md)."""
+
+from kvflash.storage.chunk import ROOT_HASH, ChunkBlob, ChunkSummary, chain_hash, chain_hashes
+from kvflash.storage.errors import (
+    ChunkCorrupt,
+    ChunkError,
+    ChunkMismatch,
+    ChunkMissing,
+    DiskFull,
+    ForeignFingerprint,
+    InvalidChunk,
+    InvalidName,
+    SizeMismatch,
+    SnapshotNotFound,
+    StoreError,
+    UnsupportedVersion,
+)
+from kvflash.storage.index import Snapshot, SnapshotInfo
+from kvflash.storage.store import DiskUsage, PruneReport, SnapshotStore, VerifyReport
+
+__all__ = [
+    "ROOT_HASH",
+    "ChunkBlob",
+    "ChunkCorrupt",
+    "ChunkError",
+    "ChunkMismatch",
+    "ChunkMissing",
+    "ChunkSummary",
+    "DiskFull",
+    "DiskUsage",
+    "ForeignFingerprint",
+    "InvalidChunk",
+    "InvalidName",
+    "PruneReport",
+    "SizeMismatch",
+    "Snapshot",
+    "SnapshotInfo",
+    "SnapshotNotFound",
+    "SnapshotStore",
+    "StoreError",
+    "UnsupportedVersion",
+    "VerifyReport",
+    "chain_hash",
+    "chain_hashes",
+]

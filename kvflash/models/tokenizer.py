@@ -110,6 +110,14 @@ class Tokenizer:
             ids.insert(0, self.bos_id)
         return ids
 
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of user text: special-token strings in it stay text, never control tokens."""
+        self.hf.encode_special_tokens = True
+        try:
+            return self.hf.encode(text, add_special_tokens=False).ids
+        finally:
+            self.hf.encode_special_tokens = False
+
     def decode(self, ids: list[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=False)
 

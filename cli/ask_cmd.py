@@ -1,0 +1,184 @@
+"""`kvflash ask` and `kvflash chat`: long-document sessions from the terminal."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from kvflash import KVFlashError
+from kvflash.cli.options import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, StoreOpt
+from kvflash.config import POLICIES, EngineConfig, ResidencyConfig
+from kvflash.engine import Engine
+from kvflash.generate import Sampling
+from kvflash.models.loader import load_model
+from kvflash.models.tokenizer import StreamDecoder
+from kvflash.paths import snapshots_dir
+from kvflash.session import Document, Session, TurnStats
+from kvflash.storage import SnapshotStore
+
+DocsArg = typer.Argument(..., help="Document files (UTF-8 text).", show_default=False)
+SessionOpt = typer.Option(None, "--session", "-s", help="Name a conversation to resume it later.")
+PoolOpt = typer.Option(
+    None, "--pool-tokens", help="GPU KV budget in tokens (default: 16384; 'auto' on CUDA)."
+)
+PolicyOpt = typer.Option("qk", "--policy", help=f"Residency policy: {', '.join(POLICIES)}.")
+LazyOpt = typer.Option(None, "--lazy/--eager", help="Restore lazily (default: when KV exceeds the budget).")
+MaxTokOpt = typer.Option(256, "--max-tokens", "-n", min=1, help="Most tokens per answer.")
+NoStoreOpt = typer.Option(False, "--no-store", help="Neither restore from nor save to the snapshot store.")
+
+
+def read_documents(paths: list[Path]) -> list[Document]:
+    docs = []
+    for p in paths:
+        try:
+            docs.append(Document(p.name, p.read_text(encoding="utf-8")))
+        except FileNotFoundError:
+            raise KVFlashError(f"document not found: {p}") from None
+        except (UnicodeDecodeError, IsADirectoryError) as e:
+            raise KVFlashError(f"{p}: not a UTF-8 text file ({e.__class__.__name__})") from None
+    return docs
+
+
+def pool_tokens(value: str | None) -> int | str:
+    if value is None:
+        return 16384
+    if value == "auto":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        raise KVFlashError(f"--pool-tokens takes a number of tokens or 'auto', not {value!r}") from None
+    if n < 1:
+        raise KVFlashError("--pool-tokens must be positive")
+    return n
+
+
+def open_session(
+    docs: list[Path], session: str | None, pool: str | None, policy: str, lazy: bool | None,
+    model: Path | None, dtype: str | None, device: str | None, store: Path | None, no_store: bool,
+) -> Session:  # fmt: skip
+    documents = read_documents(docs)
+    lm = load_model(model, dtype=dtype, device=device)
+    budget = pool_tokens(pool)
+    engine = Engine(lm, EngineConfig(pool_tokens=budget, residency=ResidencyConfig(policy=policy)))
+    st = None if no_store else SnapshotStore(store or snapshots_dir())
+    return Session(engine, documents, st, name=session, lazy=lazy)
+
+
+def stats_line(s: TurnStats) -> str:
+    mib = {k: v / 2**20 for k, v in s.bytes_moved.items()}
+    return (
+        f"TTFT {s.ttft_s:.2f}s ({s.source}) | restored {s.restored_tokens} tok, prefilled "
+        f"{s.prefilled_tokens} tok | read disk {mib.get('disk', 0):.1f} MiB, host->gpu "
+        f"{mib.get('host_to_gpu', 0):.1f} MiB | decode {s.decode_tok_s:.1f} tok/s, {s.generated_tokens} tok"
+    )
+
+
+def run_turn(
+    sess: Session, question: str, max_tokens: int, console: Console, stream: bool
+) -> tuple[str, TurnStats]:
+    """One turn with a prefill progress bar and, when stream is set, tokens printed as they come."""
+    decoder = StreamDecoder(sess.tok)
+    with Progress(
+        TextColumn("prefill"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+        console=Console(stderr=True), transient=True,
+    ) as bar:  # fmt: skip
+        task = bar.add_task("prefill", total=None)
+
+        def on_prefill(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        def on_text(tok: int) -> None:
+            bar.stop()
+            if stream:
+                console.out(decoder.push(tok), end="")
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            text, stats = sess.ask(question, max_tokens, Sampling(), on_text, on_prefill)
+    for w in caught:
+        Console(stderr=True).print(f"[yellow]warning:[/] {w.message}", highlight=False)
+    if stream:
+        console.out(decoder.flush())
+    return text, stats
+
+
+def ask(
+    docs: list[Path] = DocsArg,
+    question: str = typer.Argument(..., help="The question (after the documents).", show_default=False),
+    session: str = SessionOpt,
+    pool: str = PoolOpt,
+    policy: str = PolicyOpt,
+    lazy: bool = LazyOpt,
+    max_tokens: int = MaxTokOpt,
+    model: Path = ModelOpt,
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+    store: Path = StoreOpt,
+    no_store: bool = NoStoreOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Ask QUESTION about DOCS; restores what an earlier turn stored and prints a stats line."""
+    sess = open_session(docs, session, pool, policy, lazy, model, dtype, device, store, no_store)
+    console = Console(highlight=False)
+    try:
+        text, stats = run_turn(sess, question, max_tokens, console, stream=not as_json)
+    finally:
+        sess.close()
+    if as_json:
+        print(json.dumps({"answer": text, **stats.to_dict()}))
+    else:
+        console.print(f"[dim]{stats_line(stats)}[/]")
+
+
+def chat(
+    docs: list[Path] = DocsArg,
+    session: str = SessionOpt,
+    pool: str = PoolOpt,
+    policy: str = PolicyOpt,
+    lazy: bool = LazyOpt,
+    max_tokens: int = MaxTokOpt,
+    model: Path = ModelOpt,
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+    store: Path = StoreOpt,
+) -> None:
+    """Interactive multi-turn chat about DOCS. Commands: /stats, /reset, /save, /quit."""
+    sess = open_session(docs, session, pool, policy, lazy, model, dtype, device, store, False)
+    console = Console(highlight=False)
+    last: TurnStats | None = None
+    console.print(
+        f"[dim]{len(sess.messages) // 2} earlier turns resumed[/]"
+        if len(sess.messages) > 1
+        else "[dim]new conversation; /stats /reset /save /quit[/]"
+    )
+    try:
+        while True:
+            try:
+                line = console.input("[bold]> [/]").strip()
+            except EOFError:
+                break
+            if not line:
+                continue
+            if line in ("/quit", "/exit"):
+                break
+            if line == "/stats":
+                console.print(stats_line(last) if last else "no turn yet")
+            elif line == "/reset":
+                sess.reset()
+                console.print("[dim]conversation reset[/]")
+            elif line == "/save":
+                sid = sess.save() if sess.kv is not None else None
+                console.print(f"[dim]saved snapshot {sid}[/]" if sid else "[dim]nothing to save[/]")
+            elif line.startswith("/"):
+                console.print(f"unknown command {line}; try /stats /reset /save /quit")
+            else:
+                _, last = run_turn(sess, line, max_tokens, console, stream=True)
+                console.print(f"[dim]{stats_line(last)}[/]")
+    finally:
+        sess.close()

@@ -1,0 +1,115 @@
+"""Torch reference twins of the Triton kernels: plain, exact (fp32 math), device-agnostic.
+
+They define what each kernel computes. The pool is `[n_slots, n_layers, 2, Hkv, C, D]` (0 = K, 1 = V,
+K post-RoPE). Query head h reads kv-head h // (Hq // Hkv). Positions that no query may see are zeroed
+before use, so stale or poisoned bytes in unused slot positions never leak in (0 * NaN is NaN).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q [..., Hq, M, D], k/v [..., Hkv, N, D], mask broadcastable to [..., Hq, M, N]; fp32 out."""
+    g = q.shape[-3] // k.shape[-3]
+    k = k.float().repeat_interleave(g, dim=-3)
+    v = v.float().repeat_interleave(g, dim=-3)
+    scores = (q.float() @ k.transpose(-1, -2)) * scale
+    return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: int,
+    slot_table: torch.Tensor,
+    n_slots: torch.Tensor,
+    last_valid: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
+    """One query token per sequence b over its first n_slots[b] listed slots; only the first
+    last_valid[b] tokens of the last listed slot (the append head) are valid. Returns [B, Hq, D]."""
+    b, _, d = q.shape
+    c = kv_pool.shape[4]
+    max_n = slot_table.shape[1]
+    listed = torch.arange(max_n, device=q.device)[None, :] < n_slots[:, None]  # [B, max_n]
+    slots = torch.where(listed, slot_table, 0).long()
+    tok = torch.arange(max_n * c, device=q.device)[None, :]
+    valid = tok < ((n_slots - 1) * c + last_valid)[:, None]  # [B, max_n * C]
+    kv = kv_pool[slots, layer]  # [B, max_n, 2, Hkv, C, D]
+    kv = kv.permute(2, 0, 3, 1, 4, 5).reshape(2, b, kv.shape[3], max_n * c, d)
+    kv = torch.where(valid[None, :, None, :, None], kv, 0)
+    out = _attend(q[:, :, None, :], kv[0], kv[1], valid[:, None, None, :], sm_scale)
+    return out[:, :, 0].to(q.dtype)
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: int,
+    slots: torch.Tensor,
+    chunk_index: torch.Tensor,
+    q_start: int,
+    sm_scale: float,
+) -> torch.Tensor:
+    """Query t sits at position q_start + t; key j of listed slot i at chunk_index[i] * C + j; causal.
+    Returns [T, Hq, D]."""
+    t, _, d = q.shape
+    c = kv_pool.shape[4]
+    key_pos = (chunk_index.long()[:, None] * c + torch.arange(c, device=q.device)).flatten()
+    q_pos = q_start + torch.arange(t, device=q.device)
+    kv = kv_pool[slots.long(), layer]  # [n, 2, Hkv, C, D]
+    kv = kv.permute(1, 2, 0, 3, 4).reshape(2, kv.shape[2], -1, d)
+    kv = torch.where((key_pos < q_start + t)[None, None, :, None], kv, 0)
+    mask = key_pos[None, :] <= q_pos[:, None]
+    out = _attend(q.transpose(0, 1), kv[0], kv[1], mask, sm_scale)
+    return out.transpose(0, 1).to(q.dtype)
+
+
+def chunk_summaries(kv_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """L2-normalised mean key over each chunk's tokens: [n, L, Hkv, D] fp32. Call on full chunks only."""
+    keys = kv_pool[slots.long(), :, 0].float().mean(dim=3)
+    return F.normalize(keys, dim=-1)
+
+
+def chunk_scores(q: torch.Tensor, summaries: torch.Tensor) -> torch.Tensor:
+    """[N] fp32: max over query tokens and query heads of cos(q, its kv-head's summary). The summaries
+    (one layer, [N, Hkv, D]) are unit-norm already; q is normalised here."""
+    t, hq, d = q.shape
+    h_kv = summaries.shape[1]
+    qs = F.normalize(q.float(), dim=-1).view(t, h_kv, hq // h_kv, d)
+    cos = torch.einsum("thgd,nhd->nthg", qs, summaries.float())
+    return cos.flatten(1).amax(1)
+
+
+def topk_chunks(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the min(k, N) highest scores, best first."""
+    return torch.topk(scores, min(k, scores.numel())).indices
+
+
+def write_tokens(
+    kv_pool: torch.Tensor,
+    layer: int,
+    slot: torch.Tensor,
+    offset: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
+    """Stores token t's K/V [Hkv, D] at position offset[t] of slot slot[t], in place."""
+    slot, offset = slot.long(), offset.long()
+    kv_pool[slot, layer, 0, :, offset] = k.to(kv_pool.dtype)
+    kv_pool[slot, layer, 1, :, offset] = v.to(kv_pool.dtype)
+
+
+def gather_chunks(kv_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Copies the listed slots into a new staging tensor `[n, L, 2, Hkv, C, D]` (for a tier move)."""
+    return kv_pool[slots.long()]
+
+
+def scatter_chunks(staging: torch.Tensor, kv_pool: torch.Tensor, slots: torch.Tensor) -> None:
+    """Copies staging[i] into slot slots[i] of the pool, in place."""
+    kv_pool[slots.long()] = staging

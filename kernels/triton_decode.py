@@ -1,0 +1,227 @@
+"""Paged decode attention (flash-decoding) over the chunk pool.
+
+Decode reads every resident K/V byte once per token, so it is bound by memory bandwidth. One program
+owns (sequence, kv-head, split): it loads each K/V tile once and serves the whole query group from it
+as one [G, D] tile (GQA), walking its share of the listed slots CPI chunks at a time. The split count
+is chosen from the batch and the table width so that a few waves of programs fill the device; a
+second small kernel merges the splits' partial outputs by their log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvflash.kernels._common import LOG2E, dot_precision, f32_dot, next_pow2, pool_strides, sm_count
+
+BLOCK_TOKENS = 64
+"""Tokens per loop iteration: whole chunks, at least this many, so short chunks still fill a tile."""
+MIN_BLOCKS_PER_SPLIT = 4
+"""A split reads at least this many blocks, so its partial output stays a small share of its reads."""
+TILE_BYTES_PER_SM = 64 * 1024
+"""K/V tile bytes each SM should have in flight to hide memory latency: sets how many programs one SM
+runs at once (about two of head_dim 128 in bf16, four of head_dim 64)."""
+WAVES = 4
+"""Programs per resident slot: several waves keep the last, partial one a small share of the time."""
+MAX_SPLITS = 256
+"""Bounds the partial buffers; past a few hundred splits the device is full at any length."""
+COMBINE_ROWS = 256
+"""Splits merged per step of the combine kernel: every split in one step, up to MAX_SPLITS."""
+COMBINE_COLS = 32
+"""head_dim columns per combine program: more programs, each a single round trip to memory."""
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    kv_ptr,
+    table_ptr,
+    n_slots_ptr,
+    last_valid_ptr,
+    o_ptr,
+    lse_ptr,
+    qk_scale,
+    stride_qb,
+    stride_qh,
+    stride_tb,
+    layer_off,
+    stride_slot,
+    stride_kv,
+    stride_head,
+    stride_tok,
+    blocks_per_split,
+    n_splits,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    C: tl.constexpr,
+    CPI: tl.constexpr,
+    D: tl.constexpr,
+    F32_DOT: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    n = tl.load(n_slots_ptr + b)
+    lv = tl.load(last_valid_ptr + b)
+    blk_lo = s * blocks_per_split
+    blk_hi = tl.minimum(blk_lo + blocks_per_split, tl.cdiv(n, CPI))
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, D)
+    heads = h * G + g
+    q = tl.load(
+        q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None], other=0.0
+    )
+    q = q.to(kv_ptr.dtype.element_ty)
+    if F32_DOT:
+        q = q.to(tl.float32)
+
+    t = tl.arange(0, CPI * C)
+    t_chunk = t // C
+    t_row = (t % C) * stride_tok
+    k_base = kv_ptr + layer_off + h * stride_head
+    m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    for blk in range(blk_lo, blk_hi):
+        ci = blk * CPI + t_chunk
+        valid = (ci < n - 1) | ((ci == n - 1) & (t % C < lv))
+        slot = tl.load(table_ptr + b * stride_tb + ci, mask=ci < n, other=0).to(tl.int64)
+        rows = slot * stride_slot + t_row
+        k = tl.load(k_base + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(k_base + stride_kv + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        if F32_DOT:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        qk = tl.where(valid[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m_i = m_new
+
+    seen = l_i > 0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+    part = (b * tl.num_programs(1) * G + heads) * n_splits + s
+    tl.store(o_ptr + part[:, None] * D + d[None, :], out, mask=(g < G)[:, None])
+    tl.store(lse_ptr + part, lse, mask=g < G)
+
+
+@triton.jit
+def _combine_kernel(
+    o_part_ptr,
+    lse_ptr,
+    out_ptr,
+    n_splits,
+    stride_ob,
+    stride_oh,
+    D: tl.constexpr,
+    COLS: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    row = b * tl.num_programs(1) + h
+    m = tl.full((), float("-inf"), tl.float32)
+    for s0 in range(0, n_splits, ROWS):
+        ss = s0 + tl.arange(0, ROWS)
+        lse = tl.load(lse_ptr + row * n_splits + ss, mask=ss < n_splits, other=float("-inf"))
+        m = tl.maximum(m, tl.max(lse, 0))
+    m = tl.where(m == float("-inf"), 0.0, m)
+    d = tl.program_id(2) * COLS + tl.arange(0, COLS)
+    total = tl.full((), 0.0, tl.float32)
+    acc = tl.zeros([COLS], tl.float32)
+    for s0 in range(0, n_splits, ROWS):
+        ss = s0 + tl.arange(0, ROWS)
+        w = tl.exp2(tl.load(lse_ptr + row * n_splits + ss, mask=ss < n_splits, other=float("-inf")) - m)
+        o = tl.load(
+            o_part_ptr + (row * n_splits + ss)[:, None] * D + d[None, :],
+            mask=(ss < n_splits)[:, None],
+            other=0.0,
+        )
+        acc += tl.sum(w[:, None] * o, 0)
+        total += tl.sum(w, 0)
+    out = acc / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+
+
+def decode_splits(max_blocks: int, tile_bytes: int, batch: int, n_kv_heads: int, device: torch.device) -> int:
+    """Splits per (sequence, kv-head): WAVES programs per resident slot of the device, none shorter
+    than MIN_BLOCKS_PER_SPLIT blocks. Sized by the table width, so no host sync is needed."""
+    resident = sm_count(device) * max(1, TILE_BYTES_PER_SM // tile_bytes)
+    want = triton.cdiv(WAVES * resident, batch * n_kv_heads)
+    return max(1, min(want, triton.cdiv(max_blocks, MIN_BLOCKS_PER_SPLIT), MAX_SPLITS))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: int,
+    slot_table: torch.Tensor,
+    n_slots: torch.Tensor,
+    last_valid: torch.Tensor,
+    sm_scale: float,
+    *,
+    n_splits: int | None = None,
+) -> torch.Tensor:
+    """Same contract as reference.paged_decode_attention; n_splits overrides the heuristic."""
+    b, hq, d = q.shape
+    h_kv, c = kv_pool.shape[3], kv_pool.shape[4]
+    assert q.stride(2) == 1 and slot_table.stride(1) == 1, "q and slot_table rows must be contiguous"
+    g = hq // h_kv
+    cpi = max(1, BLOCK_TOKENS // c)
+    tile_bytes = 2 * cpi * c * d * kv_pool.element_size()
+    splits = n_splits or decode_splits(triton.cdiv(slot_table.shape[1], cpi), tile_bytes, b, h_kv, q.device)
+    blocks_per_split = triton.cdiv(triton.cdiv(slot_table.shape[1], cpi), splits)
+    o_part = torch.empty((b, hq, splits, d), dtype=torch.float32, device=q.device)
+    lse = torch.empty((b, hq, splits), dtype=torch.float32, device=q.device)
+    layer_off, s_slot, s_kv, s_head, s_tok = pool_strides(kv_pool, layer)
+    _decode_split_kernel[(b, h_kv, splits)](
+        q,
+        kv_pool,
+        slot_table,
+        n_slots,
+        last_valid,
+        o_part,
+        lse,
+        sm_scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        slot_table.stride(0),
+        layer_off,
+        s_slot,
+        s_kv,
+        s_head,
+        s_tok,
+        blocks_per_split,
+        splits,
+        G=g,
+        BLOCK_G=max(16, next_pow2(g)),
+        C=c,
+        CPI=cpi,
+        D=d,
+        F32_DOT=f32_dot(q),
+        PREC=dot_precision(kv_pool.dtype),
+        num_warps=4,
+        num_stages=2,
+    )
+    out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
+    cols = min(d, COMBINE_COLS)
+    _combine_kernel[(b, hq, d // cols)](
+        o_part,
+        lse,
+        out,
+        splits,
+        out.stride(0),
+        out.stride(1),
+        D=d,
+        COLS=cols,
+        ROWS=min(COMBINE_ROWS, next_pow2(splits)),
+        num_warps=4,
+    )
+    return out

@@ -1,0 +1,216 @@
+"""Chunked-prefill attention: a block of one sequence's queries against its listed slots, causal.
+
+Flash-attention style: one program per (query block, query head) keeps its output tile on chip and
+streams K/V tiles of CPI whole chunks. The listed slots are in logical order, so the slots wholly
+before the block's first query need no mask, the next ones up to its last query are masked, and
+the rest (wholly in its future) are never read.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvflash.kernels._common import LOG2E, dot_precision, f32_dot, pool_strides, sm_count
+
+BLOCK_TOKENS = 64
+"""Keys per inner step: whole chunks, at least this many."""
+COUNT_STEP = 256
+"""Chunk positions examined per step when counting a block's visible slots."""
+TILE_ELEMS_DEEP = 64 * 128
+"""Query tiles up to this many elements get 3 pipeline stages in the unmasked loop, larger ones 2
+(shared memory). The masked (diagonal) loop runs unpipelined: it is one or two steps long, and
+Triton 3.6 gives wrong results on the H200 when it is pipelined."""
+
+
+@triton.jit
+def _count_le(chunk_index_ptr, n, limit, C: tl.constexpr, END: tl.constexpr, STEP: tl.constexpr):
+    """How many listed chunks start at or before `limit` (END=0) or end at or before it (END=1)."""
+    cnt = tl.full((), 0, tl.int32)
+    for i0 in range(0, n, STEP):
+        i = i0 + tl.arange(0, STEP)
+        ci = tl.load(chunk_index_ptr + i, mask=i < n, other=0)
+        cnt += tl.sum(((ci * C + END * (C - 1) <= limit) & (i < n)).to(tl.int32), 0)
+    return cnt
+
+
+@triton.jit
+def _attend_blocks(
+    acc,
+    m_i,
+    l_i,
+    q,
+    q_pos,
+    last_pos,
+    k_base,
+    slots_ptr,
+    chunk_index_ptr,
+    blk_lo,
+    blk_hi,
+    n_vis,
+    qk_scale,
+    stride_slot,
+    stride_kv,
+    stride_tok,
+    C: tl.constexpr,
+    CPI: tl.constexpr,
+    D: tl.constexpr,
+    MASKED: tl.constexpr,
+    F32_DOT: tl.constexpr,
+    PREC: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    """Online-softmax update over blocks [blk_lo, blk_hi); MASKED applies the causal and list-end masks."""
+    t = tl.arange(0, CPI * C)
+    d = tl.arange(0, D)
+    t_row = (t % C) * stride_tok
+    for blk in tl.range(blk_lo, blk_hi, num_stages=STAGES):
+        ci = blk * CPI + t // C
+        slot = tl.load(slots_ptr + ci, mask=ci < n_vis, other=0).to(tl.int64)
+        rows = slot * stride_slot + t_row
+        if MASKED:
+            key_pos = tl.load(chunk_index_ptr + ci, mask=ci < n_vis, other=0) * C + t % C
+            live = (ci < n_vis) & (key_pos <= last_pos)
+            k = tl.load(k_base + rows[:, None] + d[None, :], mask=live[:, None], other=0.0)
+            v = tl.load(k_base + stride_kv + rows[:, None] + d[None, :], mask=live[:, None], other=0.0)
+        else:
+            k = tl.load(k_base + rows[:, None] + d[None, :])
+            v = tl.load(k_base + stride_kv + rows[:, None] + d[None, :])
+        if F32_DOT:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        if MASKED:
+            qk = tl.where(live[None, :] & (key_pos[None, :] <= q_pos[:, None]), qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    kv_ptr,
+    slots_ptr,
+    chunk_index_ptr,
+    o_ptr,
+    n,
+    q_start,
+    T,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    layer_off,
+    stride_slot,
+    stride_kv,
+    stride_head,
+    stride_tok,
+    G: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    C: tl.constexpr,
+    CPI: tl.constexpr,
+    D: tl.constexpr,
+    F32_DOT: tl.constexpr,
+    PREC: tl.constexpr,
+    COUNT: tl.constexpr,
+    FULL_STAGES: tl.constexpr,
+):
+    mb = tl.program_id(0)
+    h = tl.program_id(1)
+    r = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, D)
+    q_pos = q_start + r
+    q = tl.load(q_ptr + r[:, None] * stride_qt + h * stride_qh + d[None, :], mask=(r < T)[:, None], other=0.0)
+    q = q.to(kv_ptr.dtype.element_ty)
+    if F32_DOT:
+        q = q.to(tl.float32)
+
+    first_pos = q_start + mb * BLOCK_M
+    last_pos = q_start + tl.minimum(mb * BLOCK_M + BLOCK_M, T) - 1
+    n_full = _count_le(chunk_index_ptr, n, first_pos, C, 1, COUNT)
+    n_vis = _count_le(chunk_index_ptr, n, last_pos, C, 0, COUNT)
+    full_blocks = n_full // CPI
+
+    k_base = kv_ptr + layer_off + (h // G) * stride_head
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    acc, m_i, l_i = _attend_blocks(
+        acc, m_i, l_i, q, q_pos, last_pos, k_base, slots_ptr, chunk_index_ptr, 0, full_blocks, n_vis,
+        qk_scale, stride_slot, stride_kv, stride_tok, C, CPI, D, False, F32_DOT, PREC, FULL_STAGES,
+    )  # fmt: skip
+    vis_blocks = tl.cdiv(n_vis, CPI)
+    acc, m_i, l_i = _attend_blocks(
+        acc, m_i, l_i, q, q_pos, last_pos, k_base, slots_ptr, chunk_index_ptr, full_blocks, vis_blocks,
+        n_vis, qk_scale, stride_slot, stride_kv, stride_tok, C, CPI, D, True, F32_DOT, PREC, 1,
+    )  # fmt: skip
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(
+        o_ptr + r[:, None] * stride_ot + h * stride_oh + d[None, :],
+        out.to(o_ptr.dtype.element_ty),
+        mask=(r < T)[:, None],
+    )
+
+
+def _block_m(t: int, hq: int, device: torch.device) -> int:
+    """128-row query tiles, or 64 when 128 would leave SMs idle (short query blocks)."""
+    if t <= 64 or triton.cdiv(t, 128) * hq < 2 * sm_count(device):
+        return 64 if t > 32 else 32 if t > 16 else 16
+    return 128
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: int,
+    slots: torch.Tensor,
+    chunk_index: torch.Tensor,
+    q_start: int,
+    sm_scale: float,
+) -> torch.Tensor:
+    """Same contract as reference.prefill_attention; chunk_index must be ascending (logical order)."""
+    t, hq, d = q.shape
+    h_kv, c = kv_pool.shape[3], kv_pool.shape[4]
+    assert q.stride(2) == 1 and slots.is_contiguous() and chunk_index.is_contiguous()
+    cpi = max(1, BLOCK_TOKENS // c)
+    block_m = _block_m(t, hq, q.device)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    layer_off, s_slot, s_kv, s_head, s_tok = pool_strides(kv_pool, layer)
+    _prefill_kernel[(triton.cdiv(t, block_m), hq)](
+        q,
+        kv_pool,
+        slots,
+        chunk_index,
+        out,
+        slots.numel(),
+        q_start,
+        t,
+        sm_scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        layer_off,
+        s_slot,
+        s_kv,
+        s_head,
+        s_tok,
+        G=hq // h_kv,
+        BLOCK_M=block_m,
+        C=c,
+        CPI=cpi,
+        D=d,
+        F32_DOT=f32_dot(q),
+        PREC=dot_precision(kv_pool.dtype),
+        COUNT=COUNT_STEP,
+        FULL_STAGES=3 if block_m * d <= TILE_ELEMS_DEEP else 2,
+        num_warps=8 if block_m == 128 else 4,
+    )
+    return out

@@ -1,0 +1,72 @@
+"""Chat prompts as token ids, where message contents are always plain text.
+
+The template is rendered with a placeholder per message content; the template's own text is encoded
+with special tokens parsed, each content with them kept as text. So a document that contains
+`<|im_end|>` cannot end a turn, and the engine knows every turn boundary by token position.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from typing import Any
+
+from kvflash import KVFlashError
+from kvflash.models.tokenizer import Tokenizer
+
+
+def encode_messages(
+    tok: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+) -> list[int]:
+    """Ids of the whole rendered conversation."""
+    ids, _ = _encode(tok, messages, add_generation_prompt)
+    return ids
+
+
+def encode_continuation(
+    tok: Tokenizer,
+    before: list[dict[str, Any]],
+    new: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """Ids that follow the ids of `before` up to its last message's content, adding `new`.
+
+    `before` ends with the model's answer, whose ids the model produced itself (its stop token not
+    included): the result starts with the template text that closes that answer, then the rendered
+    difference. Nothing already in the sequence is re-tokenised.
+    """
+    tag = uuid.uuid4().hex
+    full = _render(tok, before + new, add_generation_prompt, tag)
+    head = _render(tok, before, False, tag)
+    if not full.startswith(head):
+        raise KVFlashError("the chat template does not render conversations append-only")
+    last = f"\x00{tag}:{len(before) - 1}\x00"
+    closing = head[head.rindex(last) + len(last) :]
+    text = closing + full[len(head) :]
+    return _encode_rendered(tok, text, before + new, tag, bos=False)
+
+
+def _render(tok: Tokenizer, messages: list[dict[str, Any]], add_gen: bool, tag: str) -> str:
+    marked = [{**m, "content": f"\x00{tag}:{i}\x00"} for i, m in enumerate(messages)]
+    return tok.apply_chat_template(marked, add_generation_prompt=add_gen)
+
+
+def _encode(tok: Tokenizer, messages: list[dict[str, Any]], add_gen: bool) -> tuple[list[int], str]:
+    tag = uuid.uuid4().hex
+    rendered = _render(tok, messages, add_gen, tag)
+    return _encode_rendered(tok, rendered, messages, tag, bos=True), rendered
+
+
+def _encode_rendered(
+    tok: Tokenizer, rendered: str, messages: list[dict[str, Any]], tag: str, bos: bool
+) -> list[int]:
+    parts = re.split(f"\x00{tag}:(\\d+)\x00", rendered)
+    ids: list[int] = []
+    for j, part in enumerate(parts):
+        if j % 2:
+            ids += tok.encode_plain(str(messages[int(part)]["content"]))
+        elif part:
+            ids += (
+                tok.encode(part) if (bos and not ids) else tok.hf.encode(part, add_special_tokens=False).ids
+            )
+    return ids

@@ -1,0 +1,228 @@
+"""Long-document sessions: documents plus a conversation, restored from disk from turn to turn.
+
+Each turn's prompt is the chat template over a system message carrying the documents, the history
+and the question. The conversation is kept as the token ids the engine produced, so the next turn
+appends to them instead of re-tokenising answers. After each turn the sealed prefix is snapshotted
+(the grown prefix, so the next turn chains on it). A turn first reuses what is live in this process,
+else the longest stored prefix (eagerly, or lazily when the KV is larger than the budget).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+from kvflash.engine import Engine
+from kvflash.generate import Sampler, Sampling
+from kvflash.paged_kv import PagedKV
+from kvflash.prompt import encode_continuation, encode_messages
+from kvflash.snapshots import KVSnapshots
+from kvflash.storage import ChunkError, SnapshotStore
+
+SYSTEM_PROMPT = "You are a helpful assistant. Answer the user's questions using the documents below."
+
+
+@dataclass(frozen=True)
+class Document:
+    name: str
+    text: str
+
+
+@dataclass
+class TurnStats:
+    ttft_s: float = 0.0
+    restore_s: float = 0.0
+    restored_tokens: int = 0
+    prefilled_tokens: int = 0
+    generated_tokens: int = 0
+    decode_tok_s: float = 0.0
+    source: str = "cold"
+    """cold, memory (live in this process), disk, or lazy (disk, read on demand)."""
+    bytes_moved: dict[str, int] = field(default_factory=dict)
+    resident_chunks: int = 0
+    snapshot_id: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def system_message(documents: list[Document], system: str = SYSTEM_PROMPT) -> dict:
+    body = "\n\n".join(f'<document name="{d.name}">\n{d.text}\n</document>' for d in documents)
+    return {"role": "system", "content": f"{system}\n\n{body}"}
+
+
+class Session:
+    """One conversation over fixed documents; `name` makes it resumable from another process."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        documents: list[Document],
+        store: SnapshotStore | None = None,
+        name: str | None = None,
+        budget_tokens: int | None = None,
+        lazy: bool | None = None,
+    ):
+        self.engine, self.documents, self.name = engine, documents, name
+        self.budget_tokens = budget_tokens
+        self.lazy = lazy
+        lm = engine.lm
+        self.tok = lm.tokenizer
+        self.chunk_tokens = engine.cfg.residency.chunk_tokens
+        self.snapshots = KVSnapshots(store, lm.fingerprint(self.chunk_tokens)) if store else None
+        self.messages: list[dict] = [system_message(documents)]
+        self.docs_hash = hashlib.sha256(self.messages[0]["content"].encode()).hexdigest()[:16]
+        self.ids: list[int] = []
+        self.kv: PagedKV | None = None
+        self._leases = contextlib.ExitStack()
+        self._snapshot_id: str | None = None
+        if name and self.snapshots:
+            self._resume()
+
+    @property
+    def label(self) -> str:
+        return f"session:{self.name}" if self.name else f"ask:{self.docs_hash}"
+
+    def _resume(self) -> None:
+        """Takes the conversation of the newest snapshot of this named session, if its documents match."""
+        ours = [s for s in self.snapshots.store.list_snapshots() if s.label == self.label]
+        if not ours:
+            return
+        latest = max(ours, key=lambda s: s.created)
+        meta = latest.meta
+        if meta.get("docs") != self.docs_hash:
+            warnings.warn(
+                f"session {self.name!r} was about other documents; starting a new conversation", stacklevel=2
+            )
+            return
+        self.messages = [self.messages[0], *meta["messages"]]
+        self._snapshot_id = latest.id
+        self._resume_tail = meta.get("tail", [])
+
+    def reset(self) -> None:
+        """Forgets the conversation (the documents stay)."""
+        self.close()
+        self.messages, self.ids = [system_message(self.documents)], []
+
+    def close(self) -> None:
+        if self.kv is not None:
+            self.kv.free()
+            self.kv = None
+        self._leases.close()
+
+    def _prompt_ids(self, question: str) -> list[int]:
+        user = {"role": "user", "content": question}
+        if len(self.messages) == 1:
+            return encode_messages(self.tok, self.messages + [user])
+        if not self.ids:
+            self.ids = self._resumed_ids()
+        return self.ids + encode_continuation(self.tok, self.messages, [user])
+
+    def _resumed_ids(self) -> list[int]:
+        """The stored chunks' tokens plus the tail; if the chunks are unreadable, the re-rendered text."""
+        try:
+            snap = self.snapshots.store.get_snapshot(self._snapshot_id)
+            summaries = self.snapshots.store.read_summaries(snap.chunk_hashes, self.snapshots.fp)
+            return [t for s in summaries for t in s.tokens] + list(self._resume_tail)
+        except ChunkError as e:
+            warnings.warn(f"session snapshot unusable ({e}); re-reading the conversation", stacklevel=3)
+            *history, last = self.messages
+            return encode_messages(self.tok, history, True) + self.tok.encode_plain(last["content"])
+
+    def _restore(self, ids: list[int], stats: TurnStats) -> None:
+        """Reuses live KV, else restores the longest stored prefix; on damage, warns and goes cold."""
+        if self.kv is not None and self.kv.seq.tokens == ids[: len(self.kv.seq)]:
+            stats.source, stats.restored_tokens = "memory", len(self.kv.seq)
+            return
+        self.close()
+        self.kv = self.engine.new_sequence(self.budget_tokens)
+        if not self.snapshots:
+            return
+        hashes = self.snapshots.lookup(ids, self.chunk_tokens)
+        if not hashes:
+            return
+        lazy = self.lazy
+        if lazy is None:
+            lazy = len(hashes) > self.kv.budget
+        t0 = time.perf_counter()
+        try:
+            r = self.snapshots.restore(self.kv, hashes, lazy, self._leases)
+        except ChunkError as e:
+            warnings.warn(f"snapshot unusable ({e}); prefilling cold", stacklevel=2)
+            self.close()
+            self.kv = self.engine.new_sequence(self.budget_tokens)
+            return
+        stats.restore_s = time.perf_counter() - t0
+        stats.source = "lazy" if lazy else "disk"
+        stats.restored_tokens = r.tokens
+
+    def ask(
+        self,
+        question: str,
+        max_tokens: int = 256,
+        sampling: Sampling = Sampling(),
+        on_text: Callable[[int], None] | None = None,
+        on_prefill: Callable[[int, int], None] | None = None,
+    ) -> tuple[str, TurnStats]:
+        """One turn: restore, prefill the rest, generate. on_text gets each token id as it comes;
+        on_prefill(done, total) reports prefill progress."""
+        stats = TurnStats()
+        t0 = time.perf_counter()
+        ids = self._prompt_ids(question)
+        self._restore(ids, stats)
+        kv = self.kv
+        rest = ids[len(kv.seq) :]
+        stats.prefilled_tokens = len(rest)
+        done = 0
+
+        def progress(n: int) -> None:
+            nonlocal done
+            done += n
+            if on_prefill:
+                on_prefill(done, len(rest))
+
+        logits = self.engine.prefill(kv, rest, progress)
+        sampler = Sampler(sampling, self.engine.lm.device)
+        answer: list[int] = []
+        t_first = None
+        for tok in self.engine.generate(kv, logits, max_tokens, sampler, self.tok.eos_ids):
+            if t_first is None:
+                t_first = time.perf_counter()
+                stats.ttft_s = t_first - t0
+            answer.append(tok)
+            if on_text:
+                on_text(tok)
+        t_end = time.perf_counter()
+        if t_first is None:
+            stats.ttft_s = t_end - t0
+        stats.generated_tokens = len(answer)
+        if len(answer) > 1:
+            stats.decode_tok_s = (len(answer) - 1) / (t_end - t_first)
+        text = self.tok.decode(answer)
+        self.ids = ids + answer
+        self.messages += [{"role": "user", "content": question}, {"role": "assistant", "content": text}]
+        stats.bytes_moved = dict(kv.moved)
+        stats.resident_chunks = len(kv.resident())
+        if self.snapshots:
+            stats.snapshot_id = self.save()
+        return text, stats
+
+    def save(self) -> str | None:
+        """Snapshots the sealed prefix under this session's label, replacing its older snapshot."""
+        c = self.chunk_tokens
+        n = self.kv.seq.n_sealed
+        meta = {"docs": self.docs_hash, "messages": self.messages[1:], "tail": self.ids[n * c :]}
+        previous = [s.id for s in self.snapshots.store.list_snapshots() if s.label == self.label]
+        try:
+            sid = self.snapshots.save(self.kv, self.label, meta)
+        except Exception as e:  # a full disk or a store error must not lose the answer
+            warnings.warn(f"could not save the session snapshot: {e}", stacklevel=2)
+            return None
+        for old in previous:
+            self.snapshots.store.rm(old)
+        self._snapshot_id = sid
+        return sid

@@ -1,0 +1,128 @@
+"""Between a live sequence and the disk store: save a chunk-aligned prefix, find and restore one.
+
+A restore is a transaction (DESIGN: Scheduler): chunks are leased, read and validated into host-tier
+slots, and only then does the sequence adopt them and the store count a hit. Any ChunkError leaves
+the sequence empty and the stored copy untouched, and the caller prefills cold. A lazy restore reads
+only token ids and summaries up front; chunk KV is read when residency selects the chunk, and a
+background thread prefetches the rest into the host tier.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from kvflash.paged_kv import PagedKV
+from kvflash.pool import chunk_shape
+from kvflash.storage import ROOT_HASH, ChunkBlob, SnapshotStore, chain_hashes
+
+
+@dataclass
+class RestoreStats:
+    tokens: int = 0
+    chunks_read: int = 0
+    lazy: bool = False
+
+
+def _chunk_kv(kv: PagedKV, i: int) -> torch.Tensor:
+    ch = kv.seq.chunks[i]
+    if ch.gpu is None and ch.host is None:
+        kv.load_to_host(ch)
+    return kv.pool.kv[ch.gpu] if ch.gpu is not None else kv.host.view(ch.host)
+
+
+class KVSnapshots:
+    """Saves and restores one model's sequences (one fingerprint) through a SnapshotStore."""
+
+    def __init__(self, store: SnapshotStore, fingerprint: str):
+        self.store, self.fp = store, fingerprint
+
+    def save(self, kv: PagedKV, label: str, meta: dict | None = None) -> str:
+        """Snapshots the sealed prefix, writing only chunks the store does not already hold."""
+        c = kv.cfg.chunk_tokens
+        n = kv.seq.n_sealed
+        hashes = chain_hashes(self.fp, kv.seq.tokens[: n * c], c)
+        stored = self.store.find_longest_prefix(self.fp, hashes)
+        items: list[ChunkBlob | str] = list(hashes[:stored])
+        for i in range(stored, n):
+            parent = hashes[i - 1] if i else ROOT_HASH
+            items.append(
+                ChunkBlob(
+                    self.fp, i, hashes[i], parent, kv.seq.chunk_tokens_of(i),
+                    kv.seq.summaries[i].cpu(), _chunk_kv(kv, i).cpu(),
+                )
+            )  # fmt: skip
+        return self.store.put_snapshot(label, self.fp, items, meta)
+
+    def lookup(self, ids: list[int], chunk_tokens: int) -> list[str]:
+        """Hashes of the longest stored chunk-aligned prefix of ids, leaving one token to compute."""
+        hashes = chain_hashes(self.fp, ids[: len(ids) - 1], chunk_tokens)
+        return hashes[: self.store.find_longest_prefix(self.fp, hashes)]
+
+    def restore(
+        self, kv: PagedKV, hashes: list[str], lazy: bool, leases: contextlib.ExitStack
+    ) -> RestoreStats:
+        """Restores the chunks named by hashes into an empty sequence; ChunkError on any failure.
+
+        The lease is entered on `leases`, which the caller closes when the sequence is done with
+        the store (a lazy sequence reads from it until then).
+        """
+        assert not len(kv.seq), "restore needs an empty sequence"
+        if not hashes:
+            return RestoreStats()
+        cfg = kv.pool.cfg
+        shape = chunk_shape(cfg, kv.cfg.chunk_tokens)
+        leases.enter_context(self.store.lease(hashes))
+        stats = RestoreStats(lazy=lazy)
+        summaries = self.store.read_summaries(hashes, self.fp)
+        slots: list[int] = []
+        try:
+            if not lazy:
+                slots = [kv.host.alloc() for _ in hashes]
+                self.store.read_chunks_parallel(
+                    hashes, self.fp, shape, kv.pool.kv.dtype, out=[kv.host.view(h) for h in slots]
+                )
+                stats.chunks_read = len(hashes)
+        except BaseException:
+            for h in slots:
+                kv.host.release(h)
+            raise
+        kv.seq.ensure_chunks(len(hashes) * kv.cfg.chunk_tokens)
+        for i, (h, s) in enumerate(zip(hashes, summaries, strict=True)):
+            ch = kv.seq.chunks[i]
+            kv.seq.tokens.extend(s.tokens)
+            kv.seq.set_summary(i, s.summary.to(kv.pool.kv.device))
+            ch.sealed = True
+            if lazy:
+                ch.disk = h
+            else:
+                ch.host = slots[i]
+        if lazy:
+            kv.fetch = self._fetcher(shape, kv.pool.kv.dtype)
+            threading.Thread(target=self._prefetch, args=(kv,), daemon=True, name="kvflash-prefetch").start()
+        self.store.record_hit(hashes)
+        stats.tokens = len(hashes) * kv.cfg.chunk_tokens
+        if not lazy:
+            kv.moved["disk"] += len(hashes) * kv.chunk_nbytes
+        return stats
+
+    def _fetcher(self, shape, dtype):
+        def fetch(chain_hash: str, out: torch.Tensor) -> None:
+            self.store.read_chunk(chain_hash, self.fp, shape, dtype, out=out)
+
+        return fetch
+
+    @staticmethod
+    def _prefetch(kv: PagedKV) -> None:
+        """Reads every still disk-only chunk into the host tier, most relevant first."""
+        order = sorted(kv.seq.chunks, key=lambda ch: ch.score, reverse=True)
+        for ch in order:
+            if kv.fetch is None:
+                return
+            try:
+                kv.load_to_host(ch)
+            except Exception:  # selection will retry and report; prefetch is best effort
+                return

@@ -1,0 +1,217 @@
+"""Payload codecs for a chunk's KV `[L, 2, Hkv, C, D]`.
+
+- lossless: byte planes (most significant byte of every element, then the next, ...), then zstd. The
+  high bytes (sign, exponent) are highly repetitive while the low mantissa bytes are near-random, so
+  splitting them lets zstd compress the first and store the second almost for free.
+- fp8: e4m3 with one fp32 scale per (layer, K/V, kv-head), then zstd. Lossy; see `fp8_error`.
+
+The "raw" bytes of a codec are what zstd compresses: the planes, or the scales followed by the fp8
+bytes. Decoding never allocates more than the raw size the caller validated against the shape.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import zlib
+from dataclasses import dataclass
+from enum import IntEnum
+
+import numpy as np
+import torch
+import zstandard
+
+DEFAULT_LEVEL = 3
+FP8_MAX = 448.0
+"""Largest finite float8_e4m3fn."""
+
+
+class Codec(IntEnum):
+    LOSSLESS = 1
+    FP8 = 2
+
+
+CODEC_NAMES = {"lossless": Codec.LOSSLESS, "fp8": Codec.FP8}
+
+DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
+DTYPES_BY_CODE = {v: k for k, v in DTYPE_CODES.items()}
+_UINT = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
+_TORCH_INT = {2: torch.int16, 4: torch.int32}
+
+
+@dataclass(frozen=True)
+class Encoded:
+    payload: bytes
+    raw_len: int
+    raw_crc: int
+
+
+_local = threading.local()
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    """zstd contexts are not thread-safe; each thread keeps its own, per level."""
+    cache = _local.__dict__.setdefault("compressors", {})
+    if level not in cache:
+        cache[level] = zstandard.ZstdCompressor(level=level)
+    return cache[level]
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    if not hasattr(_local, "decompressor"):
+        _local.decompressor = zstandard.ZstdDecompressor()
+    return _local.decompressor
+
+
+def raw_size(codec: Codec, dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    """The raw length a codec produces for a shape; the bound every decode is held to."""
+    n = math.prod(shape)
+    if codec == Codec.LOSSLESS:
+        return n * dtype.itemsize
+    return 4 * shape[0] * shape[1] * shape[2] + n
+
+
+def encode(kv: torch.Tensor, codec: Codec, level: int = DEFAULT_LEVEL) -> Encoded:
+    kv = kv.detach().cpu().contiguous()
+    raw = _split_planes(kv) if codec == Codec.LOSSLESS else _fp8_raw(kv)
+    return Encoded(_compressor(level).compress(raw), len(raw), zlib.crc32(raw))
+
+
+def decode(
+    payload: bytes | memoryview,
+    codec: Codec,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    raw_len: int,
+    raw_crc: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Inverse of `encode`. Raises ValueError on any inconsistency, before allocating when it can.
+
+    `out`, a contiguous CPU tensor of this dtype and shape (say, a host-tier slot), receives the KV
+    once every check has passed; decoding into it saves an allocation and a copy."""
+    if raw_len != raw_size(codec, dtype, shape):
+        raise ValueError(f"raw length {raw_len} does not fit shape {list(shape)} and dtype {dtype}")
+    raw = _scratch(raw_len)
+    try:
+        declared = zstandard.get_frame_parameters(payload).content_size
+        if declared != raw_len:
+            raise ValueError(f"zstd frame declares {declared} bytes, header says {raw_len}")
+        with _decompressor().stream_reader(payload) as reader:
+            n = 0
+            while n < raw_len and (got := reader.readinto(raw[n:])):
+                n += got
+            extra = reader.read(1)
+    except zstandard.ZstdError as e:
+        raise ValueError(f"zstd: {e}") from None
+    if n != raw_len or extra:
+        raise ValueError(f"the zstd frame holds {'more' if extra else n} bytes, expected {raw_len}")
+    if zlib.crc32(raw) != raw_crc:
+        raise ValueError("raw checksum mismatch")
+    if out is None:
+        out = torch.empty(shape, dtype=dtype)
+    assert (out.dtype, tuple(out.shape)) == (dtype, shape), "the caller checks `out` against the header"
+    assert out.is_contiguous() and out.device.type == "cpu", "the store checks `out` is host memory"
+    if codec == Codec.LOSSLESS:
+        _merge_planes(raw, _as_uint(out))
+    else:
+        _fp8_decode(raw, out)
+    return out
+
+
+def _scratch(n: int) -> memoryview:
+    """A per-thread buffer for decompressed bytes: a fresh chunk-sized buffer per call costs more in
+    page faults than the decompression itself. Never larger than a validated raw length."""
+    buf = _local.__dict__.get("scratch")
+    if buf is None or len(buf) < n:
+        buf = _local.scratch = bytearray(n)
+    return memoryview(buf)[:n]
+
+
+def _split_planes(kv: torch.Tensor) -> bytes:
+    size = kv.element_size()
+    words = _as_uint(kv)
+    planes = [(words >> (8 * (size - 1 - j))).astype(np.uint8) for j in range(size)]
+    return b"".join(p.tobytes() for p in planes)
+
+
+def _merge_planes(raw: memoryview, words: np.ndarray) -> None:
+    """In place on the output, for the same reason as `_scratch`."""
+    planes = np.frombuffer(raw, dtype=np.uint8).reshape(words.itemsize, -1)
+    np.copyto(words, planes[0])
+    for plane in planes[1:]:
+        words <<= 8
+        words |= plane
+
+
+def _as_uint(t: torch.Tensor) -> np.ndarray:
+    """A flat unsigned-integer numpy view of a contiguous CPU tensor's bytes."""
+    size = t.element_size()
+    return t.view(-1).view(_TORCH_INT[size]).numpy().view(_UINT[size])
+
+
+# fp8 runs in numpy, through lookup tables: torch's elementwise CPU kernels start an OpenMP team per
+# call, and the store calls them from several threads at once.
+
+
+def _fp8_raw(kv: torch.Tensor) -> bytes:
+    x = _as_f32(kv)
+    if not np.isfinite(x).all():
+        raise ValueError("the fp8 codec needs finite KV; use the lossless codec")
+    amax = np.abs(x).max(axis=(3, 4))
+    scale = np.where(amax > 0, amax / np.float32(FP8_MAX), np.float32(1)).astype("<f4")
+    y = np.clip(x / scale[..., None, None], -FP8_MAX, FP8_MAX)
+    q = np.take(_FP8_FROM_BF16, _round_to_bf16_bits(y))
+    return scale.tobytes() + q.tobytes()
+
+
+def _fp8_decode(raw: memoryview, out: torch.Tensor) -> None:
+    shape = tuple(out.shape)
+    n_scales = shape[0] * shape[1] * shape[2]
+    scale = np.frombuffer(raw, dtype="<f4", count=n_scales).reshape(*shape[:3], 1, 1)
+    q = np.frombuffer(raw, dtype=np.uint8, offset=4 * n_scales).reshape(shape)
+    x = np.take(_FP8_VALUES, q)
+    x *= scale
+    if out.dtype == torch.bfloat16:
+        np.copyto(_as_uint(out), _round_to_bf16_bits(x).reshape(-1))
+    else:
+        np.copyto(out.numpy(), x, casting="same_kind")
+
+
+def _as_f32(kv: torch.Tensor) -> np.ndarray:
+    if kv.dtype == torch.bfloat16:
+        bits = kv.view(torch.int16).numpy().view(np.uint16).astype(np.uint32)
+        bits <<= 16
+        return bits.view(np.float32)
+    return kv.numpy().astype(np.float32, copy=False)
+
+
+def _round_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """fp32 -> bf16 bit patterns, round to nearest even (finite input)."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    return ((u + (0x7FFF + ((u >> 16) & 1))) >> 16).astype(np.uint16)
+
+
+def _fp8_tables() -> tuple[np.ndarray, np.ndarray]:
+    """(value of each e4m3 byte as fp32, e4m3 byte nearest to each bf16 bit pattern), made once by
+    torch's own conversions. bf16 -> e4m3 rounds twice; the extra error is under a bf16 ulp."""
+    values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    bf16 = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    nearest = bf16.float().nan_to_num(0.0).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    by_bits = np.empty(1 << 16, dtype=np.uint8)
+    by_bits[bf16.view(torch.int16).numpy().view(np.uint16)] = nearest.view(torch.uint8).numpy()
+    return values.numpy(), by_bits
+
+
+_FP8_VALUES, _FP8_FROM_BF16 = _fp8_tables()
+
+
+def fp8_error(original: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor:
+    """Max absolute error over max magnitude, per (layer, K/V, kv-head): `[L, 2, Hkv]`.
+
+    Normalising by the block's max (the quantity the scale is made of) gives a bounded number: e4m3
+    keeps 3 mantissa bits, so it stays below 2**-4 (plus the target dtype's rounding)."""
+    x = original.detach().cpu().float()
+    err = (decoded.detach().cpu().float() - x).abs().amax(dim=(3, 4))
+    amax = x.abs().amax(dim=(3, 4))
+    return torch.where(amax > 0, err / amax, err)

@@ -1,0 +1,262 @@
+"""The chunk file (docs/FORMAT.md): a fixed little-endian header, token ids, summary, payload.
+
+`struct` and `numpy.frombuffer` only: a file from anywhere is data, never code. Every length in a
+header is checked against the shape and the file size before anything is allocated for it.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvflash.storage import codec
+from kvflash.storage.chunk import ChunkBlob, chain_digest, token_bytes
+from kvflash.storage.codec import Codec
+from kvflash.storage.errors import (
+    ChunkCorrupt,
+    ChunkMismatch,
+    ForeignFingerprint,
+    InvalidName,
+    SizeMismatch,
+    UnsupportedVersion,
+)
+from kvflash.storage.names import MAX_FINGERPRINT, check_fingerprint
+
+MAGIC = b"KVFLCHNK"
+VERSION = 1
+
+_PREFIX = struct.Struct("<8sH")
+_HEADER = struct.Struct(f"<8sHBB{MAX_FINGERPRINT}sQ32s32s5IIIQQIII")
+_HEADER_CRC = struct.Struct("<I")
+HEADER_SIZE = _HEADER.size + _HEADER_CRC.size
+
+MAX_DIMS = (4096, 2, 4096, 1 << 16, 1 << 14)
+"""Per-axis caps of [L, 2, Hkv, C, D]: far above any real model, far below an overflow."""
+MAX_SUMMARY_BLOCKS = MAX_DIMS[3]
+"""Cap of B, the summary's blocks per chunk (it also divides C, so B <= C)."""
+MAX_RAW_BYTES = 1 << 30
+
+
+def stored_bound(raw_len: int) -> int:
+    """Above zstd's compress bound for raw_len bytes."""
+    return raw_len + (raw_len >> 7) + 4096
+
+
+MAX_FILE_BYTES = HEADER_SIZE + 4 * MAX_DIMS[3] + 2 * MAX_RAW_BYTES + stored_bound(MAX_RAW_BYTES)
+"""No valid chunk file is larger (B <= C keeps the summary `4·L·Hkv·B·D` bytes at most twice the raw
+size); backends refuse more."""
+
+
+@dataclass(frozen=True)
+class ChunkHeader:
+    version: int
+    codec: Codec
+    dtype: torch.dtype
+    fingerprint: str
+    index: int
+    chain_hash: str
+    parent_hash: str
+    shape: tuple[int, int, int, int, int]
+    n_tokens: int
+    summary_blocks: int
+    """B: the summary holds the mean key of each of B equal runs of the chunk's tokens."""
+    raw_len: int
+    stored_len: int
+    raw_crc: int
+    stored_crc: int
+    meta_crc: int
+    """crc32 of the token ids and summary sections."""
+
+    @property
+    def tokens_len(self) -> int:
+        return 4 * self.n_tokens
+
+    @property
+    def summary_shape(self) -> tuple[int, int, int, int]:
+        L, _, H, _, D = self.shape
+        return (L, H, self.summary_blocks, D)
+
+    @property
+    def summary_len(self) -> int:
+        return 4 * math.prod(self.summary_shape)
+
+    @property
+    def file_len(self) -> int:
+        return HEADER_SIZE + self.tokens_len + self.summary_len + self.stored_len
+
+    @property
+    def kv_bytes(self) -> int:
+        """Uncompressed KV size: what a compression ratio is measured against."""
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def encode_chunk(blob: ChunkBlob, codec_id: Codec, level: int) -> tuple[bytes, bytes, ChunkHeader]:
+    """(header + tokens + summary, payload, header): two buffers so the payload is never copied."""
+    enc = codec.encode(blob.kv, codec_id, level)
+    meta = token_bytes(blob.tokens) + blob.summary.detach().cpu().contiguous().numpy().astype("<f4").tobytes()
+    h = ChunkHeader(
+        version=VERSION,
+        codec=codec_id,
+        dtype=blob.kv.dtype,
+        fingerprint=blob.fingerprint,
+        index=blob.index,
+        chain_hash=blob.chain_hash,
+        parent_hash=blob.parent_hash,
+        shape=tuple(blob.kv.shape),
+        n_tokens=len(blob.tokens),
+        summary_blocks=blob.summary.shape[2],
+        raw_len=enc.raw_len,
+        stored_len=len(enc.payload),
+        raw_crc=enc.raw_crc,
+        stored_crc=zlib.crc32(enc.payload),
+        meta_crc=zlib.crc32(meta),
+    )
+    return pack_header(h) + meta, enc.payload, h
+
+
+def pack_header(h: ChunkHeader) -> bytes:
+    body = _HEADER.pack(
+        MAGIC,
+        h.version,
+        int(h.codec),
+        codec.DTYPE_CODES[h.dtype],
+        h.fingerprint.encode("ascii"),
+        h.index,
+        bytes.fromhex(h.chain_hash),
+        bytes.fromhex(h.parent_hash),
+        *h.shape,
+        h.n_tokens,
+        h.summary_blocks,
+        h.raw_len,
+        h.stored_len,
+        h.raw_crc,
+        h.stored_crc,
+        h.meta_crc,
+    )
+    return body + _HEADER_CRC.pack(zlib.crc32(body))
+
+
+def parse_header(buf: bytes | memoryview, file_len: int, chunk_hash: str) -> ChunkHeader:
+    """Reads and validates a header against the file length; allocates nothing sized by the header."""
+    if len(buf) < _PREFIX.size:
+        raise ChunkCorrupt(chunk_hash, f"truncated: {len(buf)} bytes")
+    magic, version = _PREFIX.unpack_from(buf)
+    if magic != MAGIC:
+        raise ChunkCorrupt(chunk_hash, "not a kvflash chunk file (bad magic)")
+    if version != VERSION:
+        raise UnsupportedVersion(chunk_hash, f"format version {version}; this kvflash reads {VERSION}")
+    if len(buf) < HEADER_SIZE:
+        raise ChunkCorrupt(chunk_hash, f"truncated header: {len(buf)} of {HEADER_SIZE} bytes")
+    (crc,) = _HEADER_CRC.unpack_from(buf, _HEADER.size)
+    if zlib.crc32(buf[: _HEADER.size]) != crc:
+        raise ChunkCorrupt(chunk_hash, "header checksum mismatch")
+    f = _HEADER.unpack_from(buf)
+    codec_id, dtype_code, fp_raw = f[2], f[3], f[4]
+    if codec_id not in Codec._value2member_map_ or dtype_code not in codec.DTYPES_BY_CODE:
+        raise ChunkCorrupt(chunk_hash, f"unknown codec {codec_id} or dtype {dtype_code}")
+    try:
+        fingerprint = check_fingerprint(fp_raw.rstrip(b"\0").decode("ascii"))
+    except (UnicodeDecodeError, InvalidName):
+        raise ChunkCorrupt(chunk_hash, "malformed fingerprint field") from None
+    h = ChunkHeader(
+        version=version,
+        codec=Codec(codec_id),
+        dtype=codec.DTYPES_BY_CODE[dtype_code],
+        fingerprint=fingerprint,
+        index=f[5],
+        chain_hash=f[6].hex(),
+        parent_hash=f[7].hex(),
+        shape=tuple(f[8:13]),
+        n_tokens=f[13],
+        summary_blocks=f[14],
+        raw_len=f[15],
+        stored_len=f[16],
+        raw_crc=f[17],
+        stored_crc=f[18],
+        meta_crc=f[19],
+    )
+    _check_sizes(h, file_len, chunk_hash)
+    return h
+
+
+def _check_sizes(h: ChunkHeader, file_len: int, chunk_hash: str) -> None:
+    if any(not 1 <= d <= cap for d, cap in zip(h.shape, MAX_DIMS, strict=True)) or h.shape[1] != 2:
+        raise SizeMismatch(chunk_hash, f"implausible shape {list(h.shape)}")
+    if h.n_tokens != h.shape[3]:
+        raise SizeMismatch(chunk_hash, f"{h.n_tokens} tokens for a {h.shape[3]}-token chunk")
+    b = h.summary_blocks
+    if not 1 <= b <= MAX_SUMMARY_BLOCKS or h.shape[3] % b:
+        raise SizeMismatch(chunk_hash, f"{b} summary blocks for a {h.shape[3]}-token chunk")
+    expected_raw = codec.raw_size(h.codec, h.dtype, h.shape)
+    if h.raw_len != expected_raw or expected_raw > MAX_RAW_BYTES:
+        raise SizeMismatch(chunk_hash, f"raw length {h.raw_len}, shape implies {expected_raw}")
+    if h.stored_len > stored_bound(h.raw_len):
+        raise SizeMismatch(chunk_hash, f"stored length {h.stored_len} exceeds any zstd output of the raw")
+    if h.file_len != file_len:
+        raise SizeMismatch(chunk_hash, f"header implies {h.file_len} bytes, the file has {file_len}")
+
+
+def check_identity(
+    h: ChunkHeader,
+    chunk_hash: str,
+    expect_fingerprint: str,
+    expect_shape: tuple[int, ...] | None = None,
+    expect_dtype: torch.dtype | None = None,
+) -> None:
+    """The file is the chunk it is named after, made under the expected model, of the expected layout."""
+    if h.fingerprint != expect_fingerprint:
+        raise ForeignFingerprint(chunk_hash, f"made under {h.fingerprint}, expected {expect_fingerprint}")
+    if h.chain_hash != chunk_hash:
+        raise ChunkCorrupt(chunk_hash, f"file holds chunk {h.chain_hash[:16]}")
+    if expect_shape is not None and tuple(expect_shape) != h.shape:
+        raise ChunkMismatch(chunk_hash, f"shape {list(h.shape)}, expected {list(expect_shape)}")
+    if expect_dtype is not None and expect_dtype != h.dtype:
+        raise ChunkMismatch(chunk_hash, f"dtype {h.dtype}, expected {expect_dtype}")
+
+
+def decode_meta(h: ChunkHeader, meta: bytes | memoryview, chunk_hash: str) -> tuple[list[int], torch.Tensor]:
+    """Token ids and summary from their two sections, checked by their checksum and the chain hash."""
+    if len(meta) != h.tokens_len + h.summary_len:
+        raise ChunkCorrupt(chunk_hash, "truncated token/summary sections")
+    if zlib.crc32(meta) != h.meta_crc:
+        raise ChunkCorrupt(chunk_hash, "token/summary checksum mismatch")
+    view = memoryview(meta)
+    if chain_digest(bytes.fromhex(h.parent_hash), h.fingerprint, view[: h.tokens_len]) != h.chain_hash:
+        raise ChunkCorrupt(chunk_hash, "chain hash does not match parent, fingerprint and tokens")
+    tokens = np.frombuffer(view, dtype="<i4", count=h.n_tokens)
+    if tokens.min() < 0:
+        raise ChunkCorrupt(chunk_hash, "negative token id")
+    summary = np.frombuffer(view, dtype="<f4", offset=h.tokens_len).copy()
+    return tokens.tolist(), torch.from_numpy(summary).reshape(h.summary_shape)
+
+
+def decode_chunk(
+    buf: bytes | memoryview,
+    chunk_hash: str,
+    expect_fingerprint: str,
+    expect_shape: tuple[int, ...] | None = None,
+    expect_dtype: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
+) -> ChunkBlob:
+    """A whole chunk file -> ChunkBlob, after checking every checksum and the chain hash. The KV is
+    decoded into `out` when given (which then sets the expected shape and dtype)."""
+    if out is not None:
+        expect_shape, expect_dtype = tuple(out.shape), out.dtype
+    h = parse_header(buf, len(buf), chunk_hash)
+    check_identity(h, chunk_hash, expect_fingerprint, expect_shape, expect_dtype)
+    view = memoryview(buf)
+    meta_end = HEADER_SIZE + h.tokens_len + h.summary_len
+    tokens, summary = decode_meta(h, view[HEADER_SIZE:meta_end], chunk_hash)
+    payload = view[meta_end:]
+    if zlib.crc32(payload) != h.stored_crc:
+        raise ChunkCorrupt(chunk_hash, "payload checksum mismatch")
+    try:
+        kv = codec.decode(payload, h.codec, h.dtype, h.shape, h.raw_len, h.raw_crc, out)
+    except ValueError as e:
+        raise ChunkCorrupt(chunk_hash, f"payload: {e}") from None
+    return ChunkBlob(h.fingerprint, h.index, h.chain_hash, h.parent_hash, tokens, summary, kv)

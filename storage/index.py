@@ -1,0 +1,443 @@
+"""The SQLite index of a store: schema and every query.
+
+WAL mode lets many processes read while one writes; writes take the lock up front (`BEGIN IMMEDIATE`)
+and wait out a busy one. `synchronous=FULL` because a prune commits row deletions before it unlinks
+files: a commit lost to a power cut would leave rows naming deleted files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sqlite3
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvflash.storage.errors import ChunkMissing, DiskFull, SnapshotNotFound, StoreError
+from kvflash.storage.names import new_snapshot_id
+
+SCHEMA_VERSION = 1
+BUSY_TIMEOUT_S = 60.0
+LEASE_TTL_S = 120.0
+"""A lease not refreshed for this long is dead even where its pid cannot be checked (another host)."""
+_BATCH = 500
+"""Hashes per `IN (...)` query, under SQLite's bound-variable limit."""
+
+_SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS chunks (
+        hash TEXT PRIMARY KEY,
+        fingerprint TEXT NOT NULL,
+        chunk_index INTEGER NOT NULL,
+        parent_hash TEXT NOT NULL,
+        n_tokens INTEGER NOT NULL,
+        codec TEXT NOT NULL,
+        stored_bytes INTEGER NOT NULL,
+        raw_bytes INTEGER NOT NULL,
+        refcount INTEGER NOT NULL DEFAULT 0,
+        damaged TEXT,
+        created REAL NOT NULL,
+        last_used REAL NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS snapshots (
+        id TEXT PRIMARY KEY,
+        label TEXT NOT NULL,
+        fingerprint TEXT NOT NULL,
+        n_tokens INTEGER NOT NULL,
+        n_chunks INTEGER NOT NULL,
+        created REAL NOT NULL,
+        last_used REAL NOT NULL,
+        hits INTEGER NOT NULL DEFAULT 0,
+        pinned INTEGER NOT NULL DEFAULT 0,
+        meta TEXT NOT NULL DEFAULT '{}')""",
+    """CREATE TABLE IF NOT EXISTS snapshot_chunks (
+        snapshot_id TEXT NOT NULL REFERENCES snapshots(id) ON DELETE CASCADE,
+        position INTEGER NOT NULL,
+        hash TEXT NOT NULL REFERENCES chunks(hash),
+        PRIMARY KEY (snapshot_id, position))""",
+    "CREATE INDEX IF NOT EXISTS snapshot_chunks_by_hash ON snapshot_chunks(hash)",
+    """CREATE TRIGGER IF NOT EXISTS chunk_ref_up AFTER INSERT ON snapshot_chunks BEGIN
+        UPDATE chunks SET refcount = refcount + 1 WHERE hash = NEW.hash; END""",
+    """CREATE TRIGGER IF NOT EXISTS chunk_ref_down AFTER DELETE ON snapshot_chunks BEGIN
+        UPDATE chunks SET refcount = refcount - 1 WHERE hash = OLD.hash; END""",
+    """CREATE TABLE IF NOT EXISTS leases (
+        id TEXT PRIMARY KEY,
+        pid INTEGER NOT NULL,
+        host TEXT NOT NULL,
+        heartbeat REAL NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS lease_chunks (
+        lease_id TEXT NOT NULL REFERENCES leases(id) ON DELETE CASCADE,
+        hash TEXT NOT NULL,
+        PRIMARY KEY (lease_id, hash))""",
+    "CREATE INDEX IF NOT EXISTS lease_chunks_by_hash ON lease_chunks(hash)",
+)
+
+
+@dataclass(frozen=True)
+class ChunkRow:
+    hash: str
+    fingerprint: str
+    index: int
+    parent_hash: str
+    n_tokens: int
+    codec: str
+    stored_bytes: int
+    """The chunk file's size."""
+    raw_bytes: int
+    """The uncompressed KV's size."""
+    refcount: int = 0
+    damaged: str | None = None
+    created: float = 0.0
+    last_used: float = 0.0
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    id: str
+    label: str
+    fingerprint: str
+    n_tokens: int
+    n_chunks: int
+    created: float
+    last_used: float
+    hits: int
+    pinned: bool
+    meta: dict
+    stored_bytes: int
+    """Bytes of its chunk files, shared chunks counted in full."""
+    raw_bytes: int
+
+    @property
+    def ratio(self) -> float:
+        return self.raw_bytes / self.stored_bytes if self.stored_bytes else 0.0
+
+
+@dataclass(frozen=True)
+class Snapshot(SnapshotInfo):
+    chunk_hashes: tuple[str, ...] = ()
+
+
+@dataclass
+class PruneInput:
+    """What a prune policy sees, read inside the transaction that applies its decision."""
+
+    snapshots: list[SnapshotInfo]
+    members: dict[str, list[str]]
+    """snapshot id -> its chunk hashes."""
+    chunks: dict[str, ChunkRow]
+    leased: set[str]
+
+
+@dataclass
+class PruneDecision:
+    snapshots: list[str] = field(default_factory=list)
+    chunks: list[str] = field(default_factory=list)
+    """Chunks left unreferenced and unleased once those snapshots are gone."""
+
+
+class Index:
+    def __init__(self, path: Path):
+        self.conn = sqlite3.connect(
+            path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
+        )
+        self._lock = threading.RLock()
+        self.conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+        self.conn.execute("PRAGMA journal_mode = WAL")
+        self.conn.execute("PRAGMA synchronous = FULL")
+        self.conn.execute("PRAGMA foreign_keys = ON")
+        with self._write() as c:
+            version = c.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise StoreError(f"index {path} has schema {version}; this kvflash knows {SCHEMA_VERSION}")
+            for stmt in _SCHEMA:
+                c.execute(stmt)
+            c.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+    def close(self) -> None:
+        with self._lock:
+            self.conn.close()
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        with self._lock, _disk_full_as_error():
+            self.conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield self.conn
+                self.conn.execute("COMMIT")
+            except BaseException:
+                if self.conn.in_transaction:
+                    self.conn.execute("ROLLBACK")
+                raise
+
+    @contextmanager
+    def _read(self) -> Iterator[sqlite3.Connection]:
+        """One consistent view across several statements."""
+        with self._lock:
+            self.conn.execute("BEGIN")
+            try:
+                yield self.conn
+            finally:
+                self.conn.execute("COMMIT")
+
+    # chunks
+
+    def chunk_rows(self, hashes: Iterable[str]) -> dict[str, ChunkRow]:
+        out: dict[str, ChunkRow] = {}
+        hashes = list(hashes)
+        with self._read() as c:
+            for i in range(0, len(hashes), _BATCH):
+                batch = hashes[i : i + _BATCH]
+                marks = ",".join("?" * len(batch))
+                for r in c.execute(f"SELECT {_CHUNK_COLS} FROM chunks WHERE hash IN ({marks})", batch):
+                    out[r[0]] = ChunkRow(*r)
+        return out
+
+    def all_chunk_rows(self) -> dict[str, ChunkRow]:
+        with self._lock:
+            return {r[0]: ChunkRow(*r) for r in self.conn.execute(f"SELECT {_CHUNK_COLS} FROM chunks")}
+
+    def mark_damaged(self, chunk_hash: str, reason: str | None) -> None:
+        """A damaged chunk is no longer offered as a prefix, and the next save of it rewrites it.
+        None clears the mark (verify found the file intact)."""
+        with self._write() as c:
+            c.execute("UPDATE chunks SET damaged = ? WHERE hash = ?", (reason and reason[:500], chunk_hash))
+
+    def record_hit(self, hashes: list[str], now: float) -> None:
+        """A committed restore: its chunks and every snapshot ending a shared prefix there move up."""
+        with self._write() as c:
+            for i in range(0, len(hashes), _BATCH):
+                batch = hashes[i : i + _BATCH]
+                marks = ",".join("?" * len(batch))
+                c.execute(f"UPDATE chunks SET last_used = ? WHERE hash IN ({marks})", (now, *batch))
+            c.execute(
+                "UPDATE snapshots SET hits = hits + 1, last_used = ? WHERE id IN "
+                "(SELECT snapshot_id FROM snapshot_chunks WHERE hash = ? AND position = ?)",
+                (now, hashes[-1], len(hashes) - 1),
+            )
+
+    # snapshots
+
+    def add_snapshot(
+        self,
+        label: str,
+        fingerprint: str,
+        n_tokens: int,
+        meta_json: str,
+        hashes: list[str],
+        new_rows: list[ChunkRow],
+        now: float,
+    ) -> str:
+        """One transaction: the new chunk rows (files already durable), the snapshot, its members."""
+        with self._write() as c:
+            c.executemany(
+                f"INSERT INTO chunks ({_CHUNK_COLS}) VALUES ({','.join('?' * 12)}) "
+                "ON CONFLICT(hash) DO UPDATE SET damaged = NULL, codec = excluded.codec, "
+                "stored_bytes = excluded.stored_bytes, raw_bytes = excluded.raw_bytes",
+                [_row_values(r, now) for r in new_rows],
+            )
+            for i in range(0, len(hashes), _BATCH):
+                batch = hashes[i : i + _BATCH]
+                marks = ",".join("?" * len(batch))
+                found = {r[0] for r in c.execute(f"SELECT hash FROM chunks WHERE hash IN ({marks})", batch)}
+                if missing := [h for h in batch if h not in found]:
+                    raise ChunkMissing(missing[0], "referenced by the new snapshot but not stored")
+            snapshot_id = new_snapshot_id()
+            while c.execute("SELECT 1 FROM snapshots WHERE id = ?", (snapshot_id,)).fetchone():
+                snapshot_id = new_snapshot_id()
+            c.execute(
+                "INSERT INTO snapshots (id, label, fingerprint, n_tokens, n_chunks, created, last_used, meta)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (snapshot_id, label, fingerprint, n_tokens, len(hashes), now, now, meta_json),
+            )
+            c.executemany(
+                "INSERT INTO snapshot_chunks (snapshot_id, position, hash) VALUES (?, ?, ?)",
+                [(snapshot_id, i, h) for i, h in enumerate(hashes)],
+            )
+        return snapshot_id
+
+    def snapshots(self) -> list[SnapshotInfo]:
+        with self._lock:
+            return [_snapshot_info(r) for r in self.conn.execute(_snapshot_query() + " ORDER BY s.created")]
+
+    def snapshot(self, snapshot_id: str) -> Snapshot:
+        with self._read() as c:
+            row = c.execute(_snapshot_query("WHERE s.id = ?"), (snapshot_id,)).fetchone()
+            if row is None:
+                raise SnapshotNotFound(f"no snapshot {snapshot_id}")
+            hashes = [
+                r[0]
+                for r in c.execute(
+                    "SELECT hash FROM snapshot_chunks WHERE snapshot_id = ? ORDER BY position",
+                    (snapshot_id,),
+                )
+            ]
+        return Snapshot(**vars(_snapshot_info(row)), chunk_hashes=tuple(hashes))
+
+    def set_pinned(self, snapshot_id: str, pinned: bool) -> None:
+        with self._write() as c:
+            n = c.execute("UPDATE snapshots SET pinned = ? WHERE id = ?", (int(pinned), snapshot_id)).rowcount
+            if not n:
+                raise SnapshotNotFound(f"no snapshot {snapshot_id}")
+
+    def members(self) -> dict[str, list[str]]:
+        with self._lock:
+            out: dict[str, list[str]] = {}
+            for sid, h in self.conn.execute(
+                "SELECT snapshot_id, hash FROM snapshot_chunks ORDER BY snapshot_id, position"
+            ):
+                out.setdefault(sid, []).append(h)
+            return out
+
+    def remove(
+        self, decide: Callable[[PruneInput], PruneDecision], dry_run: bool, now: float
+    ) -> PruneDecision:
+        """Runs a removal policy on a consistent view and applies it in the same transaction, so no
+        lease or save can slip in between the decision and the deletion. Files are the caller's to
+        unlink after this returns; a crash in between leaves orphan files, never dangling rows."""
+        with self._write() as c:
+            self._reap_leases(c, now)
+            decision = decide(
+                PruneInput(
+                    snapshots=[_snapshot_info(r) for r in c.execute(_snapshot_query())],
+                    members=self.members(),
+                    chunks=self.all_chunk_rows(),
+                    leased={r[0] for r in c.execute("SELECT DISTINCT hash FROM lease_chunks")},
+                )
+            )
+            if not dry_run:
+                c.executemany("DELETE FROM snapshots WHERE id = ?", [(s,) for s in decision.snapshots])
+                c.executemany(
+                    "DELETE FROM chunks WHERE hash = ? AND refcount = 0 "
+                    "AND hash NOT IN (SELECT hash FROM lease_chunks)",
+                    [(h,) for h in decision.chunks],
+                )
+        return decision
+
+    # leases
+
+    def add_lease(self, lease_id: str, hashes: list[str], now: float) -> None:
+        """Marks chunks as in use by a restore; every one must still be stored, or nothing is leased."""
+        with self._write() as c:
+            for i in range(0, len(hashes), _BATCH):
+                batch = hashes[i : i + _BATCH]
+                marks = ",".join("?" * len(batch))
+                found = {r[0] for r in c.execute(f"SELECT hash FROM chunks WHERE hash IN ({marks})", batch)}
+                if missing := [h for h in batch if h not in found]:
+                    raise ChunkMissing(missing[0], "not stored (pruned or never saved)")
+            c.execute(
+                "INSERT INTO leases (id, pid, host, heartbeat) VALUES (?, ?, ?, ?)",
+                (lease_id, os.getpid(), socket.gethostname(), now),
+            )
+            c.executemany(
+                "INSERT OR IGNORE INTO lease_chunks (lease_id, hash) VALUES (?, ?)",
+                [(lease_id, h) for h in hashes],
+            )
+
+    def heartbeat(self, lease_id: str, now: float) -> None:
+        with self._write() as c:
+            c.execute("UPDATE leases SET heartbeat = ? WHERE id = ?", (now, lease_id))
+
+    def drop_lease(self, lease_id: str) -> None:
+        with self._write() as c:
+            c.execute("DELETE FROM leases WHERE id = ?", (lease_id,))
+
+    def _reap_leases(self, c: sqlite3.Connection, now: float) -> None:
+        host = socket.gethostname()
+        dead = [
+            (lid,)
+            for lid, pid, lhost, beat in c.execute("SELECT id, pid, host, heartbeat FROM leases")
+            if beat < now - LEASE_TTL_S or (lhost == host and not _pid_alive(pid))
+        ]
+        c.executemany("DELETE FROM leases WHERE id = ?", dead)
+
+    # accounting
+
+    def totals(self) -> dict[str, int]:
+        with self._read() as c:
+            n_chunks, stored, raw, unref = c.execute(
+                "SELECT COUNT(*), COALESCE(SUM(stored_bytes), 0), COALESCE(SUM(raw_bytes), 0), "
+                "COALESCE(SUM(CASE WHEN refcount = 0 THEN stored_bytes ELSE 0 END), 0) FROM chunks"
+            ).fetchone()
+            n_snap, n_pinned = c.execute(
+                "SELECT COUNT(*), COALESCE(SUM(pinned), 0) FROM snapshots"
+            ).fetchone()
+            damaged = c.execute("SELECT COUNT(*) FROM chunks WHERE damaged IS NOT NULL").fetchone()[0]
+        return {
+            "snapshots": n_snap,
+            "pinned": n_pinned,
+            "chunks": n_chunks,
+            "stored_bytes": stored,
+            "raw_bytes": raw,
+            "unreferenced_bytes": unref,
+            "damaged_chunks": damaged,
+        }
+
+    def refcount_errors(self) -> list[str]:
+        """Chunks whose refcount disagrees with the snapshots that list them (should be none)."""
+        with self._lock:
+            return [
+                r[0]
+                for r in self.conn.execute(
+                    "SELECT c.hash FROM chunks c LEFT JOIN snapshot_chunks sc ON sc.hash = c.hash "
+                    "GROUP BY c.hash HAVING c.refcount != COUNT(sc.hash)"
+                )
+            ]
+
+    def dangling_members(self) -> list[str]:
+        """Hashes listed by snapshots with no chunk row (foreign keys forbid it; checked anyway)."""
+        with self._lock:
+            return [
+                r[0]
+                for r in self.conn.execute(
+                    "SELECT DISTINCT sc.hash FROM snapshot_chunks sc LEFT JOIN chunks c ON c.hash = sc.hash "
+                    "WHERE c.hash IS NULL"
+                )
+            ]
+
+
+_CHUNK_COLS = (
+    "hash, fingerprint, chunk_index, parent_hash, n_tokens, codec, stored_bytes, raw_bytes, "
+    "refcount, damaged, created, last_used"
+)
+
+
+def _snapshot_query(where: str = "") -> str:
+    return (
+        "SELECT s.id, s.label, s.fingerprint, s.n_tokens, s.n_chunks, s.created, s.last_used, s.hits, "
+        "s.pinned, s.meta, COALESCE(SUM(c.stored_bytes), 0), COALESCE(SUM(c.raw_bytes), 0) "
+        "FROM snapshots s LEFT JOIN snapshot_chunks sc ON sc.snapshot_id = s.id "
+        f"LEFT JOIN chunks c ON c.hash = sc.hash {where} GROUP BY s.id"
+    )
+
+
+def _snapshot_info(r: tuple) -> SnapshotInfo:
+    return SnapshotInfo(*r[:8], bool(r[8]), json.loads(r[9]), r[10], r[11])
+
+
+def _row_values(r: ChunkRow, now: float) -> tuple:
+    return (
+        r.hash, r.fingerprint, r.index, r.parent_hash, r.n_tokens, r.codec,
+        r.stored_bytes, r.raw_bytes, 0, None, now, now,
+    )  # fmt: skip
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextmanager
+def _disk_full_as_error() -> Iterator[None]:
+    try:
+        yield
+    except sqlite3.OperationalError as e:
+        if getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or "disk is full" in str(e):
+            raise DiskFull(f"no space left for the snapshot index: {e}") from e
+        raise

@@ -1,0 +1,600 @@
+"""`SnapshotStore`: chunk files content-addressed by chain hash, snapshots as ordered lists of them.
+
+Ordering rules that keep the invariants (DESIGN: Disk store):
+- a chunk file is durable before the index row that names it is committed;
+- rows are deleted (and committed) before their files are unlinked, under the exclusive store lock,
+  which saves hold shared from their existence checks to their commit;
+- chunks leased by a restore in flight and pinned snapshots are never removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import sqlite3
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from kvflash.storage.backend import ChunkBackend, LocalDirBackend, ReadBuffer
+from kvflash.storage.chunk import ROOT_HASH, ChunkBlob, ChunkSummary
+from kvflash.storage.codec import CODEC_NAMES, DEFAULT_LEVEL
+from kvflash.storage.errors import (
+    ChunkCorrupt,
+    ChunkError,
+    ChunkMissing,
+    ForeignFingerprint,
+    InvalidChunk,
+    StoreError,
+)
+from kvflash.storage.format import (
+    HEADER_SIZE,
+    MAX_FILE_BYTES,
+    ChunkHeader,
+    check_identity,
+    decode_chunk,
+    decode_meta,
+    encode_chunk,
+    parse_header,
+)
+from kvflash.storage.index import (
+    LEASE_TTL_S,
+    ChunkRow,
+    Index,
+    PruneDecision,
+    PruneInput,
+    Snapshot,
+    SnapshotInfo,
+)
+from kvflash.storage.locking import Heartbeat, StoreLock
+from kvflash.storage.names import check_fingerprint, check_hash, check_label, check_snapshot_id
+
+MAX_META_BYTES = 1 << 20
+MAX_DEFAULT_WORKERS = 8
+"""Measured on a 16-core host: decode threads beyond about 8 contend on the GIL and go slower."""
+
+
+@dataclass(frozen=True)
+class Damage:
+    chunk_hash: str
+    reason: str
+    snapshots: tuple[str, ...]
+
+
+@dataclass
+class VerifyReport:
+    checked_snapshots: int
+    checked_chunks: int
+    damaged: list[Damage] = field(default_factory=list)
+    index_errors: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.damaged and not self.index_errors
+
+
+@dataclass
+class PruneReport:
+    dry_run: bool
+    snapshots: list[str]
+    chunks: int
+    freed_bytes: int
+    remaining_bytes: int
+    swept_files: int
+    """Orphan chunk files and temp files of interrupted saves removed (0 on a dry run)."""
+
+
+@dataclass
+class DiskUsage:
+    root: str
+    snapshots: int
+    pinned: int
+    chunks: int
+    stored_bytes: int
+    raw_bytes: int
+    unreferenced_bytes: int
+    damaged_chunks: int
+    index_bytes: int
+
+    @property
+    def ratio(self) -> float:
+        return self.raw_bytes / self.stored_bytes if self.stored_bytes else 0.0
+
+
+class SnapshotStore:
+    """One per process (an SQLite connection does not survive fork); safe across threads."""
+
+    def __init__(
+        self,
+        root: Path | str,
+        codec: str = "lossless",
+        level: int = DEFAULT_LEVEL,
+        workers: int | None = None,
+        backend: ChunkBackend | None = None,
+    ):
+        if codec not in CODEC_NAMES:
+            raise StoreError(f"unknown codec {codec!r}; choose one of {', '.join(CODEC_NAMES)}")
+        if not -7 <= level <= 22:
+            raise StoreError(f"zstd level {level} outside -7..22")
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.codec = CODEC_NAMES[codec]
+        self.level = level
+        self.backend = backend or LocalDirBackend(self.root)
+        self.index = Index(self.root / "index.sqlite")
+        self.lock = StoreLock(self.root / "lock")
+        self.workers = workers or min(MAX_DEFAULT_WORKERS, os.cpu_count() or 1)
+        self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="kvflash-store")
+        self._local = threading.local()
+
+    def close(self) -> None:
+        self.pool.shutdown()
+        self.index.close()
+
+    def __enter__(self) -> SnapshotStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # saving
+
+    def put_snapshot(
+        self,
+        label: str,
+        fingerprint: str,
+        chunks: Iterable[ChunkBlob | str],
+        meta: dict | None = None,
+    ) -> str:
+        """Saves chunks 0..n-1 of a sequence as a new snapshot and returns its id.
+
+        Only chunks not already stored are encoded and written (in parallel). An item may be a chain
+        hash instead of a blob for a chunk the caller knows is stored (`find_longest_prefix`), so a
+        grown prefix is re-snapshotted without gathering its KV. On any failure (disk full included)
+        files this call wrote are removed and nothing stored before is touched."""
+        check_label(label)
+        check_fingerprint(fingerprint)
+        meta_json = _check_meta(meta or {})
+        written: list[str] = []
+        try:
+            with self.lock.shared():
+                hashes, rows, n_tokens = self._write_chunks(fingerprint, chunks, written)
+                now = time.time()
+                return self.index.add_snapshot(label, fingerprint, n_tokens, meta_json, hashes, rows, now)
+        except BaseException:
+            if written:
+                self._remove_unindexed(written)
+            raise
+
+    def _write_chunks(
+        self, fingerprint: str, chunks: Iterable[ChunkBlob | str], written: list[str]
+    ) -> tuple[list[str], list[ChunkRow], int]:
+        hashes: list[str] = []
+        rows: list[ChunkRow] = []
+        pending: deque[Future[ChunkRow]] = deque()
+        chunk_tokens, layout = None, None
+        try:
+            for pos, item in enumerate(chunks):
+                parent = hashes[-1] if hashes else ROOT_HASH
+                if isinstance(item, str):
+                    row = self._stored_link(item, fingerprint, pos, parent)
+                    h, c = row.hash, row.n_tokens
+                else:
+                    _check_link(item, fingerprint, pos, parent)
+                    this = (tuple(item.kv.shape), item.kv.dtype, item.summary.shape[2])
+                    layout = layout or this
+                    if this != layout:
+                        raise InvalidChunk(
+                            f"chunk {pos}: shape, dtype or summary blocks differ from the chunks before"
+                        )
+                    h, c = item.chain_hash, len(item.tokens)
+                    row = self.index.chunk_rows([h]).get(h)
+                    if row is None or row.damaged:
+                        written.append(h)
+                        pending.append(self.pool.submit(self._store_one, item))
+                        while len(pending) >= 2 * self.workers:
+                            rows.append(pending.popleft().result())
+                if c != (chunk_tokens := chunk_tokens or c):
+                    raise InvalidChunk(f"chunk {pos}: {c} tokens, earlier chunks have {chunk_tokens}")
+                hashes.append(h)
+            while pending:
+                rows.append(pending.popleft().result())
+        finally:
+            for f in pending:
+                f.cancel()
+            for f in pending:
+                if not f.cancelled():
+                    f.exception()
+        if not hashes:
+            raise InvalidChunk("nothing to save: a snapshot needs at least one full chunk")
+        return hashes, rows, len(hashes) * chunk_tokens
+
+    def _stored_link(self, chunk_hash: str, fingerprint: str, pos: int, parent: str) -> ChunkRow:
+        row = self.index.chunk_rows([check_hash(chunk_hash)]).get(chunk_hash)
+        if row is None or row.damaged:
+            raise ChunkMissing(chunk_hash, "given by hash but not stored intact; pass the chunk itself")
+        if row.fingerprint != fingerprint or row.index != pos or row.parent_hash != parent:
+            raise InvalidChunk(f"chunk {pos}: stored chunk {chunk_hash[:16]} does not continue the chain")
+        return row
+
+    def _store_one(self, blob: ChunkBlob) -> ChunkRow:
+        head, payload, h = encode_chunk(blob, self.codec, self.level)
+        self.backend.put(blob.chain_hash, (head, payload))
+        return ChunkRow(
+            hash=blob.chain_hash,
+            fingerprint=blob.fingerprint,
+            index=blob.index,
+            parent_hash=blob.parent_hash,
+            n_tokens=h.n_tokens,
+            codec=h.codec.name.lower(),
+            stored_bytes=h.file_len,
+            raw_bytes=h.kv_bytes,
+        )
+
+    def _remove_unindexed(self, hashes: list[str]) -> None:
+        """After a failed save: its files that no index row names (none can be mid-save: exclusive)."""
+        with self.lock.exclusive():
+            indexed = self.index.chunk_rows(hashes)
+            for h in hashes:
+                if h not in indexed:
+                    self.backend.delete(h)
+
+    # reading
+
+    def read_chunk(
+        self,
+        chunk_hash: str,
+        expect_fingerprint: str,
+        expect_shape: Sequence[int] | None = None,
+        expect_dtype: torch.dtype | None = None,
+        out: torch.Tensor | None = None,
+    ) -> ChunkBlob:
+        """One chunk, every checksum and the chain hash verified; ChunkError subclasses otherwise.
+        `out` (a contiguous CPU tensor, e.g. a host-tier slot) receives the KV and sets the expected
+        shape and dtype; it is written only after every check has passed."""
+        outs = None if out is None else [out]
+        return self.read_chunks_parallel([chunk_hash], expect_fingerprint, expect_shape, expect_dtype, outs)[
+            0
+        ]
+
+    def read_chunks_parallel(
+        self,
+        hashes: Sequence[str],
+        expect_fingerprint: str,
+        expect_shape: Sequence[int] | None = None,
+        expect_dtype: torch.dtype | None = None,
+        out: Sequence[torch.Tensor] | None = None,
+    ) -> list[ChunkBlob]:
+        """Chunks in the given order (into `out[i]` where given); reads and decodes run on the pool."""
+        outs = _check_out(out, len(hashes))
+        self._check_rows(hashes, expect_fingerprint)
+        load = partial(self._load, fp=expect_fingerprint, shape=expect_shape, dtype=expect_dtype)
+        return list(self.pool.map(load, hashes, outs))
+
+    async def read_chunks_async(
+        self,
+        hashes: Sequence[str],
+        expect_fingerprint: str,
+        expect_shape: Sequence[int] | None = None,
+        expect_dtype: torch.dtype | None = None,
+        out: Sequence[torch.Tensor] | None = None,
+    ) -> list[ChunkBlob]:
+        """`read_chunks_parallel` for the server's event loop: aiofiles reads, pool decodes."""
+        outs = _check_out(out, len(hashes))
+        self._check_rows(hashes, expect_fingerprint)
+        loop = asyncio.get_running_loop()
+
+        async def one(h: str, dest: torch.Tensor | None) -> ChunkBlob:
+            try:
+                buf = await self.backend.aget(h, MAX_FILE_BYTES)
+            except ChunkError as e:
+                await loop.run_in_executor(self.pool, self._mark, e)
+                raise
+            decode = partial(self._decode, buf, h, expect_fingerprint, expect_shape, expect_dtype, dest)
+            return await loop.run_in_executor(self.pool, decode)
+
+        return list(await asyncio.gather(*(one(h, d) for h, d in zip(hashes, outs, strict=True))))
+
+    def read_summaries(self, hashes: Sequence[str], expect_fingerprint: str) -> list[ChunkSummary]:
+        """Token ids and key summaries without the KV (a few percent of each file). Header and
+        token/summary checksums are verified here; the payload's when its chunk is read."""
+        self._check_rows(hashes, expect_fingerprint)
+        return list(self.pool.map(partial(self._load_summary, fp=expect_fingerprint), hashes))
+
+    def _load_summary(self, h: str, fp: str) -> ChunkSummary:
+        try:
+            head, size = self.backend.get_range(h, 0, HEADER_SIZE)
+            header = parse_header(head, size, h)
+            check_identity(header, h, fp)
+            meta, _ = self.backend.get_range(h, HEADER_SIZE, header.tokens_len + header.summary_len)
+            tokens, summary = decode_meta(header, meta, h)
+        except ChunkError as e:
+            self._mark(e)
+            raise
+        return ChunkSummary(header.index, h, header.parent_hash, tokens, summary)
+
+    def read_header(self, chunk_hash: str) -> ChunkHeader:
+        buf = self.backend.get(check_hash(chunk_hash), MAX_FILE_BYTES)
+        return parse_header(buf, len(buf), chunk_hash)
+
+    def _check_rows(self, hashes: Sequence[str], fingerprint: str) -> None:
+        rows = self.index.chunk_rows([check_hash(h) for h in hashes])
+        for h in hashes:
+            row = rows.get(h)
+            if row is None:
+                raise ChunkMissing(h, "not in the index")
+            if row.fingerprint != fingerprint:
+                raise ForeignFingerprint(h, f"made under {row.fingerprint}, expected {fingerprint}")
+            if row.damaged:
+                raise ChunkCorrupt(h, f"found damaged earlier: {row.damaged}")
+
+    def _load(
+        self,
+        h: str,
+        out: torch.Tensor | None = None,
+        *,
+        fp: str,
+        shape: Sequence[int] | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> ChunkBlob:
+        if not hasattr(self._local, "buffer"):
+            self._local.buffer = ReadBuffer()
+        try:
+            buf = self.backend.get(h, MAX_FILE_BYTES, self._local.buffer)
+        except ChunkError as e:
+            self._mark(e)
+            raise
+        return self._decode(buf, h, fp, shape, dtype, out)
+
+    def _decode(
+        self,
+        buf: bytes | memoryview,
+        h: str,
+        fp: str,
+        shape: Sequence[int] | None,
+        dtype: torch.dtype | None,
+        out: torch.Tensor | None,
+    ) -> ChunkBlob:
+        try:
+            return decode_chunk(buf, h, fp, shape, dtype, out)
+        except ChunkError as e:
+            # the index vouched for this fingerprint, so a foreign one in the file is damage too
+            self._mark(e)
+            raise
+
+    def _mark(self, e: ChunkError) -> None:
+        if isinstance(e, ChunkCorrupt | ChunkMissing | ForeignFingerprint):
+            try:
+                self.index.mark_damaged(e.chunk_hash, e.reason)
+            except (StoreError, sqlite3.Error):
+                pass  # best effort (a full disk, a busy index): the caller still gets the real error
+
+    # restore bookkeeping
+
+    def find_longest_prefix(self, fingerprint: str, chain_hashes: Sequence[str]) -> int:
+        """How many leading chunks of a chain are stored intact under this fingerprint."""
+        rows = self.index.chunk_rows([check_hash(h) for h in chain_hashes])
+        n = 0
+        for h in chain_hashes:
+            row = rows.get(h)
+            if row is None or row.fingerprint != fingerprint or row.damaged:
+                break
+            n += 1
+        return n
+
+    @contextmanager
+    def lease(self, hashes: Sequence[str]) -> Iterator[None]:
+        """Marks chunks as in use by a restore, across processes, until the block exits. Raises
+        ChunkMissing up front if any is no longer stored: the restore then falls back to prefill."""
+        hashes = [check_hash(h) for h in hashes]
+        lease_id = secrets.token_hex(8)
+        self.index.add_lease(lease_id, hashes, time.time())
+        try:
+            with Heartbeat(lambda: self.index.heartbeat(lease_id, time.time()), LEASE_TTL_S / 4):
+                yield
+        finally:
+            self.index.drop_lease(lease_id)
+
+    def record_hit(self, hashes: Sequence[str]) -> None:
+        """Called when a restore commits: counts a hit and promotes the chunks and snapshots in LRU."""
+        if hashes:
+            self.index.record_hit([check_hash(h) for h in hashes], time.time())
+
+    # snapshots
+
+    def get_snapshot(self, snapshot_id: str) -> Snapshot:
+        return self.index.snapshot(check_snapshot_id(snapshot_id))
+
+    def list_snapshots(self) -> list[SnapshotInfo]:
+        return self.index.snapshots()
+
+    def pin(self, snapshot_id: str) -> None:
+        self.index.set_pinned(check_snapshot_id(snapshot_id), True)
+
+    def unpin(self, snapshot_id: str) -> None:
+        self.index.set_pinned(check_snapshot_id(snapshot_id), False)
+
+    def rm(self, snapshot_id: str) -> PruneReport:
+        """Removes one snapshot and the chunks only it held (those leased stay until released)."""
+        self.get_snapshot(snapshot_id)
+        return self._remove(partial(_plan_rm, snapshot_id=snapshot_id), dry_run=False)
+
+    def prune(
+        self, max_bytes: int | None = None, older_than: float | None = None, dry_run: bool = False
+    ) -> PruneReport:
+        """Least recently used snapshots first, until stored bytes fit max_bytes; also every snapshot
+        unused for older_than seconds. Pinned snapshots and leased chunks stay. Always collects
+        unreferenced chunks, orphan files and temp files of interrupted saves."""
+        cutoff = time.time() - older_than if older_than is not None else None
+        return self._remove(partial(_plan_prune, max_bytes=max_bytes, cutoff=cutoff), dry_run)
+
+    def _remove(self, decide: Callable[[PruneInput], PruneDecision], dry_run: bool) -> PruneReport:
+        with self.lock.exclusive():
+            before = self.index.all_chunk_rows()
+            decision = self.index.remove(decide, dry_run, time.time())
+            swept = 0
+            if not dry_run:
+                still = self.index.chunk_rows(decision.chunks)
+                for h in decision.chunks:
+                    if h not in still:
+                        self.backend.delete(h)
+                swept = self._sweep_orphans()
+        freed = sum(before[h].stored_bytes for h in decision.chunks)
+        return PruneReport(
+            dry_run=dry_run,
+            snapshots=decision.snapshots,
+            chunks=len(decision.chunks),
+            freed_bytes=freed,
+            remaining_bytes=sum(r.stored_bytes for r in before.values()) - freed,
+            swept_files=swept,
+        )
+
+    def _sweep_orphans(self) -> int:
+        """Files no row names: left by a crash between a file and its row, or a row and its unlink.
+        Only under the exclusive lock, where no save is between writing a file and indexing it."""
+        indexed = self.index.all_chunk_rows()
+        orphans = [h for h in self.backend.list_hashes() if h not in indexed]
+        for h in orphans:
+            self.backend.delete(h)
+        return len(orphans) + self.backend.sweep_temp()
+
+    # checking and accounting
+
+    def verify(self, snapshot_id: str | None = None) -> VerifyReport:
+        """Reads and fully decodes every chunk of one snapshot (or of the whole store), and checks
+        each snapshot's hash chain and the index's reference counts. Damage is recorded in the index
+        so that prefix lookups skip it and the next save rewrites it."""
+        if snapshot_id is not None:
+            snap = self.get_snapshot(snapshot_id)
+            members = {snap.id: list(snap.chunk_hashes)}
+            fingerprints = {snap.id: snap.fingerprint}
+            rows = self.index.chunk_rows(snap.chunk_hashes)
+        else:
+            members = self.index.members()
+            fingerprints = {s.id: s.fingerprint for s in self.index.snapshots()}
+            rows = self.index.all_chunk_rows()
+        holders: dict[str, list[str]] = {}
+        for sid, hashes in members.items():
+            for h in hashes:
+                holders.setdefault(h, []).append(sid)
+        report = VerifyReport(checked_snapshots=len(members), checked_chunks=len(rows))
+        for h, reason in zip(rows, self.pool.map(partial(self._check_file, rows=rows), rows), strict=True):
+            if reason is not None:
+                report.damaged.append(Damage(h, reason, tuple(holders.get(h, ()))))
+            elif rows[h].damaged:
+                self.index.mark_damaged(h, None)
+        for sid, hashes in members.items():
+            report.index_errors += _chain_errors(sid, fingerprints.get(sid), hashes, rows)
+        if snapshot_id is None:
+            report.index_errors += [f"chunk {h}: refcount disagrees" for h in self.index.refcount_errors()]
+            report.index_errors += [
+                f"chunk {h}: listed but not indexed" for h in self.index.dangling_members()
+            ]
+        return report
+
+    def _check_file(self, h: str, rows: dict[str, ChunkRow]) -> str | None:
+        row = rows[h]
+        try:
+            blob = self._load(h, fp=row.fingerprint)
+        except ChunkError as e:
+            return e.reason
+        if blob.index != row.index or blob.parent_hash != row.parent_hash:
+            reason = "file and index disagree on the chunk's position"
+            self.index.mark_damaged(h, reason)
+            return reason
+        return None
+
+    def du(self) -> DiskUsage:
+        files = [self.root / f"index.sqlite{s}" for s in ("", "-wal", "-shm")]
+        index_bytes = sum(f.stat().st_size for f in files if f.exists())
+        return DiskUsage(root=str(self.root), index_bytes=index_bytes, **self.index.totals())
+
+
+def _check_out(out: Sequence[torch.Tensor] | None, n: int) -> list[torch.Tensor | None]:
+    if out is None:
+        return [None] * n
+    if len(out) != n or not all(t.device.type == "cpu" and t.is_contiguous() for t in out):
+        raise StoreError(f"restore destinations must be {n} contiguous CPU tensors")
+    return list(out)
+
+
+def _check_link(blob: ChunkBlob, fingerprint: str, pos: int, parent: str) -> None:
+    blob.check()
+    if blob.fingerprint != fingerprint:
+        raise InvalidChunk(f"chunk {pos}: fingerprint {blob.fingerprint}, snapshot is {fingerprint}")
+    if blob.index != pos or blob.parent_hash != parent:
+        raise InvalidChunk(f"chunk {pos}: index {blob.index} or parent hash does not continue the chain")
+
+
+def _chain_errors(
+    sid: str, fingerprint: str | None, hashes: list[str], rows: dict[str, ChunkRow]
+) -> list[str]:
+    errors, parent = [], ROOT_HASH
+    for pos, h in enumerate(hashes):
+        row = rows.get(h)
+        if row is None:
+            errors.append(f"snapshot {sid} position {pos}: chunk {h} not indexed")
+        elif row.index != pos or row.parent_hash != parent or row.fingerprint != fingerprint:
+            errors.append(f"snapshot {sid} position {pos}: chunk {h} breaks the hash chain")
+        parent = h
+    return errors
+
+
+def _check_meta(meta: dict) -> str:
+    if not isinstance(meta, dict):
+        raise StoreError("snapshot meta must be a dict")
+    try:
+        text = json.dumps(meta, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise StoreError(f"snapshot meta must be plain JSON: {e}") from None
+    if len(text) > MAX_META_BYTES:
+        raise StoreError(f"snapshot meta is {len(text)} bytes; the limit is {MAX_META_BYTES}")
+    return text
+
+
+def _plan_prune(inp: PruneInput, max_bytes: int | None, cutoff: float | None) -> PruneDecision:
+    out = PruneDecision()
+    refs = {h: r.refcount for h, r in inp.chunks.items()}
+    total = sum(r.stored_bytes for r in inp.chunks.values())
+    for h, n in refs.items():
+        if n == 0 and h not in inp.leased:
+            out.chunks.append(h)
+            total -= inp.chunks[h].stored_bytes
+    for s in sorted(inp.snapshots, key=lambda s: (s.last_used, s.created)):
+        members = inp.members.get(s.id, [])
+        if s.pinned or any(h in inp.leased for h in members):
+            continue
+        too_old = cutoff is not None and s.last_used < cutoff
+        too_big = max_bytes is not None and total > max_bytes
+        if not (too_old or too_big):
+            continue
+        out.snapshots.append(s.id)
+        for h in members:
+            refs[h] -= 1
+            if refs[h] == 0 and h not in inp.leased:
+                out.chunks.append(h)
+                total -= inp.chunks[h].stored_bytes
+    return out
+
+
+def _plan_rm(inp: PruneInput, snapshot_id: str) -> PruneDecision:
+    snap = next((s for s in inp.snapshots if s.id == snapshot_id), None)
+    if snap is None:
+        return PruneDecision()
+    if snap.pinned:
+        raise StoreError(f"snapshot {snapshot_id} is pinned; unpin it first")
+    out = PruneDecision(snapshots=[snapshot_id])
+    for h in inp.members.get(snapshot_id, []):
+        if inp.chunks[h].refcount == 1 and h not in inp.leased:
+            out.chunks.append(h)
+    return out

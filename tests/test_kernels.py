@@ -1,0 +1,400 @@
+"""Each Triton kernel against its torch twin; the twins against plain SDPA.
+
+The kernels run in two places: on CPU through the Triton interpreter at small sizes (`test_interp_*`),
+and on CUDA at real sizes (`test_gpu_*`, `-m gpu`). The interpreter must be switched on before any
+kernel is defined, and other test files share this process, so on a machine without CUDA the normal
+run starts this file again in a subprocess with TRITON_INTERPRET=1 (`test_kernels_under_interpreter`)
+and the `interp` cases run only there. Every input position no query may see is NaN, and every tensor
+a kernel wrapper allocates starts as NaN, so a kernel that reads a stale byte or leaves an output
+unwritten fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import random
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvflash import kernels
+
+ref = kernels.reference
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+CUDA = torch.cuda.is_available()
+
+interp = pytest.mark.skipif(not INTERPRET, reason="runs in the interpreter subprocess")
+
+
+def on_gpu(fn):
+    """Real-size cases: `-m gpu`, on a CUDA device with triton."""
+    needs = pytest.mark.skipif(not (CUDA and HAVE_TRITON), reason="needs CUDA and triton")
+    return pytest.mark.gpu(needs(fn))
+
+
+TOL = {
+    torch.float32: {"atol": 1e-5, "rtol": 1e-4},
+    torch.float16: {"atol": 4e-3, "rtol": 4e-3},
+    torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
+}
+
+
+def triton_impl(module: str):
+    return importlib.import_module(f"kvflash.kernels.{module}")
+
+
+def _poison(t: torch.Tensor) -> torch.Tensor:
+    return t.fill_(float("nan") if t.is_floating_point() else -(2**30))
+
+
+@contextlib.contextmanager
+def poisoned_outputs():
+    """Every tensor allocated inside the block starts as NaN (ints: a huge negative)."""
+    empty, empty_like = torch.empty, torch.empty_like
+    with (
+        mock.patch.object(torch, "empty", lambda *a, **k: _poison(empty(*a, **k))),
+        mock.patch.object(torch, "empty_like", lambda *a, **k: _poison(empty_like(*a, **k))),
+    ):
+        yield
+
+
+def nan_pool(n_slots: int, layers: int, h_kv: int, c: int, d: int, dtype: torch.dtype, device: str):
+    return torch.full((n_slots, layers, 2, h_kv, c, d), float("nan"), dtype=dtype, device=device)
+
+
+def close(out: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    assert out.dtype == want.dtype and out.shape == want.shape
+    torch.testing.assert_close(out.float(), want.float(), **TOL[dtype])
+
+
+# -- paged decode ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Decode:
+    batch: int
+    h_kv: int
+    group: int
+    d: int
+    c: int
+    max_n: int
+    dtype: torch.dtype
+    splits: int | None = None
+    seed: int = 0
+
+
+def decode_inputs(case: Decode, device: str):
+    """Disjoint shuffled slots per sequence, 1..max_n of them; the table is padded with garbage."""
+    g = torch.Generator().manual_seed(case.seed)
+    layers, layer = 2, 1
+    n = torch.randint(1, case.max_n + 1, (case.batch,), generator=g)
+    n[0] = case.max_n
+    last_valid = torch.randint(1, case.c + 1, (case.batch,), generator=g)
+    pool_slots = int(n.sum()) + 3
+    perm = torch.randperm(pool_slots, generator=g)
+    table = torch.full((case.batch, case.max_n), pool_slots + 1000, dtype=torch.int32)
+    pool = nan_pool(pool_slots, layers, case.h_kv, case.c, case.d, case.dtype, "cpu")
+    used = 0
+    for b in range(case.batch):
+        nb = int(n[b])
+        table[b, :nb] = perm[used : used + nb]
+        used += nb
+        slots = table[b, :nb].long()
+        pool[slots[:-1], layer] = torch.randn(nb - 1, 2, case.h_kv, case.c, case.d, generator=g).to(
+            case.dtype
+        )
+        lv = int(last_valid[b])
+        pool[slots[-1], layer, :, :, :lv] = torch.randn(2, case.h_kv, lv, case.d, generator=g).to(case.dtype)
+    q = torch.randn(case.batch, case.h_kv * case.group, case.d, generator=g).to(case.dtype)
+    args = (q, pool, layer, table, n.int(), last_valid.int(), case.d**-0.5)
+    return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def check_decode(case: Decode, device: str) -> None:
+    args = decode_inputs(case, device)
+    with poisoned_outputs():
+        out = triton_impl("triton_decode").paged_decode_attention(*args, n_splits=case.splits)
+    close(out, ref.paged_decode_attention(*args), case.dtype)
+
+
+INTERP_DECODE = [
+    Decode(1, 1, 1, 64, 16, 1, torch.float32),
+    Decode(2, 2, 3, 64, 16, 5, torch.float32, splits=3),
+    Decode(3, 1, 4, 128, 64, 3, torch.bfloat16),
+    Decode(2, 1, 8, 64, 64, 4, torch.float16, splits=1),
+    Decode(2, 3, 3, 64, 16, 9, torch.bfloat16, seed=1),
+    Decode(1, 2, 4, 128, 16, 7, torch.float32, splits=2, seed=2),
+    Decode(3, 1, 1, 128, 64, 2, torch.float16, seed=3),
+    Decode(2, 1, 3, 64, 64, 6, torch.bfloat16, splits=4, seed=4),
+]
+GPU_DECODE = [
+    Decode(8, 8, 4, 128, 64, 300, torch.bfloat16),
+    Decode(5, 3, 3, 64, 64, 1025, torch.bfloat16, seed=1),
+    Decode(33, 8, 4, 128, 64, 17, torch.float16, seed=2),
+    Decode(3, 2, 8, 128, 16, 501, torch.float32, seed=3),
+    Decode(2, 4, 1, 64, 64, 2048, torch.bfloat16, seed=4),
+]
+
+
+@interp
+@pytest.mark.parametrize("case", INTERP_DECODE, ids=str)
+def test_interp_decode(case: Decode) -> None:
+    check_decode(case, "cpu")
+
+
+@pytest.mark.parametrize("case", GPU_DECODE, ids=str)
+@on_gpu
+def test_gpu_decode(case: Decode) -> None:
+    check_decode(case, "cuda")
+
+
+# -- chunked prefill ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Prefill:
+    t: int
+    q_start: int
+    h_kv: int
+    group: int
+    d: int
+    c: int
+    earlier: int
+    """How many chunks before the query block's first chunk are listed (sinks, selected)."""
+    dtype: torch.dtype
+    seed: int = 0
+
+
+def prefill_inputs(case: Prefill, device: str):
+    """A gappy ascending chunk list: some earlier chunks plus every chunk the query block touches."""
+    g = torch.Generator().manual_seed(case.seed)
+    rng = random.Random(case.seed)
+    c, end = case.c, case.q_start + case.t
+    own = list(range(case.q_start // c, (end - 1) // c + 1))
+    earlier = sorted(rng.sample(range(own[0]), min(case.earlier, own[0])))
+    chunk_index = torch.tensor(earlier + own, dtype=torch.int32)
+    n = chunk_index.numel()
+    slots = torch.randperm(n + 3, generator=g)[:n].int()
+    pool = nan_pool(n + 3, 2, case.h_kv, c, case.d, case.dtype, "cpu")
+    for i, (s, ci) in enumerate(zip(slots.tolist(), chunk_index.tolist(), strict=True)):
+        written = min(c, end - ci * c) if i >= len(earlier) else c
+        pool[s, 0, :, :, :written] = torch.randn(2, case.h_kv, written, case.d, generator=g).to(case.dtype)
+    q = torch.randn(case.t, case.h_kv * case.group, case.d, generator=g).to(case.dtype)
+    args = (q, pool, 0, slots, chunk_index, case.q_start, case.d**-0.5)
+    return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def check_prefill(case: Prefill, device: str) -> None:
+    args = prefill_inputs(case, device)
+    with poisoned_outputs():
+        out = triton_impl("triton_prefill").prefill_attention(*args)
+    close(out, ref.prefill_attention(*args), case.dtype)
+
+
+INTERP_PREFILL = [
+    Prefill(5, 0, 1, 1, 64, 16, 0, torch.float32),
+    Prefill(37, 21, 2, 3, 64, 16, 2, torch.float32),
+    Prefill(19, 130, 1, 4, 128, 64, 1, torch.bfloat16),
+    Prefill(64, 64, 1, 8, 64, 64, 1, torch.float16),
+    Prefill(50, 97, 1, 3, 64, 16, 3, torch.bfloat16, seed=1),
+    Prefill(1, 45, 2, 1, 128, 16, 1, torch.float16, seed=2),
+]
+GPU_PREFILL = [
+    Prefill(4096, 0, 8, 4, 128, 64, 0, torch.bfloat16),
+    Prefill(1000, 3001, 3, 3, 64, 64, 20, torch.bfloat16, seed=1),
+    Prefill(333, 70000, 8, 4, 128, 64, 200, torch.float16, seed=2),
+    Prefill(700, 129, 2, 8, 128, 16, 5, torch.float32, seed=3),
+    Prefill(64, 4096, 4, 1, 64, 64, 60, torch.bfloat16, seed=4),
+]
+
+
+@interp
+@pytest.mark.parametrize("case", INTERP_PREFILL, ids=str)
+def test_interp_prefill(case: Prefill) -> None:
+    check_prefill(case, "cpu")
+
+
+@pytest.mark.parametrize("case", GPU_PREFILL, ids=str)
+@on_gpu
+def test_gpu_prefill(case: Prefill) -> None:
+    check_prefill(case, "cuda")
+
+
+# -- summaries and scores -------------------------------------------------------------------------
+
+
+def check_summaries(n: int, layers: int, h_kv: int, d: int, c: int, dtype: torch.dtype, device: str) -> None:
+    g = torch.Generator().manual_seed(n)
+    pool = (torch.randn(n + 2, layers, 2, h_kv, c, d, generator=g) + 0.3).to(dtype).to(device)
+    pool[:, :, 1] = float("nan")
+    slots = torch.randperm(n + 2, generator=g)[:n].int().to(device)
+    with poisoned_outputs():
+        out = triton_impl("triton_scoring").chunk_summaries(pool, slots)
+    close(out, ref.chunk_summaries(pool, slots), torch.float32)
+
+
+def check_scores(t: int, h_kv: int, group: int, n: int, d: int, dtype: torch.dtype, device: str) -> None:
+    g = torch.Generator().manual_seed(n)
+    layers = 3
+    summ = F.normalize(torch.randn(n + 5, layers, h_kv, d, generator=g), dim=-1).to(device)
+    summ = summ[:n, 1]  # a strided view, as the engine holds them
+    q = torch.randn(t, h_kv * group, d, generator=g).to(dtype).to(device)
+    with poisoned_outputs():
+        out = triton_impl("triton_scoring").chunk_scores(q, summ)
+    close(out, ref.chunk_scores(q, summ), torch.float32)
+
+
+@interp
+@pytest.mark.parametrize(
+    "n,layers,h_kv,d,c,dtype",
+    [(1, 1, 1, 64, 16, torch.float32), (5, 2, 3, 128, 64, torch.bfloat16), (3, 3, 2, 64, 16, torch.float16)],
+)
+def test_interp_summaries(n, layers, h_kv, d, c, dtype) -> None:
+    check_summaries(n, layers, h_kv, d, c, dtype, "cpu")
+
+
+@interp
+@pytest.mark.parametrize(
+    "t,h_kv,group,n,d,dtype",
+    [(1, 1, 1, 1, 64, torch.float32), (3, 3, 3, 45, 64, torch.bfloat16), (8, 2, 8, 70, 128, torch.float16)],
+)
+def test_interp_scores(t, h_kv, group, n, d, dtype) -> None:
+    check_scores(t, h_kv, group, n, d, dtype, "cpu")
+
+
+@on_gpu
+def test_gpu_summaries_and_scores() -> None:
+    check_summaries(1000, 30, 3, 64, 64, torch.bfloat16, "cuda")
+    check_summaries(257, 32, 8, 128, 64, torch.float16, "cuda")
+    check_scores(1, 8, 4, 4096, 128, torch.bfloat16, "cuda")
+    check_scores(16, 3, 3, 1001, 64, torch.float32, "cuda")
+
+
+def test_topk_chunks() -> None:
+    scores = torch.tensor([0.1, 0.9, -0.2, 0.5])
+    assert kernels.topk_chunks(scores, 2).tolist() == [1, 3]
+    assert kernels.topk_chunks(scores, 10).tolist() == [1, 3, 0, 2]
+
+
+# -- copies ---------------------------------------------------------------------------------------
+
+
+def check_write(t: int, h_kv: int, d: int, c: int, dtype: torch.dtype, device: str) -> None:
+    g = torch.Generator().manual_seed(t)
+    pool = nan_pool(t // c + 3, 2, h_kv, c, d, dtype, device)
+    where = torch.randperm(pool.shape[0] * c, generator=g)[:t]
+    slot, offset = (where // c).int().to(device), (where % c).int().to(device)
+    k, v = torch.randn(2, t, h_kv, d, generator=g).to(dtype).to(device)
+    want = pool.clone()
+    ref.write_tokens(want, 1, slot, offset, k, v)
+    triton_impl("triton_copy").write_tokens(pool, 1, slot, offset, k, v)
+    torch.testing.assert_close(pool, want, rtol=0, atol=0, equal_nan=True)
+
+
+def check_gather_scatter(n: int, layers: int, h_kv: int, d: int, c: int, dtype: torch.dtype, device: str):
+    g = torch.Generator().manual_seed(n)
+    pool = torch.randn(n + 4, layers, 2, h_kv, c, d, generator=g).to(dtype).to(device)
+    slots = torch.randperm(n + 4, generator=g)[:n].int().to(device)
+    copy = triton_impl("triton_copy")
+    with poisoned_outputs():
+        staging = copy.gather_chunks(pool, slots)
+    assert torch.equal(staging, ref.gather_chunks(pool, slots))
+    target = nan_pool(n + 4, layers, h_kv, c, d, dtype, device)
+    want = target.clone()
+    ref.scatter_chunks(staging, want, slots)
+    copy.scatter_chunks(staging, target, slots)
+    torch.testing.assert_close(target, want, rtol=0, atol=0, equal_nan=True)
+
+
+@interp
+@pytest.mark.parametrize(
+    "t,h_kv,d,c,dtype",
+    [(1, 1, 64, 16, torch.float32), (37, 3, 64, 16, torch.bfloat16), (9, 8, 128, 64, torch.float16)],
+)
+def test_interp_write_tokens(t, h_kv, d, c, dtype) -> None:
+    check_write(t, h_kv, d, c, dtype, "cpu")
+
+
+@interp
+@pytest.mark.parametrize(
+    "n,layers,h_kv,d,c,dtype", [(1, 1, 1, 64, 16, torch.float32), (3, 2, 3, 64, 16, torch.bfloat16)]
+)
+def test_interp_gather_scatter(n, layers, h_kv, d, c, dtype) -> None:
+    check_gather_scatter(n, layers, h_kv, d, c, dtype, "cpu")
+
+
+@on_gpu
+def test_gpu_copies() -> None:
+    check_write(1, 8, 128, 64, torch.bfloat16, "cuda")
+    check_write(2049, 3, 64, 64, torch.bfloat16, "cuda")
+    check_gather_scatter(64, 30, 3, 64, 64, torch.bfloat16, "cuda")
+    check_gather_scatter(7, 32, 8, 128, 64, torch.float16, "cuda")
+
+
+# -- the twins against plain SDPA, and dispatch ---------------------------------------------------
+
+
+def test_reference_decode_equals_contiguous_sdpa() -> None:
+    case = Decode(4, 2, 3, 64, 16, 6, torch.float32, seed=7)
+    q, pool, layer, table, n, last_valid, scale = decode_inputs(case, "cpu")
+    out = ref.paged_decode_attention(q, pool, layer, table, n, last_valid, scale)
+    for b in range(case.batch):
+        kv = pool[table[b, : n[b]].long(), layer]  # [n, 2, Hkv, C, D]
+        kv = kv.permute(1, 2, 0, 3, 4).reshape(2, case.h_kv, -1, case.d)
+        kv = kv[:, :, : (int(n[b]) - 1) * case.c + int(last_valid[b])]
+        want = F.scaled_dot_product_attention(q[b, :, None], kv[0], kv[1], scale=scale, enable_gqa=True)
+        torch.testing.assert_close(out[b], want[:, 0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("q_start", [0, 37])
+def test_reference_prefill_equals_contiguous_sdpa(q_start: int) -> None:
+    case = Prefill(50, q_start, 2, 4, 64, 16, 100, torch.float32, seed=3)
+    q, pool, layer, slots, chunk_index, _, scale = prefill_inputs(case, "cpu")
+    assert chunk_index.tolist() == list(range(chunk_index.numel())), "every earlier chunk is listed"
+    out = ref.prefill_attention(q, pool, layer, slots, chunk_index, q_start, scale)
+    kv = pool[slots.long(), layer].permute(1, 2, 0, 3, 4).reshape(2, case.h_kv, -1, case.d)
+    kv = kv[:, :, : q_start + case.t]
+    mask = torch.arange(q_start + case.t)[None, :] <= torch.arange(q_start, q_start + case.t)[:, None]
+    want = F.scaled_dot_product_attention(
+        q.transpose(0, 1), kv[0], kv[1], attn_mask=mask, scale=scale, enable_gqa=True
+    )
+    torch.testing.assert_close(out, want.transpose(0, 1), atol=1e-5, rtol=1e-5)
+
+
+def test_dispatch_runs_the_twin_off_cuda() -> None:
+    args = decode_inputs(Decode(2, 1, 3, 64, 16, 3, torch.float32), "cpu")
+    assert not kernels.uses_triton(args[0], head_dim=64, chunk_tokens=16)
+    assert torch.equal(kernels.paged_decode_attention(*args), ref.paged_decode_attention(*args))
+
+
+@on_gpu
+def test_dispatch_on_cuda(monkeypatch) -> None:
+    t = torch.zeros(1, device="cuda")
+    assert kernels.uses_triton(t, head_dim=128, chunk_tokens=64)
+    assert not kernels.uses_triton(t, head_dim=80, chunk_tokens=64)
+    assert not kernels.uses_triton(t, head_dim=128, chunk_tokens=48)
+    monkeypatch.setenv("KVFLASH_KERNELS", "torch")
+    assert not kernels.uses_triton(t, head_dim=128, chunk_tokens=64)
+
+
+@pytest.mark.skipif(INTERPRET or not HAVE_TRITON, reason="this is the interpreter run, or no triton")
+@pytest.mark.skipif(CUDA, reason="with CUDA the kernels are tested compiled, at real sizes (-m gpu)")
+def test_kernels_under_interpreter() -> None:
+    """Runs the `interp` cases of this file in a fresh process with the Triton interpreter on.
+
+    It needs a Triton whose interpreter works with the installed numpy (3.9 does; 3.6 fails on
+    numpy >= 2.4), which is one more reason to leave it to CPU-only machines."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "KVFLASH_KERNELS": ""}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "interp"]
+    proc = subprocess.run(cmd, env=env, cwd=Path(__file__).parents[1], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]

@@ -1,0 +1,173 @@
+"""Sessions on the real model: every restore path gives the cold answer, damage falls back to cold."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from kvflash.config import EngineConfig, ResidencyConfig
+from kvflash.engine import Engine
+from kvflash.haystack import filler_sentences
+from kvflash.models.loader import load_model
+from kvflash.session import Document, Session
+from kvflash.storage import SnapshotStore
+
+FACT = "The lighthouse of Port Elden was built in 1843 by an engineer named Mara Quill."
+Q1 = "Who built the lighthouse of Port Elden?"
+Q2 = "In which year was the lighthouse built?"
+MAX = 16
+
+
+def document(n_sentences: int = 30, seed: int = 7) -> Document:
+    sents = filler_sentences(random.Random(seed))
+    body = [next(sents) for _ in range(n_sentences)]
+    body.insert(n_sentences // 3, FACT)
+    return Document("town.txt", " ".join(body))
+
+
+@pytest.fixture(scope="module")
+def lm(smollm_path):
+    return load_model(smollm_path, dtype="fp32", device="cpu")
+
+
+def engine(lm, pool_tokens: int = 4096, policy: str = "qk") -> Engine:
+    return Engine(lm, EngineConfig(pool_tokens=pool_tokens, residency=ResidencyConfig(policy=policy)))
+
+
+def turns(sess: Session, questions: list[str]) -> list:
+    out = [sess.ask(q, MAX) for q in questions]
+    sess.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def cold(lm):
+    """Answers with no store at all: the reference every restore path must reproduce."""
+    doc = document()
+    return {
+        "one": turns(Session(engine(lm), [doc]), [Q1])[0][0],
+        "two": [a for a, _ in turns(Session(engine(lm), [doc]), [Q1, Q2])],
+        "q2_only": turns(Session(engine(lm), [doc]), [Q2])[0][0],
+    }
+
+
+def test_memory_and_disk_restore_in_the_same_process_equal_cold(lm, cold, tmp_path) -> None:
+    doc = document()
+    with SnapshotStore(tmp_path) as store:
+        (a1, s1), (a2, s2) = turns(Session(engine(lm), [doc], store, name="s"), [Q1, Q2])
+        assert s1.source == "cold" and s2.source == "memory"
+        assert [a1, a2] == cold["two"]
+        assert s2.restored_tokens > 0 and s2.prefilled_tokens < 40
+        # A new session object in the same process: the stateless prompt restores from disk.
+        ((b, sb),) = turns(Session(engine(lm), [doc], store), [Q2])
+        assert sb.source == "disk" and sb.restored_tokens > 0 and sb.restored_tokens % 64 == 0
+        assert b == cold["q2_only"]
+
+
+def test_lazy_restore_with_budget_holding_the_context_equals_cold(lm, cold, tmp_path) -> None:
+    doc = document()
+    with SnapshotStore(tmp_path) as store:
+        turns(Session(engine(lm), [doc], store), [Q1])
+        ((b, sb),) = turns(Session(engine(lm), [doc], store, lazy=True), [Q2])
+    assert sb.source == "lazy" and sb.restored_tokens > 0
+    assert sb.bytes_moved["disk"] > 0
+    assert b == cold["q2_only"]
+
+
+def test_named_session_resumes_in_a_new_process(lm, cold, tmp_path, smollm_path) -> None:
+    doc_file = tmp_path / "town.txt"
+    doc_file.write_text(document().text)
+    env = {**os.environ, "KVFLASH_HOME": str(tmp_path / "home")}
+
+    def ask(q: str) -> dict:
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvflash.cli.app",
+            "ask",
+            str(doc_file),
+            q,
+            "--session",
+            "t",
+            "--model",
+            str(smollm_path),
+            "--dtype",
+            "fp32",
+            "--device",
+            "cpu",
+            "-n",
+            str(MAX),
+            "--json",
+        ]
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+
+    first, second = ask(Q1), ask(Q2)
+    assert first["source"] == "cold" and second["source"] == "disk"
+    assert second["restored_tokens"] > first["prefilled_tokens"] - 64
+    assert [first["answer"], second["answer"]] == cold["two"]
+
+
+def test_prefix_that_diverges_mid_chunk_restores_the_aligned_part(lm, tmp_path) -> None:
+    doc = document()
+    changed = Document(doc.name, doc.text[:-40] + " And then the tide came in.")
+    with SnapshotStore(tmp_path) as store:
+        turns(Session(engine(lm), [doc], store), [Q1])
+        ((b, sb),) = turns(Session(engine(lm), [changed], store), [Q1])
+    ((ref, _),) = turns(Session(engine(lm), [changed]), [Q1])
+    assert sb.source == "disk" and sb.restored_tokens % 64 == 0 and sb.restored_tokens > 0
+    assert b == ref
+
+
+def _damage_one_chunk(root: Path) -> None:
+    """Flips a payload byte of chunk 1 of the snapshot: inside any document prefix."""
+    with SnapshotStore(root) as store:
+        (snap,) = store.list_snapshots()
+        h = store.get_snapshot(snap.id).chunk_hashes[1]
+    victim = root / "chunks" / h[:2] / f"{h}.kvc"
+    data = bytearray(victim.read_bytes())
+    data[-100] ^= 0xFF
+    victim.write_bytes(bytes(data))
+
+
+def test_corrupted_snapshot_warns_and_prefills_cold(lm, cold, tmp_path) -> None:
+    doc = document()
+    with SnapshotStore(tmp_path) as store:
+        turns(Session(engine(lm), [doc], store), [Q1])
+        _damage_one_chunk(tmp_path)
+        n_snapshots = len(store.list_snapshots())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ((b, sb),) = turns(Session(engine(lm), [doc], store), [Q2])
+        assert b == cold["q2_only"]
+        assert sb.source == "cold" and sb.restored_tokens == 0
+        assert any("unusable" in str(w.message) for w in caught)
+        # Nothing was deleted, and the turn's own snapshot rewrote the damaged chunk from fresh KV.
+        assert len(store.list_snapshots()) == n_snapshots
+        assert store.verify().ok
+
+
+def test_damage_is_reported_by_verify(lm, tmp_path) -> None:
+    with SnapshotStore(tmp_path) as store:
+        turns(Session(engine(lm), [document()], store), [Q1])
+        _damage_one_chunk(tmp_path)
+        report = store.verify()
+    assert not report.ok and len(report.damaged) == 1
+
+
+def test_foreign_fingerprint_snapshot_is_not_restored(lm, tmp_path) -> None:
+    doc = document()
+    with SnapshotStore(tmp_path) as store:
+        sess = Session(engine(lm), [doc], store)
+        sess.snapshots.fp = "0" * 32  # as if another model had written the store
+        turns(sess, [Q1])
+        ((_, sb),) = turns(Session(engine(lm), [doc], store), [Q1])
+    assert sb.source == "cold"
