@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kvflash import KVFlashError
+from kvflash import KVFlashError, kernels
 from kvflash.config import ResidencyConfig
 from kvflash.host_tier import HostTier
 from kvflash.pool import ChunkPool
@@ -33,14 +33,16 @@ class PagedKV:
             )
         self.pool, self.host, self.cfg, self.budget = pool, host, cfg, budget_chunks
         self.seq = Sequence(cfg.chunk_tokens)
-        self.fetch: Callable[[str, torch.Tensor], None] | None = None
-        """Reads a stored chunk (by chain hash) into a host-tier slot: set by a lazy restore."""
+        self.fetch: Callable[[list[str], list[torch.Tensor]], None] | None = None
+        """Reads stored chunks (by chain hash) into host-tier slots, in parallel: set by a lazy restore."""
         self._fetch_lock = threading.Lock()
         self.scout = False
         """A scout step computes scores only: it neither advances the sequence nor seals chunks."""
         self.step = 0
         self.chunk_nbytes = pool.kv[0].numel() * pool.kv.element_size()
         self.moved = {"disk": 0, "host_to_gpu": 0, "gpu_to_host": 0}
+        self._triton = kernels.uses_triton(pool.kv, head_dim=pool.cfg.head_dim, chunk_tokens=cfg.chunk_tokens)
+        """Triton kernels on CUDA; elsewhere SDPA over the gathered slots (the same maths)."""
         """Bytes of chunk KV moved per tier since the sequence began (for stats lines)."""
         self._since_select = 0
         self._scores: torch.Tensor | None = None
@@ -88,23 +90,24 @@ class PagedKV:
         self.pool.release(ch.gpu)
         ch.gpu = None
 
-    def load_to_host(self, ch: Chunk) -> None:
-        """Brings a disk-only chunk into the host tier (called by selection and by prefetch)."""
+    def load_to_host(self, chunks: list[Chunk]) -> None:
+        """Brings disk-only chunks into the host tier in one parallel read (selection and prefetch)."""
         with self._fetch_lock:
-            if ch.host is not None or ch.gpu is not None or ch.disk is None:
+            todo = [ch for ch in chunks if ch.host is None and ch.gpu is None and ch.disk is not None]
+            if not todo or self.fetch is None:
                 return
-            h = self.host.alloc()
+            slots = [self.host.alloc() for _ in todo]
             try:
-                self.fetch(ch.disk, self.host.view(h))
+                self.fetch([ch.disk for ch in todo], [self.host.view(h) for h in slots])
             except BaseException:
-                self.host.release(h)
+                for h in slots:
+                    self.host.release(h)
                 raise
-            ch.host = h
-            self.moved["disk"] += self.chunk_nbytes
+            for ch, h in zip(todo, slots, strict=True):
+                ch.host = h
+            self.moved["disk"] += len(todo) * self.chunk_nbytes
 
     def _make_resident(self, ch: Chunk) -> None:
-        if ch.host is None and ch.disk is not None:
-            self.load_to_host(ch)
         ch.gpu = self.pool.alloc()
         if ch.host is not None:
             self.host.page_in(ch.host, ch.gpu)
@@ -135,6 +138,7 @@ class PagedKV:
         for ch in self.resident():
             if ch.index not in want:
                 self._evict(ch)
+        self.load_to_host([self.seq.chunks[i] for i in want])
         for i in sorted(want):
             ch = self.seq.chunks[i]
             if ch.gpu is None:
@@ -146,13 +150,20 @@ class PagedKV:
     def _build_metadata(self, positions: torch.Tensor, order: list[int]) -> None:
         c, dev = self.cfg.chunk_tokens, self.pool.kv.device
         chunks = self.seq.chunks
-        self._slots = torch.tensor([chunks[i].gpu for i in order], device=dev)
-        pos = positions.to(dev)
-        self._w_slot = self._slots.new_tensor([chunks[p // c].gpu for p in positions.tolist()])
-        self._w_off = pos % c
-        key_pos = (torch.tensor(order, device=dev)[:, None] * c + torch.arange(c, device=dev)).flatten()
-        self._mask = key_pos[None, :] <= pos[:, None]
         self._start, self._end = int(positions[0]), int(positions[-1]) + 1
+        i32 = torch.int32
+        self._slots = torch.tensor([chunks[i].gpu for i in order], device=dev, dtype=i32)
+        pos = torch.arange(self._start, self._end, device=dev)
+        slot_of = [chunks[p // c].gpu for p in range(self._start, self._end)]
+        self._w_slot = torch.tensor(slot_of, device=dev, dtype=i32)
+        self._w_off = (pos % c).to(i32)
+        self._order = torch.tensor(order, device=dev, dtype=i32)
+        if self._triton:  # decode: [slots listed, valid tokens in the last (the append head)]
+            head = (self._end - 1) % c + 1
+            self._decode_meta = torch.tensor([len(order), head], dtype=i32).to(dev, non_blocking=True)
+        else:
+            key_pos = (self._order[:, None].long() * c + torch.arange(c, device=dev)).flatten()
+            self._mask = key_pos[None, :] <= pos[:, None]
         self._n_cand = self._start // c
         t = self._end - self._start
         capture = self.cfg.policy == "qk" and (self.scout or t > 1 or self._since_select + t >= self.tau())
@@ -161,10 +172,15 @@ class PagedKV:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kv = self.pool.kv
-        kv[:, layer, 0][self._w_slot, :, self._w_off] = k
-        kv[:, layer, 1][self._w_slot, :, self._w_off] = v
+        if self._triton:
+            kernels.write_tokens(kv, layer, self._w_slot, self._w_off, k, v)
+        else:
+            kv[:, layer, 0][self._w_slot.long(), :, self._w_off.long()] = k
+            kv[:, layer, 1][self._w_slot.long(), :, self._w_off.long()] = v
         if self._scores is not None and self._n_cand:
             self._score(layer, q)
+        if self._triton:
+            return self._attend_triton(layer, q)
         h_kv, d = kv.shape[3], kv.shape[5]
         keys = kv[self._slots, layer, 0].transpose(0, 1).reshape(h_kv, -1, d)
         values = kv[self._slots, layer, 1].transpose(0, 1).reshape(h_kv, -1, d)
@@ -176,6 +192,15 @@ class PagedKV:
             enable_gqa=True,
         )
         return out.squeeze(0).transpose(0, 1)
+
+    def _attend_triton(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        scale = q.shape[-1] ** -0.5
+        if q.shape[0] == 1:
+            meta = self._decode_meta
+            return kernels.paged_decode_attention(
+                q, self.pool.kv, layer, self._slots[None], meta[:1], meta[1:], scale
+            )
+        return kernels.prefill_attention(q, self.pool.kv, layer, self._slots, self._order, self._start, scale)
 
     def _score(self, layer: int, q: torch.Tensor) -> None:
         """Adds this layer's estimate of the attention mass each chunk would get.

@@ -30,15 +30,15 @@ class RestoreStats:
 def _chunk_kv(kv: PagedKV, i: int) -> torch.Tensor:
     ch = kv.seq.chunks[i]
     if ch.gpu is None and ch.host is None:
-        kv.load_to_host(ch)
+        kv.load_to_host([ch])
     return kv.pool.kv[ch.gpu] if ch.gpu is not None else kv.host.view(ch.host)
 
 
 class KVSnapshots:
     """Saves and restores one model's sequences (one fingerprint) through a SnapshotStore."""
 
-    def __init__(self, store: SnapshotStore, fingerprint: str):
-        self.store, self.fp = store, fingerprint
+    def __init__(self, store: SnapshotStore, fingerprint: str, prefetch: bool = True):
+        self.store, self.fp, self.prefetch = store, fingerprint, prefetch
 
     def save(self, kv: PagedKV, label: str, meta: dict | None = None) -> str:
         """Snapshots the sealed prefix, writing only chunks the store does not already hold."""
@@ -102,7 +102,9 @@ class KVSnapshots:
                 ch.host = slots[i]
         if lazy:
             kv.fetch = self._fetcher(shape, kv.pool.kv.dtype)
-            threading.Thread(target=self._prefetch, args=(kv,), daemon=True, name="kvflash-prefetch").start()
+            if self.prefetch:
+                name = "kvflash-prefetch"
+                threading.Thread(target=self._prefetch, args=(kv,), daemon=True, name=name).start()
         self.store.record_hit(hashes)
         stats.tokens = len(hashes) * kv.cfg.chunk_tokens
         if not lazy:
@@ -110,19 +112,20 @@ class KVSnapshots:
         return stats
 
     def _fetcher(self, shape, dtype):
-        def fetch(chain_hash: str, out: torch.Tensor) -> None:
-            self.store.read_chunk(chain_hash, self.fp, shape, dtype, out=out)
+        def fetch(hashes: list[str], outs: list[torch.Tensor]) -> None:
+            self.store.read_chunks_parallel(hashes, self.fp, shape, dtype, out=outs)
 
         return fetch
 
     @staticmethod
-    def _prefetch(kv: PagedKV) -> None:
-        """Reads every still disk-only chunk into the host tier, most relevant first."""
+    def _prefetch(kv: PagedKV, batch: int = 16) -> None:
+        """Reads every still disk-only chunk into the host tier, most relevant first, in batches
+        small enough that a selection waiting for the lock waits for one batch at most."""
         order = sorted(kv.seq.chunks, key=lambda ch: ch.score, reverse=True)
-        for ch in order:
+        for lo in range(0, len(order), batch):
             if kv.fetch is None:
                 return
             try:
-                kv.load_to_host(ch)
-            except Exception:  # selection will retry and report; prefetch is best effort
+                kv.load_to_host(order[lo : lo + batch])
+            except Exception:  # selection retries the chunk and reports; prefetch is best effort
                 return

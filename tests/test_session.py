@@ -171,3 +171,16 @@ def test_foreign_fingerprint_snapshot_is_not_restored(lm, tmp_path) -> None:
         turns(sess, [Q1])
         ((_, sb),) = turns(Session(engine(lm), [doc], store), [Q1])
     assert sb.source == "cold"
+
+
+def test_lazy_restore_under_a_small_budget_reads_only_what_it_selects(lm, tmp_path) -> None:
+    doc = document(n_sentences=60)
+    with SnapshotStore(tmp_path) as store:
+        turns(Session(engine(lm, pool_tokens=512), [doc], store), [Q1])
+        sess = Session(engine(lm, pool_tokens=512), [doc], store, lazy=True)
+        sess.snapshots.prefetch = False  # count the on-demand reads alone
+        ((_, sb),) = turns(sess, [Q2])
+    chunk_bytes = lm.config.kv_bytes_per_token(lm.dtype) * 64
+    assert sb.source == "lazy" and sb.restored_tokens >= 12 * 64
+    assert 0 < sb.bytes_moved["disk"] <= 8 * chunk_bytes < sb.restored_tokens // 64 * chunk_bytes
+    assert sb.resident_chunks <= 8
