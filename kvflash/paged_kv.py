@@ -37,6 +37,8 @@ class PagedKV:
         """Reads stored chunks (by chain hash) into host-tier slots, in parallel: set by a lazy restore."""
         self._fetch_lock = threading.Lock()
         self.scout = False
+        self._dirty = True
+        """Pins changed since the last selection: the next step must select again."""
         """A scout step computes scores only: it neither advances the sequence nor seals chunks."""
         self.step = 0
         self.chunk_nbytes = pool.kv[0].numel() * pool.kv.element_size()
@@ -64,13 +66,16 @@ class PagedKV:
         self.seq.ensure_chunks(idx[-1] * c + 1)
         for i in idx:
             self.seq.chunks[i].pinned = True
+        self._dirty = True
 
     def unpin(self, lo: int, hi: int) -> None:
+        self._dirty = True
         c = self.cfg.chunk_tokens
         for i in range(lo // c, min((hi - 1) // c + 1, len(self.seq.chunks))):
             self.seq.chunks[i].pinned = False
 
     def unpin_all(self) -> None:
+        self._dirty = True
         for ch in self.seq.chunks:
             ch.pinned = False
 
@@ -132,6 +137,9 @@ class PagedKV:
         self._apply_scores()
         # A scout keeps what is resident: it only needs the question's queries, cheaply.
         due = (t > 1 or self._since_select >= self.tau()) and not self.scout
+        if not due and not self._dirty and first == last and self.seq.chunks[first].gpu is not None:
+            self._step_metadata(start, end)  # decode inside the resident append head: nothing moves
+            return
         want = select_resident(self.seq, self.cfg, self.budget, first, last, reselect=due)
         if due:
             self._since_select = 0
@@ -139,33 +147,40 @@ class PagedKV:
             if ch.index not in want:
                 self._evict(ch)
         self.load_to_host([self.seq.chunks[i] for i in want])
-        for i in sorted(want):
+        order = sorted(want)
+        for i in order:
             ch = self.seq.chunks[i]
             if ch.gpu is None:
                 self._make_resident(ch)
             ch.last_use = self.step
         self.host.fence()
-        self._build_metadata(positions, sorted(want))
+        self._dirty = False
+        dev, i32 = self.pool.kv.device, torch.int32
+        self._slots = torch.tensor([self.seq.chunks[i].gpu for i in order], device=dev, dtype=i32)
+        self._order = torch.tensor(order, device=dev, dtype=i32)
+        if not self._triton:
+            self._key_pos = (self._order[:, None].long() * c + torch.arange(c, device=dev)).flatten()
+        self._step_metadata(start, end)
 
-    def _build_metadata(self, positions: torch.Tensor, order: list[int]) -> None:
-        c, dev = self.cfg.chunk_tokens, self.pool.kv.device
+    def _step_metadata(self, start: int, end: int) -> None:
+        """Where the step's tokens are written and which keys each query sees; the slot list is kept
+        from the last selection (it changes only when residency does)."""
+        c, dev, i32 = self.cfg.chunk_tokens, self.pool.kv.device, torch.int32
         chunks = self.seq.chunks
-        self._start, self._end = int(positions[0]), int(positions[-1]) + 1
-        i32 = torch.int32
-        self._slots = torch.tensor([chunks[i].gpu for i in order], device=dev, dtype=i32)
-        pos = torch.arange(self._start, self._end, device=dev)
-        slot_of = [chunks[p // c].gpu for p in range(self._start, self._end)]
+        self._start, self._end = start, end
+        pos = torch.arange(start, end, device=dev)
+        slot_of = [chunks[p // c].gpu for p in range(start, end)]
         self._w_slot = torch.tensor(slot_of, device=dev, dtype=i32)
         self._w_off = (pos % c).to(i32)
-        self._order = torch.tensor(order, device=dev, dtype=i32)
         if self._triton:  # decode: [slots listed, valid tokens in the last (the append head)]
-            head = (self._end - 1) % c + 1
-            self._decode_meta = torch.tensor([len(order), head], dtype=i32).to(dev, non_blocking=True)
+            head = (end - 1) % c + 1
+            self._decode_meta = torch.tensor([self._slots.numel(), head], dtype=i32).to(
+                dev, non_blocking=True
+            )
         else:
-            key_pos = (self._order[:, None].long() * c + torch.arange(c, device=dev)).flatten()
-            self._mask = key_pos[None, :] <= pos[:, None]
-        self._n_cand = self._start // c
-        t = self._end - self._start
+            self._mask = self._key_pos[None, :] <= pos[:, None]
+        self._n_cand = start // c
+        t = end - start
         capture = self.cfg.policy == "qk" and (self.scout or t > 1 or self._since_select + t >= self.tau())
         if capture:
             self._scores = torch.zeros(self._n_cand, device=dev)
@@ -208,7 +223,7 @@ class PagedKV:
         Each block mean key stands in for its tokens; a softmax over all blocks of all candidate
         chunks gives every (query token, head) a distribution, and a chunk scores the largest share
         any of them gives it. Summed shares would favour chunks that everyone looks at a little;
-        the max finds the chunk one retrieval head looks at a lot (see docs/RESIDENCY.md).
+        the max finds the chunk one retrieval head looks at a lot (docs/ARCHITECTURE.md, Residency).
         """
         summ = self.seq.summaries[: self._n_cand, layer]  # [N, Hkv, B, D]
         n, h_kv, blocks, d = summ.shape

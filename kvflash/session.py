@@ -193,6 +193,8 @@ class Session:
             if t_first is None:
                 t_first = time.perf_counter()
                 stats.ttft_s = t_first - t0
+                if self.snapshots:
+                    self.snapshots.start_prefetch(kv)
             answer.append(tok)
             if on_text:
                 on_text(tok)

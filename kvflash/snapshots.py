@@ -102,9 +102,6 @@ class KVSnapshots:
                 ch.host = slots[i]
         if lazy:
             kv.fetch = self._fetcher(shape, kv.pool.kv.dtype)
-            if self.prefetch:
-                name = "kvflash-prefetch"
-                threading.Thread(target=self._prefetch, args=(kv,), daemon=True, name=name).start()
         self.store.record_hit(hashes)
         stats.tokens = len(hashes) * kv.cfg.chunk_tokens
         if not lazy:
@@ -116,6 +113,12 @@ class KVSnapshots:
             self.store.read_chunks_parallel(hashes, self.fp, shape, dtype, out=outs)
 
         return fetch
+
+    def start_prefetch(self, kv: PagedKV) -> None:
+        """Starts reading a lazy sequence's remaining chunks in the background. Called after the
+        first token, so the prefetch does not compete with the reads the question needs."""
+        if self.prefetch and kv.fetch is not None:
+            threading.Thread(target=self._prefetch, args=(kv,), daemon=True, name="kvflash-prefetch").start()
 
     @staticmethod
     def _prefetch(kv: PagedKV, batch: int = 16) -> None:
