@@ -57,7 +57,13 @@ def table(arms: list[dict]) -> str:
     for a in arms:
         gap = "" if full is None or a is full else f"{100 * (a['overall'] - full['overall']):+.1f}"
         ttft = a.get("mean_ttft_s_by_length", {})
-        cells = [a["arm"], *(pct(a["by_length"].get(n)) for n in lengths), pct(a["overall"]), str(a["n"]), gap]
+        cells = [
+            a["arm"],
+            *(pct(a["by_length"].get(n)) for n in lengths),
+            pct(a["overall"]),
+            str(a["n"]),
+            gap,
+        ]
         cells += [f"{ttft[n]:.2f}" if n in ttft else "–" for n in lengths] + [equal_to_cold(a, arms)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

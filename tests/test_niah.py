@@ -163,6 +163,27 @@ def test_cli_parsers() -> None:
             parse_depths(bad)
 
 
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--policy", "full", "--budget-frac", "0.5"], "drop --pool-tokens"),
+        (["--policy", "sink"], "--pool-tokens or --budget-frac"),
+        (["--lengths", "2K,big"], "--lengths"),
+        (["--haystack", "/nowhere/hay.txt"], "haystack file not found"),
+    ],
+)
+def test_cli_bad_flags_fail_before_loading_a_model(tmp_path, args: list[str], message: str) -> None:
+    import typer
+    from typer.testing import CliRunner
+
+    from kvflash.cli.niah_cmd import niah
+
+    app = typer.Typer()
+    app.command()(niah)
+    result = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "out"), "--model", "/nowhere.gguf"])
+    assert isinstance(result.exception, KVFlashError) and re.search(message, str(result.exception))
+
+
 @pytest.mark.slow
 def test_smollm_small_grid_restore_answers_as_cold(smollm_path, tmp_path) -> None:
     from kvflash.models.loader import load_model
