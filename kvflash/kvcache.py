@@ -27,6 +27,13 @@ class KVCache(Protocol):
         """Called once per forward after the last layer."""
 
 
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """q [T, Hq, D] over keys/values [Hkv, N, D] (GQA), boolean mask [T, N] -> [T, Hq, D]."""
+    q4, k4, v4 = q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, enable_gqa=True)
+    return out.squeeze(0).transpose(0, 1)
+
+
 class ContiguousKV:
     """One sequence's KV in a dense `[n_layers, 2, Hkv, capacity, D]` buffer; the dense reference."""
 
@@ -55,15 +62,7 @@ class ContiguousKV:
         kv = self.buf[layer]
         kv[0, :, self._start : self._end] = k.transpose(0, 1)
         kv[1, :, self._start : self._end] = v.transpose(0, 1)
-        keys, values = kv[0, :, : self._end], kv[1, :, : self._end]
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),
-            keys.unsqueeze(0),
-            values.unsqueeze(0),
-            attn_mask=self._mask,
-            enable_gqa=True,
-        )
-        return out.squeeze(0).transpose(0, 1)
+        return sdpa(q, kv[0, :, : self._end], kv[1, :, : self._end], self._mask)
 
     def end(self) -> None:
         self.length = self._end

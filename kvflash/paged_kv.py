@@ -12,11 +12,11 @@ import threading
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from kvflash import KVFlashError, kernels
 from kvflash.config import ResidencyConfig
 from kvflash.host_tier import HostTier
+from kvflash.kvcache import sdpa
 from kvflash.pool import ChunkPool
 from kvflash.residency import select_resident
 from kvflash.sequence import Chunk, Sequence
@@ -112,6 +112,13 @@ class PagedKV:
                 ch.host = h
             self.moved["disk"] += len(todo) * self.chunk_nbytes
 
+    def chunk_kv(self, index: int) -> torch.Tensor:
+        """A sealed chunk's KV `[L, 2, Hkv, C, D]` wherever it lives; a disk-only chunk is read first."""
+        ch = self.seq.chunks[index]
+        if ch.gpu is None and ch.host is None:
+            self.load_to_host([ch])
+        return self.pool.kv[ch.gpu] if ch.gpu is not None else self.host.view(ch.host)
+
     def _make_resident(self, ch: Chunk) -> None:
         ch.gpu = self.pool.alloc()
         if ch.host is not None:
@@ -199,14 +206,7 @@ class PagedKV:
         h_kv, d = kv.shape[3], kv.shape[5]
         keys = kv[self._slots, layer, 0].transpose(0, 1).reshape(h_kv, -1, d)
         values = kv[self._slots, layer, 1].transpose(0, 1).reshape(h_kv, -1, d)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),
-            keys.unsqueeze(0),
-            values.unsqueeze(0),
-            attn_mask=self._mask,
-            enable_gqa=True,
-        )
-        return out.squeeze(0).transpose(0, 1)
+        return sdpa(q, keys, values, self._mask)
 
     def _attend_triton(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         scale = q.shape[-1] ** -0.5

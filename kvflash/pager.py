@@ -47,11 +47,6 @@ def _summary_shape(kv: PagedKV) -> torch.Size:
     return torch.Size((cfg.n_layers, cfg.n_kv_heads, kv.cfg.summary_blocks, cfg.head_dim))
 
 
-def _chunk_data(kv: PagedKV, index: int) -> torch.Tensor:
-    ch = kv.seq.chunks[index]
-    return kv.pool.kv[ch.gpu] if ch.gpu is not None else kv.host.view(ch.host)
-
-
 def _raw(t: torch.Tensor) -> bytes:
     return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
 
@@ -90,7 +85,7 @@ def serialize(
                 RECORD_HEAD.pack(ch.gpu is not None, ch.score),
                 struct.pack(f"<{c}i", *kv.seq.chunk_tokens_of(i)),
                 _raw(kv.seq.summaries[i].float()),
-                _raw(_chunk_data(kv, i)),
+                _raw(kv.chunk_kv(i)),
             )
         )
         parts += [rec, struct.pack("<I", zlib.crc32(rec))]

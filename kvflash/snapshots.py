@@ -27,13 +27,6 @@ class RestoreStats:
     lazy: bool = False
 
 
-def _chunk_kv(kv: PagedKV, i: int) -> torch.Tensor:
-    ch = kv.seq.chunks[i]
-    if ch.gpu is None and ch.host is None:
-        kv.load_to_host([ch])
-    return kv.pool.kv[ch.gpu] if ch.gpu is not None else kv.host.view(ch.host)
-
-
 class KVSnapshots:
     """Saves and restores one model's sequences (one fingerprint) through a SnapshotStore."""
 
@@ -52,7 +45,7 @@ class KVSnapshots:
             items.append(
                 ChunkBlob(
                     self.fp, i, hashes[i], parent, kv.seq.chunk_tokens_of(i),
-                    kv.seq.summaries[i].cpu(), _chunk_kv(kv, i).cpu(),
+                    kv.seq.summaries[i].cpu(), kv.chunk_kv(i).cpu(),
                 )
             )  # fmt: skip
         return self.store.put_snapshot(label, self.fp, items, meta)
