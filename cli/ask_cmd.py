@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import warnings
 from pathlib import Path
 
@@ -86,7 +87,7 @@ def run_turn(
     decoder = StreamDecoder(sess.tok)
     with Progress(
         TextColumn("prefill"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-        console=Console(stderr=True), transient=True,
+        console=Console(stderr=True), transient=True, redirect_stdout=False, redirect_stderr=False,
     ) as bar:  # fmt: skip
         task = bar.add_task("prefill", total=None)
 
@@ -94,9 +95,11 @@ def run_turn(
             bar.update(task, completed=done, total=total)
 
         def on_text(tok: int) -> None:
-            bar.stop()
+            if bar.live.is_started:
+                bar.stop()
             if stream:
-                console.out(decoder.push(tok), end="")
+                sys.stdout.write(decoder.push(tok))
+                sys.stdout.flush()
 
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -104,7 +107,7 @@ def run_turn(
     for w in caught:
         Console(stderr=True).print(f"[yellow]warning:[/] {w.message}", highlight=False)
     if stream:
-        console.out(decoder.flush())
+        print(decoder.flush())
     return text, stats
 
 
@@ -133,7 +136,7 @@ def ask(
     if as_json:
         print(json.dumps({"answer": text, **stats.to_dict()}))
     else:
-        console.print(f"[dim]{stats_line(stats)}[/]")
+        console.print(f"[dim]{stats_line(stats)}[/]", soft_wrap=True)
 
 
 def chat(
@@ -179,6 +182,6 @@ def chat(
                 console.print(f"unknown command {line}; try /stats /reset /save /quit")
             else:
                 _, last = run_turn(sess, line, max_tokens, console, stream=True)
-                console.print(f"[dim]{stats_line(last)}[/]")
+                console.print(f"[dim]{stats_line(last)}[/]", soft_wrap=True)
     finally:
         sess.close()
