@@ -86,10 +86,14 @@ def run_turn(
     """One turn with a prefill progress bar and, when stream is set, tokens printed as they come."""
     decoder = StreamDecoder(sess.tok)
     with Progress(
-        TextColumn("prefill"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
         console=Console(stderr=True), transient=True, redirect_stdout=False, redirect_stderr=False,
     ) as bar:  # fmt: skip
+        restore = bar.add_task("restore", total=None, visible=False)
         task = bar.add_task("prefill", total=None)
+
+        def on_restore(done: int, total: int) -> None:
+            bar.update(restore, completed=done, total=total, visible=True)
 
         def on_prefill(done: int, total: int) -> None:
             bar.update(task, completed=done, total=total)
@@ -103,7 +107,7 @@ def run_turn(
 
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            text, stats = sess.ask(question, max_tokens, Sampling(), on_text, on_prefill)
+            text, stats = sess.ask(question, max_tokens, Sampling(), on_text, on_prefill, on_restore)
     for w in caught:
         Console(stderr=True).print(f"[yellow]warning:[/] {w.message}", highlight=False)
     if stream:

@@ -49,6 +49,10 @@ class Sequence:
             self.summaries = grown
         self.summaries[index] = summary
 
+    def set_summaries(self, summaries: torch.Tensor) -> None:
+        """The summaries of chunks 0..n-1 at once (a restore: one host-to-device copy, not n)."""
+        self.summaries = summaries.float()
+
     def chunk_tokens_of(self, index: int) -> list[int]:
         c = self.chunk_tokens
         return self.tokens[index * c : (index + 1) * c]

@@ -133,7 +133,9 @@ class Session:
             *history, last = self.messages
             return encode_messages(self.tok, history, True) + self.tok.encode_plain(last["content"])
 
-    def _restore(self, ids: list[int], stats: TurnStats) -> None:
+    def _restore(
+        self, ids: list[int], stats: TurnStats, on_restore: Callable[[int, int], None] | None
+    ) -> None:
         """Reuses live KV, else restores the longest stored prefix; on damage, warns and goes cold."""
         if self.kv is not None and self.kv.seq.tokens == ids[: len(self.kv.seq)]:
             stats.source, stats.restored_tokens = "memory", len(self.kv.seq)
@@ -150,7 +152,7 @@ class Session:
             lazy = len(hashes) > self.kv.budget
         t0 = time.perf_counter()
         try:
-            r = self.snapshots.restore(self.kv, hashes, lazy, self._leases)
+            r = self.snapshots.restore(self.kv, hashes, lazy, self._leases, on_restore)
         except ChunkError as e:
             warnings.warn(f"snapshot unusable ({e}); prefilling cold", stacklevel=2)
             self.close()
@@ -167,13 +169,14 @@ class Session:
         sampling: Sampling = Sampling(),
         on_text: Callable[[int], None] | None = None,
         on_prefill: Callable[[int, int], None] | None = None,
+        on_restore: Callable[[int, int], None] | None = None,
     ) -> tuple[str, TurnStats]:
         """One turn: restore, prefill the rest, generate. on_text gets each token id as it comes;
-        on_prefill(done, total) reports prefill progress."""
+        on_restore and on_prefill (done, total) report progress."""
         stats = TurnStats()
         t0 = time.perf_counter()
         ids = self._prompt_ids(question)
-        self._restore(ids, stats)
+        self._restore(ids, stats, on_restore)
         kv = self.kv
         rest = ids[len(kv.seq) :]
         stats.prefilled_tokens = len(rest)

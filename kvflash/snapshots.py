@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -56,12 +57,19 @@ class KVSnapshots:
         return hashes[: self.store.find_longest_prefix(self.fp, hashes)]
 
     def restore(
-        self, kv: PagedKV, hashes: list[str], lazy: bool, leases: contextlib.ExitStack
+        self,
+        kv: PagedKV,
+        hashes: list[str],
+        lazy: bool,
+        leases: contextlib.ExitStack,
+        on_progress: Callable[[int, int], None] | None = None,
+        batch: int = 64,
     ) -> RestoreStats:
         """Restores the chunks named by hashes into an empty sequence; ChunkError on any failure.
 
         The lease is entered on `leases`, which the caller closes when the sequence is done with
-        the store (a lazy sequence reads from it until then).
+        the store (a lazy sequence reads from it until then). on_progress(chunks done, total)
+        follows an eager read, which goes in batches so it can report.
         """
         assert not len(kv.seq), "restore needs an empty sequence"
         if not hashes:
@@ -75,19 +83,23 @@ class KVSnapshots:
         try:
             if not lazy:
                 slots = [kv.host.alloc() for _ in hashes]
-                self.store.read_chunks_parallel(
-                    hashes, self.fp, shape, kv.pool.kv.dtype, out=[kv.host.view(h) for h in slots]
-                )
+                for lo in range(0, len(hashes), batch):
+                    outs = [kv.host.view(h) for h in slots[lo : lo + batch]]
+                    self.store.read_chunks_parallel(
+                        hashes[lo : lo + batch], self.fp, shape, kv.pool.kv.dtype, outs
+                    )
+                    if on_progress:
+                        on_progress(min(lo + batch, len(hashes)), len(hashes))
                 stats.chunks_read = len(hashes)
         except BaseException:
             for h in slots:
                 kv.host.release(h)
             raise
         kv.seq.ensure_chunks(len(hashes) * kv.cfg.chunk_tokens)
+        kv.seq.set_summaries(torch.stack([s.summary for s in summaries]).to(kv.pool.kv.device))
         for i, (h, s) in enumerate(zip(hashes, summaries, strict=True)):
             ch = kv.seq.chunks[i]
             kv.seq.tokens.extend(s.tokens)
-            kv.seq.set_summary(i, s.summary.to(kv.pool.kv.device))
             ch.sealed = True
             if lazy:
                 ch.disk = h
