@@ -66,7 +66,3 @@ class ContiguousKV:
 
     def end(self) -> None:
         self.length = self._end
-
-    def truncate(self, length: int) -> None:
-        """Forget positions >= length (e.g. to re-run a suffix)."""
-        self.length = min(self.length, length)

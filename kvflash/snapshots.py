@@ -24,8 +24,6 @@ from kvflash.storage import ROOT_HASH, ChunkBlob, SnapshotStore, chain_hashes
 @dataclass
 class RestoreStats:
     tokens: int = 0
-    chunks_read: int = 0
-    lazy: bool = False
 
 
 class KVSnapshots:
@@ -77,7 +75,7 @@ class KVSnapshots:
         cfg = kv.pool.cfg
         shape = chunk_shape(cfg, kv.cfg.chunk_tokens)
         leases.enter_context(self.store.lease(hashes))
-        stats = RestoreStats(lazy=lazy)
+        stats = RestoreStats()
         summaries = self.store.read_summaries(hashes, self.fp)
         slots: list[int] = []
         try:
@@ -90,7 +88,6 @@ class KVSnapshots:
                     )
                     if on_progress:
                         on_progress(min(lo + batch, len(hashes)), len(hashes))
-                stats.chunks_read = len(hashes)
         except BaseException:
             for h in slots:
                 kv.host.release(h)
