@@ -80,6 +80,7 @@ class Session:
         self.kv: PagedKV | None = None
         self._leases = contextlib.ExitStack()
         self._snapshot_id: str | None = None
+        self._resume_tail: list[int] = []
         if name and self.snapshots:
             self._resume()
 
