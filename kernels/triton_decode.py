@@ -168,13 +168,17 @@ def paged_decode_attention(
     sm_scale: float,
     *,
     n_splits: int | None = None,
+    block_tokens: int = BLOCK_TOKENS,
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> torch.Tensor:
-    """Same contract as reference.paged_decode_attention; n_splits overrides the heuristic."""
+    """Same contract as reference.paged_decode_attention; the keywords override the heuristics
+    (bench/decode_tune.py sweeps them)."""
     b, hq, d = q.shape
     h_kv, c = kv_pool.shape[3], kv_pool.shape[4]
     assert q.stride(2) == 1 and slot_table.stride(1) == 1, "q and slot_table rows must be contiguous"
     g = hq // h_kv
-    cpi = max(1, BLOCK_TOKENS // c)
+    cpi = max(1, block_tokens // c)
     tile_bytes = 2 * cpi * c * d * kv_pool.element_size()
     splits = n_splits or decode_splits(triton.cdiv(slot_table.shape[1], cpi), tile_bytes, b, h_kv, q.device)
     blocks_per_split = triton.cdiv(triton.cdiv(slot_table.shape[1], cpi), splits)
@@ -207,8 +211,8 @@ def paged_decode_attention(
         D=d,
         F32_DOT=f32_dot(q),
         PREC=dot_precision(kv_pool.dtype),
-        num_warps=4,
-        num_stages=2,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
     cols = min(d, COMBINE_COLS)

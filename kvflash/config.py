@@ -88,14 +88,17 @@ class ResidencyConfig:
     """The last this-many query tokens of a step score the chunks: enough to cover a question."""
     summary_blocks: int = 4
     """Each chunk is summarised by the mean key of each of this many equal runs of its tokens."""
+    scout_rounds: int = 2
+    """Scout passes over a long prompt's last step before the real one: the first runs with what is
+    resident, each later one with the chunks the previous one chose, whose queries then see them."""
 
     def __post_init__(self) -> None:
         from kvflash import KVFlashError
 
         if self.policy not in POLICIES:
             raise KVFlashError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
-        if self.chunk_tokens < 1 or self.sink_chunks < 0 or self.tail_chunks < 0:
-            raise KVFlashError("chunk_tokens must be positive; sink and tail chunks non-negative")
+        if self.chunk_tokens < 1 or min(self.sink_chunks, self.tail_chunks, self.scout_rounds) < 0:
+            raise KVFlashError("chunk_tokens must be positive; sink, tail and scout counts non-negative")
         if self.summary_blocks < 1 or self.chunk_tokens % self.summary_blocks:
             raise KVFlashError(
                 f"summary_blocks {self.summary_blocks} must divide chunk_tokens {self.chunk_tokens}"

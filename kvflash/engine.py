@@ -1,8 +1,8 @@
 """The engine: a model plus the shared chunk pool and host tier, and the prefill/decode loops over them.
 
 Prefill of a prompt longer than a sequence's budget runs in whole-chunk steps; under `qk` the last
-step is run twice, first as a scout whose queries score the chunks, so that the question at the end
-of a prompt chooses which chunks of the document it attends to.
+step is first run as scouts whose queries score the chunks, so that the question at the end of a
+prompt chooses which chunks of the document it attends to.
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ class Engine:
             positions = torch.arange(pos, pos + n, device=dev)
             if done + n == len(ids) and kv.cfg.policy == "qk" and len(kv.seq.chunks) + 1 > kv.budget:
                 kv.scout = True
-                model(piece, positions, kv)
+                for _ in range(kv.cfg.scout_rounds):
+                    model(piece, positions, kv)
                 kv.scout = False
             logits = model(piece, positions, kv)[0]
             pos, done = pos + n, done + n

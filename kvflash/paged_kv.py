@@ -8,6 +8,7 @@ With a budget that holds the whole context it computes what the dense cache comp
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 
@@ -20,6 +21,9 @@ from kvflash.kvcache import sdpa
 from kvflash.pool import ChunkPool
 from kvflash.residency import select_resident
 from kvflash.sequence import Chunk, Sequence
+
+SCORE_BYTES = 64 << 20
+"""Logits memory one batch of exact chunk scoring may take."""
 
 
 class PagedKV:
@@ -37,9 +41,11 @@ class PagedKV:
         """Reads stored chunks (by chain hash) into host-tier slots, in parallel: set by a lazy restore."""
         self._fetch_lock = threading.Lock()
         self.scout = False
+        """A scout step computes scores only: it neither advances the sequence nor seals chunks."""
+        self._scouted = False
+        """The last step was a scout: its scores are the question's, so the next step may select."""
         self._dirty = True
         """Pins changed since the last selection: the next step must select again."""
-        """A scout step computes scores only: it neither advances the sequence nor seals chunks."""
         self.step = 0
         self.chunk_nbytes = pool.kv[0].numel() * pool.kv.element_size()
         self.moved = {"disk": 0, "host_to_gpu": 0, "gpu_to_host": 0}
@@ -48,6 +54,8 @@ class PagedKV:
         """Bytes of chunk KV moved per tier since the sequence began (for stats lines)."""
         self._since_select = 0
         self._scores: torch.Tensor | None = None
+        self._queries: list[torch.Tensor] | None = None
+        """Each layer's scoring queries, on steps scored from exact keys (scouts, decode re-selection)."""
 
     # -- pins --------------------------------------------------------------------------------------
 
@@ -142,8 +150,9 @@ class PagedKV:
         self.seq.ensure_chunks(end)
         first, last = start // c, (end - 1) // c
         self._apply_scores()
-        # A scout keeps what is resident: it only needs the question's queries, cheaply.
-        due = (t > 1 or self._since_select >= self.tau()) and not self.scout
+        # A first scout keeps what is resident (there are no scores for the question yet); a later
+        # one selects with the scores the previous scout's queries gave.
+        due = (t > 1 or self._since_select >= self.tau()) and (not self.scout or self._scouted)
         if not due and not self._dirty and first == last and self.seq.chunks[first].gpu is not None:
             self._step_metadata(start, end)  # decode inside the resident append head: nothing moves
             return
@@ -191,6 +200,8 @@ class PagedKV:
         capture = self.cfg.policy == "qk" and (self.scout or t > 1 or self._since_select + t >= self.tau())
         if capture:
             self._scores = torch.zeros(self._n_cand, device=dev)
+        exact = capture and (self.scout or t == 1)
+        self._queries = [] if exact else None
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kv = self.pool.kv
@@ -199,7 +210,9 @@ class PagedKV:
         else:
             kv[:, layer, 0][self._w_slot.long(), :, self._w_off.long()] = k
             kv[:, layer, 1][self._w_slot.long(), :, self._w_off.long()] = v
-        if self._scores is not None and self._n_cand:
+        if self._queries is not None and self._n_cand:
+            self._queries.append(q[-self.cfg.score_queries :].float())
+        elif self._scores is not None and self._n_cand:
             self._score(layer, q)
         if self._triton:
             return self._attend_triton(layer, q)
@@ -218,23 +231,74 @@ class PagedKV:
         return kernels.prefill_attention(q, self.pool.kv, layer, self._slots, self._order, self._start, scale)
 
     def _score(self, layer: int, q: torch.Tensor) -> None:
-        """Adds this layer's estimate of the attention mass each chunk would get.
+        """Adds this layer's estimate of the attention mass each chunk would get (prefill steps).
 
         Each block mean key stands in for its tokens; a softmax over all blocks of all candidate
         chunks gives every (query token, head) a distribution, and a chunk scores the largest share
         any of them gives it. Summed shares would favour chunks that everyone looks at a little;
         the max finds the chunk one retrieval head looks at a lot (docs/ARCHITECTURE.md, Residency).
         """
-        summ = self.seq.summaries[: self._n_cand, layer]  # [N, Hkv, B, D]
-        n, h_kv, blocks, d = summ.shape
         qs = q[-self.cfg.score_queries :].float()
-        qs = qs.view(qs.shape[0], h_kv, -1, d)  # [t, Hkv, G, D]
-        logits = torch.einsum("thgd,nhbd->thgnb", qs, summ).flatten(3) * d**-0.5
-        mass = torch.softmax(logits, dim=-1).view(*logits.shape[:3], n, blocks).sum(-1)
-        self._scores += mass.flatten(0, 2).amax(0) / self.pool.cfg.n_layers
+        lse = self._estimate_lse(qs[None], torch.arange(self._n_cand, device=qs.device), [layer])
+        self._scores += self._mass(lse)[0]
+
+    def _estimate_lse(self, qs: torch.Tensor, index: torch.Tensor, layers: list[int] | slice) -> torch.Tensor:
+        """log Σ exp(q·k/√d) over each chunk's tokens, with every block's tokens at its mean key.
+
+        qs [L', t, Hq, D] for the given layers; returns [L', t, Hq, len(index)]."""
+        summ = self.seq.summaries[index][:, layers]  # [N, L', Hkv, B, D]
+        n, _, h_kv, blocks, d = summ.shape
+        qs = qs.view(*qs.shape[:2], h_kv, -1, d)
+        logits = torch.einsum("lthgd,nlhbd->lthgnb", qs, summ) * d**-0.5
+        return (logits.logsumexp(-1) + math.log(self.cfg.chunk_tokens // blocks)).flatten(2, 3)
+
+    @staticmethod
+    def _mass(lse: torch.Tensor) -> torch.Tensor:
+        """[L, t, Hq, N] chunk log-masses -> [L, N]: the largest softmax share any query and head gives
+        each chunk, per layer, divided by the layer count (the caller sums over layers)."""
+        mass = torch.softmax(lse, dim=-1)
+        return mass.flatten(1, 2).amax(1) / lse.shape[0]
+
+    def _exact_scores(self, from_host: bool) -> torch.Tensor:
+        """Scores from the keys themselves, for the queries this step recorded in every layer.
+
+        A block mean key underrates a block holding one sharply matching key (exp is convex), which is
+        what a needle looks like, so the question's scouts score from exact keys: chunks on the GPU
+        read in place, host-tier chunks streamed to the device in batches (`from_host`), disk-only
+        chunks (a lazy restore) at their summaries' estimate. Decode re-selection reads only the GPU.
+        """
+        qs = torch.stack(self._queries)  # [L, t, Hq, D]
+        n_layers, t, hq, d = qs.shape
+        dev, h_kv = qs.device, self.pool.kv.shape[3]
+        lse = torch.empty(n_layers, t, hq, self._n_cand, device=dev)
+        chunks = self.seq.chunks[: self._n_cand]
+        on_gpu = [ch for ch in chunks if ch.gpu is not None]
+        on_host = [ch for ch in chunks if ch.gpu is None and ch.host is not None] if from_host else []
+        rest = [ch.index for ch in chunks if ch.gpu is None and not (from_host and ch.host is not None)]
+        per_chunk = n_layers * t * hq * self.cfg.chunk_tokens * 4
+        batch = max(1, SCORE_BYTES // per_chunk)
+        qg = qs.view(n_layers, t, h_kv, -1, d)
+        for lo in range(0, len(on_gpu), batch):
+            part = on_gpu[lo : lo + batch]
+            slots = torch.tensor([ch.gpu for ch in part], device=dev)
+            keys = self.pool.kv[slots, :, 0]  # [n, L, Hkv, C, D]
+            lse[..., [ch.index for ch in part]] = _keys_lse(qg, keys)
+        for lo in range(0, len(on_host), batch):
+            part = on_host[lo : lo + batch]
+            stage = torch.empty((len(part), *self.pool.kv.shape[1:]), dtype=self.pool.kv.dtype, device=dev)
+            for j, ch in enumerate(part):
+                stage[j].copy_(self.host.view(ch.host), non_blocking=True)
+            lse[..., [ch.index for ch in part]] = _keys_lse(qg, stage[:, :, 0])
+        if rest:
+            lse[..., rest] = self._estimate_lse(qs, torch.tensor(rest, device=dev), slice(None))
+        return self._mass(lse).sum(0)
 
     def end(self) -> None:
         self.step += 1
+        self._scouted = self.scout
+        if self._queries:
+            self._scores = self._exact_scores(from_host=self.scout)
+        self._queries = None
         if self.scout:
             return
         self.seq.tokens.extend(self._ids)
@@ -263,3 +327,9 @@ class PagedKV:
             if ch.host is not None:
                 self.host.release(ch.host)
                 ch.host = None
+
+
+def _keys_lse(qs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """qs [L, t, Hkv, G, D], keys [N, L, Hkv, C, D] -> log Σ_tokens exp(q·k/√d) as [L, t, Hq, N]."""
+    logits = torch.einsum("lthgd,nlhcd->lthgnc", qs, keys.float()) * qs.shape[-1] ** -0.5
+    return logits.logsumexp(-1).flatten(2, 3)

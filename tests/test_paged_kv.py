@@ -175,3 +175,42 @@ def test_tier_round_trips_are_bit_exact() -> None:
         host.fence()
         host.release(h)
     assert torch.equal(pool.kv[slot].view(torch.int16), original.view(torch.int16))
+
+
+def test_scout_scores_from_exact_keys_find_one_sharp_key_that_block_means_miss() -> None:
+    """Chunk 3 leans a little towards the query in every token, chunk 7 holds one key that matches it
+    hard. Attention gives chunk 7 about 50x the mass of chunk 3, but their block means rate chunk 3
+    higher; a prefill step's estimate is fooled, the question's scout (exact keys, streamed from the
+    host tier) is not."""
+    cfg = tiny_config()
+    kv = make_kv(cfg, n_slots=8, policy="qk")
+    h_kv, hq, d, c = cfg.n_kv_heads, cfg.n_heads, cfg.head_dim, 16
+    u = torch.zeros(d)
+    u[0] = 1.0
+    gen = torch.Generator().manual_seed(0)
+
+    def step(lo: int, t: int, keys: torch.Tensor, q: torch.Tensor) -> None:
+        kv.begin(torch.zeros(t, dtype=torch.long), torch.arange(lo, lo + t))
+        for layer in range(cfg.n_layers):
+            kv.attend(layer, q.expand(t, hq, d), keys[:, None].expand(t, h_kv, d), torch.randn(t, h_kv, d))
+        kv.end()
+
+    q_doc = torch.randn(1, hq, d, generator=gen) * 0.1
+    for i in range(20):
+        keys = torch.randn(c, d, generator=gen) * 0.05
+        keys[:, 0] = 0.0
+        if i == 3:
+            keys += 1.2 * u
+        if i == 7:
+            keys[5] = 8.0 * u
+        step(i * c, c, keys, q_doc)
+    assert kv.seq.chunks[7].host is not None and kv.seq.chunks[7].gpu is None
+
+    q_question = (4.0 * u).expand(1, hq, d)
+    step(20 * c, 2, torch.randn(2, d, generator=gen) * 0.05, q_question)  # a prefill step: estimates
+    kv._apply_scores()
+    assert kv.seq.chunks[3].score > kv.seq.chunks[7].score
+    kv.scout = True
+    step(len(kv.seq), 2, torch.randn(2, d, generator=gen) * 0.05, q_question)
+    kv._apply_scores()
+    assert kv.seq.chunks[7].score > 10 * kv.seq.chunks[3].score
