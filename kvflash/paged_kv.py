@@ -239,14 +239,13 @@ class PagedKV:
         the max finds the chunk one retrieval head looks at a lot (docs/ARCHITECTURE.md, Residency).
         """
         qs = q[-self.cfg.score_queries :].float()
-        lse = self._estimate_lse(qs[None], torch.arange(self._n_cand, device=qs.device), [layer])
-        self._scores += self._mass(lse)[0]
+        summ = self.seq.summaries[: self._n_cand, layer, None]  # a view: no copy of every summary
+        self._scores += self._mass(self._estimate_lse(qs[None], summ))[0]
 
-    def _estimate_lse(self, qs: torch.Tensor, index: torch.Tensor, layers: list[int] | slice) -> torch.Tensor:
+    def _estimate_lse(self, qs: torch.Tensor, summ: torch.Tensor) -> torch.Tensor:
         """log Σ exp(q·k/√d) over each chunk's tokens, with every block's tokens at its mean key.
 
-        qs [L', t, Hq, D] for the given layers; returns [L', t, Hq, len(index)]."""
-        summ = self.seq.summaries[index][:, layers]  # [N, L', Hkv, B, D]
+        qs [L', t, Hq, D], summaries [N, L', Hkv, B, D] of the same layers -> [L', t, Hq, N]."""
         n, _, h_kv, blocks, d = summ.shape
         qs = qs.view(*qs.shape[:2], h_kv, -1, d)
         logits = torch.einsum("lthgd,nlhbd->lthgnb", qs, summ) * d**-0.5
@@ -290,7 +289,7 @@ class PagedKV:
                 stage[j].copy_(self.host.view(ch.host), non_blocking=True)
             lse[..., [ch.index for ch in part]] = _keys_lse(qg, stage[:, :, 0])
         if rest:
-            lse[..., rest] = self._estimate_lse(qs, torch.tensor(rest, device=dev), slice(None))
+            lse[..., rest] = self._estimate_lse(qs, self.seq.summaries[torch.tensor(rest, device=dev)])
         return self._mass(lse).sum(0)
 
     def end(self) -> None:
