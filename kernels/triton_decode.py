@@ -150,11 +150,23 @@ def _combine_kernel(
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
-def decode_splits(max_blocks: int, tile_bytes: int, batch: int, n_kv_heads: int, device: torch.device) -> int:
-    """Splits per (sequence, kv-head): WAVES programs per resident slot of the device, none shorter
+def decode_launch(head_dim: int, batch: int) -> tuple[int, int, int]:
+    """(tokens per loop iteration, pipeline stages, waves) for a shape, from bench/decode_tune.py's
+    sweep on the H200 (docs/BENCHMARKS.md): head_dim 128 wants 128-token tiles three stages deep,
+    with twice the waves once a batch shares the device; head_dim 64 at batch 1 wants the smallest
+    tile, so that its few kv-heads still spread over every SM."""
+    if head_dim >= 128:
+        return 128, 3, WAVES * (1 if batch == 1 else 2)
+    return (BLOCK_TOKENS if batch == 1 else 2 * BLOCK_TOKENS), 2, WAVES
+
+
+def decode_splits(
+    max_blocks: int, tile_bytes: int, batch: int, n_kv_heads: int, device: torch.device, waves: int = WAVES
+) -> int:
+    """Splits per (sequence, kv-head): `waves` programs per resident slot of the device, none shorter
     than MIN_BLOCKS_PER_SPLIT blocks. Sized by the table width, so no host sync is needed."""
     resident = sm_count(device) * max(1, TILE_BYTES_PER_SM // tile_bytes)
-    want = triton.cdiv(WAVES * resident, batch * n_kv_heads)
+    want = triton.cdiv(waves * resident, batch * n_kv_heads)
     return max(1, min(want, triton.cdiv(max_blocks, MIN_BLOCKS_PER_SPLIT), MAX_SPLITS))
 
 
@@ -168,20 +180,22 @@ def paged_decode_attention(
     sm_scale: float,
     *,
     n_splits: int | None = None,
-    block_tokens: int = BLOCK_TOKENS,
+    block_tokens: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
-    """Same contract as reference.paged_decode_attention; the keywords override the heuristics
-    (bench/decode_tune.py sweeps them)."""
+    """Same contract as reference.paged_decode_attention; the keywords override `decode_launch` and
+    `decode_splits` (bench/decode_tune.py sweeps them)."""
     b, hq, d = q.shape
     h_kv, c = kv_pool.shape[3], kv_pool.shape[4]
     assert q.stride(2) == 1 and slot_table.stride(1) == 1, "q and slot_table rows must be contiguous"
     g = hq // h_kv
-    cpi = max(1, block_tokens // c)
+    tuned_block, tuned_stages, waves = decode_launch(d, b)
+    cpi = max(1, (block_tokens or tuned_block) // c)
     tile_bytes = 2 * cpi * c * d * kv_pool.element_size()
-    splits = n_splits or decode_splits(triton.cdiv(slot_table.shape[1], cpi), tile_bytes, b, h_kv, q.device)
-    blocks_per_split = triton.cdiv(triton.cdiv(slot_table.shape[1], cpi), splits)
+    max_blocks = triton.cdiv(slot_table.shape[1], cpi)
+    splits = n_splits or decode_splits(max_blocks, tile_bytes, b, h_kv, q.device, waves)
+    blocks_per_split = triton.cdiv(max_blocks, splits)
     o_part = torch.empty((b, hq, splits, d), dtype=torch.float32, device=q.device)
     lse = torch.empty((b, hq, splits), dtype=torch.float32, device=q.device)
     layer_off, s_slot, s_kv, s_head, s_tok = pool_strides(kv_pool, layer)
@@ -212,7 +226,7 @@ def paged_decode_attention(
         F32_DOT=f32_dot(q),
         PREC=dot_precision(kv_pool.dtype),
         num_warps=num_warps,
-        num_stages=num_stages,
+        num_stages=num_stages or tuned_stages,
     )
     out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
     cols = min(d, COMBINE_COLS)
