@@ -152,9 +152,12 @@ def _combine_kernel(
 
 def decode_launch(head_dim: int, batch: int) -> tuple[int, int, int]:
     """(tokens per loop iteration, pipeline stages, waves) for a shape, from bench/decode_tune.py's
-    sweep on the H200 (docs/BENCHMARKS.md): head_dim 128 wants 128-token tiles three stages deep,
-    with twice the waves once a batch shares the device; head_dim 64 at batch 1 wants the smallest
-    tile, so that its few kv-heads still spread over every SM."""
+    sweep on the H200 (docs/BENCHMARKS.md). Small batches are where the defaults fell short: there
+    head_dim 128 wants 128-token tiles three stages deep (and twice the waves at batch 2-15), and
+    head_dim 64 wants 128-token tiles from batch 2. From batch 16 the (b, kv-head) programs alone
+    fill the device and the plain defaults are best."""
+    if batch >= 16:
+        return BLOCK_TOKENS, 2, WAVES
     if head_dim >= 128:
         return 128, 3, WAVES * (1 if batch == 1 else 2)
     return (BLOCK_TOKENS if batch == 1 else 2 * BLOCK_TOKENS), 2, WAVES
