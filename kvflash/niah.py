@@ -30,12 +30,13 @@ from kvflash.models.loader import LoadedModel, load_model
 from kvflash.prompt import encode_messages
 from kvflash.session import Document, Session, TurnStats, system_message
 from kvflash.storage import SnapshotStore
+from kvflash.storage.codec import CODEC_NAMES
 
 MODES = ("cold", "restore", "lazy")
 NEUTRAL_QUESTION = "Summarise the document in one sentence."
 """Asked by the session that stores the document in restore modes: it only needs the prefill."""
 ARM_FIELDS = (
-    "pool_tokens", "budget_frac", "policy", "mode", "template", "haystack",
+    "pool_tokens", "budget_frac", "policy", "mode", "codec", "template", "haystack",
     "needle", "question", "seed", "max_tokens", "model", "dtype",
 )  # fmt: skip
 """Settings that change answers: a resumed run must agree on all of them (the grid may grow)."""
@@ -55,6 +56,8 @@ class NiahConfig:
     """Pool as a share of each length, in whole chunks, at least the residency floor."""
     policy: str = "full"
     mode: str = "cold"
+    codec: str = "lossless"
+    """The snapshot codec in restore modes: lossless, or fp8 to check that its error spares the needle."""
     template: str = "passcode"
     haystack: str | None = None
     """A text file used as filler (repeated as needed) instead of the built-in generator."""
@@ -78,6 +81,8 @@ class NiahConfig:
             raise KVFlashError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if self.mode not in MODES:
             raise KVFlashError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        if self.codec not in CODEC_NAMES:
+            raise KVFlashError(f"unknown codec {self.codec!r}; choose one of {', '.join(CODEC_NAMES)}")
         if self.template not in TEMPLATES:
             raise KVFlashError(f"unknown template {self.template!r}; choose one of {', '.join(TEMPLATES)}")
         self._check_pool()
@@ -130,7 +135,8 @@ class NiahConfig:
             inv = 1 / self.budget_frac
             share = f"1/{round(inv)}" if abs(inv - round(inv)) < 1e-9 else f"{self.budget_frac:g}"
             pool = f"{self.policy} @ {share} of length"
-        return f"{pool}, {self.mode}"
+        codec = f", {self.codec}" if self.codec != "lossless" and self.mode != "cold" else ""
+        return f"{pool}, {self.mode}{codec}"
 
     def pool_for(self, length: int, prompt_tokens: int) -> int:
         """Pool tokens for one trial: the whole prompt and answer under full, else the configured share."""
@@ -207,7 +213,7 @@ class ModelArm:
 
     def __init__(self, cfg: NiahConfig, lm: LoadedModel):
         self.cfg, self.lm, self.tok = cfg, lm, lm.tokenizer
-        self.store = SnapshotStore(Path(cfg.out) / "store") if cfg.mode != "cold" else None
+        self.store = SnapshotStore(Path(cfg.out) / "store", cfg.codec) if cfg.mode != "cold" else None
 
     def count_tokens(self, text: str) -> int:
         return len(self.tok.encode_plain(text))
@@ -274,6 +280,7 @@ class Grid:
         except json.JSONDecodeError:
             raise KVFlashError(f"{saved} is not readable JSON; use another --out") from None
         new = self.cfg.arm()
+        old.setdefault("codec", "lossless")  # saved before the field existed
         diff = [k for k in ARM_FIELDS if old.get(k) != new[k]]
         if diff:
             detail = ", ".join(f"{k} {old.get(k)!r} -> {new[k]!r}" for k in diff)

@@ -141,6 +141,7 @@ def test_pool_sizes() -> None:
         (dict(policy="qk", pool_tokens=100), "below the floor"),
         (dict(policy="lru", budget_frac=1.5), "budget-frac"),
         (dict(mode="warm"), "unknown mode"),
+        (dict(codec="zip"), "unknown codec"),
         (dict(needle="no value here"), r"\{value\}"),
         (dict(question="What about {name}?"), "bad needle or question template"),
         (dict(depths=(0.5, 2.0)), "depths"),
