@@ -278,6 +278,7 @@ class SnapshotStore:
         """Chunks in the given order (into `out[i]` where given); reads and decodes run on the pool."""
         outs = _check_out(out, len(hashes))
         self._check_rows(hashes, expect_fingerprint)
+        self.backend.will_need(hashes)
         load = partial(self._load, fp=expect_fingerprint, shape=expect_shape, dtype=expect_dtype)
         return list(self.pool.map(load, hashes, outs))
 

@@ -713,3 +713,21 @@ def test_inspect_decodes_text_with_a_given_tokenizer(store) -> None:
     sid = store.put_snapshot("s", FP, make_chain(toks(2)))
     facts = snapshot_cmd.inspect_snapshot(store, sid, decode_tokens=lambda ids: " ".join(map(str, ids)))
     assert facts["text"] == " ".join(map(str, toks(2)))
+
+
+def test_frame_checksum_is_verified_and_old_frames_fall_back_to_the_raw_crc() -> None:
+    """Frames carry zstd's content checksum, which replaces the raw crc32 on decode: a frame whose
+    checksum disagrees with its content is refused even when the header's raw crc matches that
+    content; a frame without one (older files) is still held to the raw crc."""
+    kv = torch.randn(2, 2, 1, 4, 8).bfloat16()
+    enc = codec.encode(kv, Codec.LOSSLESS)
+    assert zstandard.get_frame_parameters(enc.payload).has_checksum
+    other = codec._split_planes(kv + 1)
+    forged = zstandard.ZstdCompressor(write_checksum=True).compress(other)
+    bad = bytearray(forged)
+    bad[-1] ^= 0xFF  # the frame's checksum no longer matches its content
+    with pytest.raises(ValueError, match="zstd"):
+        codec.decode(bytes(bad), Codec.LOSSLESS, kv.dtype, tuple(kv.shape), len(other), zlib.crc32(other))
+    legacy = zstandard.ZstdCompressor(write_checksum=False).compress(other)
+    with pytest.raises(ValueError, match="raw checksum"):
+        codec.decode(legacy, Codec.LOSSLESS, kv.dtype, tuple(kv.shape), enc.raw_len, enc.raw_crc)
