@@ -197,8 +197,6 @@ class Session:
             if t_first is None:
                 t_first = time.perf_counter()
                 stats.ttft_s = t_first - t0
-                if self.snapshots:
-                    self.snapshots.start_prefetch(kv)
             answer.append(tok)
             if on_text:
                 on_text(tok)
@@ -213,6 +211,8 @@ class Session:
         self.messages += [{"role": "user", "content": question}, {"role": "assistant", "content": text}]
         stats.bytes_moved = dict(kv.moved)
         stats.resident_chunks = len(kv.resident())
+        if self.snapshots:
+            self.snapshots.start_prefetch(kv)
         if self.snapshots:
             stats.snapshot_id = self.save()
         return text, stats
