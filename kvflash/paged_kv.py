@@ -106,12 +106,13 @@ class PagedKV:
     def load_to_host(self, chunks: list[Chunk]) -> None:
         """Brings disk-only chunks into the host tier in one parallel read (selection and prefetch)."""
         with self._fetch_lock:
+            fetch = self.fetch  # `free` may clear it without the lock
             todo = [ch for ch in chunks if ch.host is None and ch.gpu is None and ch.disk is not None]
-            if not todo or self.fetch is None:
+            if not todo or fetch is None:
                 return
             slots = [self.host.alloc() for _ in todo]
             try:
-                self.fetch([ch.disk for ch in todo], [self.host.view(h) for h in slots])
+                fetch([ch.disk for ch in todo], [self.host.view(h) for h in slots])
             except BaseException:
                 for h in slots:
                     self.host.release(h)
@@ -317,8 +318,11 @@ class PagedKV:
 
     def free(self) -> None:
         """Returns every GPU and host slot of this sequence."""
-        with self._fetch_lock:
-            self.fetch = None
+        # Cleared before taking the lock: a prefetch re-takes it batch after batch (locks are not
+        # fair) and would otherwise keep a closing session waiting for the whole document.
+        self.fetch = None
+        with self._fetch_lock:  # waits for the batch in flight
+            pass
         for ch in self.seq.chunks:
             if ch.gpu is not None:
                 self.pool.release(ch.gpu)

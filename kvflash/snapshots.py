@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,6 +20,9 @@ import torch
 from kvflash.paged_kv import PagedKV
 from kvflash.pool import chunk_shape
 from kvflash.storage import ROOT_HASH, ChunkBlob, SnapshotStore, chain_hashes
+
+PREFETCH_PAUSE_S = 0.001
+"""Between prefetch batches, so that a selection waiting for the fetch lock gets it."""
 
 
 @dataclass
@@ -135,3 +139,4 @@ class KVSnapshots:
                 kv.load_to_host(order[lo : lo + batch])
             except Exception:  # selection retries the chunk and reports; prefetch is best effort
                 return
+            time.sleep(PREFETCH_PAUSE_S)  # locks are not fair: let a waiting selection take it

@@ -7,6 +7,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from kvflash.engine import Engine
 from kvflash.haystack import filler_sentences
 from kvflash.models.loader import load_model
 from kvflash.session import Document, Session
+from kvflash.snapshots import KVSnapshots
 from kvflash.storage import SnapshotStore
 
 FACT = "The lighthouse of Port Elden was built in 1843 by an engineer named Mara Quill."
@@ -184,3 +186,23 @@ def test_lazy_restore_under_a_small_budget_reads_only_what_it_selects(lm, tmp_pa
     assert sb.source == "lazy" and sb.restored_tokens >= 12 * 64
     assert 0 < sb.bytes_moved["disk"] <= 8 * chunk_bytes < sb.restored_tokens // 64 * chunk_bytes
     assert sb.resident_chunks <= 8
+
+
+def test_closing_a_lazy_session_stops_its_prefetch(lm, tmp_path) -> None:
+    """A prefetch re-takes the fetch lock batch after batch; closing must not wait for it to read
+    the whole document (the lock is not fair)."""
+    doc = document(n_sentences=60)
+    with SnapshotStore(tmp_path) as store:
+        turns(Session(engine(lm, pool_tokens=512), [doc], store), [Q1])
+        sess = Session(engine(lm, pool_tokens=512), [doc], store, lazy=True)
+        sess.snapshots.prefetch = False
+        sess.ask(Q2, MAX)
+        kv = sess.kv
+        on_disk = sum(ch.gpu is None and ch.host is None and ch.disk is not None for ch in kv.seq.chunks)
+        read_before = kv.moved["disk"]
+        prefetch = threading.Thread(target=KVSnapshots._prefetch, args=(kv, 1))
+        prefetch.start()
+        sess.close()
+        prefetch.join()
+    assert on_disk >= 4
+    assert (kv.moved["disk"] - read_before) // kv.chunk_nbytes < on_disk
