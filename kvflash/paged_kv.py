@@ -19,7 +19,7 @@ from kvflash.config import ResidencyConfig
 from kvflash.host_tier import HostTier
 from kvflash.kvcache import sdpa
 from kvflash.pool import ChunkPool
-from kvflash.residency import select_resident
+from kvflash.residency import required_chunks, select_resident
 from kvflash.sequence import Chunk, Sequence
 
 SCORE_BYTES = 64 << 20
@@ -151,13 +151,19 @@ class PagedKV:
         self.seq.ensure_chunks(end)
         first, last = start // c, (end - 1) // c
         self._apply_scores()
-        # A first scout keeps what is resident (there are no scores for the question yet); a later
-        # one selects with the scores the previous scout's queries gave.
-        due = (t > 1 or self._since_select >= self.tau()) and (not self.scout or self._scouted)
-        if not due and not self._dirty and first == last and self.seq.chunks[first].gpu is not None:
+        # A first scout has no scores for the question yet: it runs on the floor alone (sinks, tail,
+        # pins, its own chunks), whatever happens to be resident, so that a restored sequence scouts
+        # exactly as a cold one does. A later scout selects with the previous one's scores.
+        first_scout = self.scout and not self._scouted
+        due = (t > 1 or self._since_select >= self.tau()) and not first_scout
+        fast = not (due or first_scout or self._dirty)
+        if fast and first == last and self.seq.chunks[first].gpu is not None:
             self._step_metadata(start, end)  # decode inside the resident append head: nothing moves
             return
-        want = select_resident(self.seq, self.cfg, self.budget, first, last, reselect=due)
+        if first_scout:
+            want = required_chunks(self.seq, self.cfg, first, last)
+        else:
+            want = select_resident(self.seq, self.cfg, self.budget, first, last, reselect=due)
         if due:
             self._since_select = 0
         for ch in self.resident():
