@@ -89,8 +89,8 @@ class ResidencyConfig:
     summary_blocks: int = 4
     """Each chunk is summarised by the mean key of each of this many equal runs of its tokens."""
     scout_rounds: int = 2
-    """Scout passes over a long prompt's last step before the real one: the first runs with what is
-    resident, each later one with the chunks the previous one chose, whose queries then see them."""
+    """Scout passes over a long prompt's last step before the real one: the first runs on the floor
+    alone, each later one with the chunks the previous one chose, whose queries then see them."""
 
     def __post_init__(self) -> None:
         from kvflash import KVFlashError
