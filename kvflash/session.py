@@ -213,7 +213,6 @@ class Session:
         stats.resident_chunks = len(kv.resident())
         if self.snapshots:
             self.snapshots.start_prefetch(kv)
-        if self.snapshots:
             stats.snapshot_id = self.save()
         return text, stats
 

@@ -107,8 +107,8 @@ def decode(
         raise ValueError(f"zstd: {e}") from None
     if n != raw_len or extra:
         raise ValueError(f"the zstd frame holds {'more' if extra else n} bytes, expected {raw_len}")
-    # zstd checks a frame's own content checksum (XXH64) while decompressing, several times faster
-    # than crc32 here; frames written before it existed fall back to the header's raw crc.
+    # zstd checks a frame's own content checksum (XXH64) while decompressing, cheaper than a second
+    # pass of crc32 over the raw bytes; frames written before it existed use the header's raw crc.
     if not frame.has_checksum and zlib.crc32(raw) != raw_crc:
         raise ValueError("raw checksum mismatch")
     if out is None:
