@@ -183,11 +183,14 @@ class SnapshotStore:
         rows: list[ChunkRow] = []
         pending: deque[Future[ChunkRow]] = deque()
         chunk_tokens, layout = None, None
+        items = list(chunks)
+        # One index query for the whole sequence, not one per chunk (2,048 of them at 128K tokens).
+        known = self.index.chunk_rows([check_hash(x) if isinstance(x, str) else x.chain_hash for x in items])
         try:
-            for pos, item in enumerate(chunks):
+            for pos, item in enumerate(items):
                 parent = hashes[-1] if hashes else ROOT_HASH
                 if isinstance(item, str):
-                    row = self._stored_link(item, fingerprint, pos, parent)
+                    row = _stored_link(known.get(item), item, fingerprint, pos, parent)
                     h, c = row.hash, row.n_tokens
                 else:
                     _check_link(item, fingerprint, pos, parent)
@@ -198,7 +201,7 @@ class SnapshotStore:
                             f"chunk {pos}: shape, dtype or summary blocks differ from the chunks before"
                         )
                     h, c = item.chain_hash, len(item.tokens)
-                    row = self.index.chunk_rows([h]).get(h)
+                    row = known.get(h)
                     if row is None or row.damaged:
                         written.append(h)
                         pending.append(self.pool.submit(self._store_one, item))
@@ -218,14 +221,6 @@ class SnapshotStore:
         if not hashes:
             raise InvalidChunk("nothing to save: a snapshot needs at least one full chunk")
         return hashes, rows, len(hashes) * chunk_tokens
-
-    def _stored_link(self, chunk_hash: str, fingerprint: str, pos: int, parent: str) -> ChunkRow:
-        row = self.index.chunk_rows([check_hash(chunk_hash)]).get(chunk_hash)
-        if row is None or row.damaged:
-            raise ChunkMissing(chunk_hash, "given by hash but not stored intact; pass the chunk itself")
-        if row.fingerprint != fingerprint or row.index != pos or row.parent_hash != parent:
-            raise InvalidChunk(f"chunk {pos}: stored chunk {chunk_hash[:16]} does not continue the chain")
-        return row
 
     def _store_one(self, blob: ChunkBlob) -> ChunkRow:
         head, payload, h = encode_chunk(blob, self.codec, self.level)
@@ -527,6 +522,15 @@ def _check_out(out: Sequence[torch.Tensor] | None, n: int) -> list[torch.Tensor 
     if len(out) != n or not all(t.device.type == "cpu" and t.is_contiguous() for t in out):
         raise StoreError(f"restore destinations must be {n} contiguous CPU tensors")
     return list(out)
+
+
+def _stored_link(row: ChunkRow | None, chunk_hash: str, fingerprint: str, pos: int, parent: str) -> ChunkRow:
+    """The index row of a chunk given by hash, checked to continue the chain at `pos`."""
+    if row is None or row.damaged:
+        raise ChunkMissing(chunk_hash, "given by hash but not stored intact; pass the chunk itself")
+    if row.fingerprint != fingerprint or row.index != pos or row.parent_hash != parent:
+        raise InvalidChunk(f"chunk {pos}: stored chunk {chunk_hash[:16]} does not continue the chain")
+    return row
 
 
 def _check_link(blob: ChunkBlob, fingerprint: str, pos: int, parent: str) -> None:
