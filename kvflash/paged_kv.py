@@ -57,6 +57,12 @@ class PagedKV:
         self._queries: list[torch.Tensor] | None = None
         """Each layer's scoring queries, on steps scored from exact keys (scouts, decode re-selection)."""
 
+    @property
+    def summary_shape(self) -> torch.Size:
+        """One chunk's summary: `[L, Hkv, B, D]` block mean keys."""
+        cfg = self.pool.cfg
+        return torch.Size((cfg.n_layers, cfg.n_kv_heads, self.cfg.summary_blocks, cfg.head_dim))
+
     # -- pins --------------------------------------------------------------------------------------
 
     def pin_range(self, lo: int, hi: int) -> None:

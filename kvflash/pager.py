@@ -38,13 +38,8 @@ def floor_to_chunk(n_tokens: int, chunk_tokens: int) -> int:
 
 def _record_size(kv: PagedKV) -> int:
     cfg, c = kv.pool.cfg, kv.cfg.chunk_tokens
-    summary = 4 * _summary_shape(kv).numel()
+    summary = 4 * kv.summary_shape.numel()
     return RECORD_HEAD.size + 4 * c + summary + chunk_bytes(cfg, c, kv.pool.kv.dtype) + 4
-
-
-def _summary_shape(kv: PagedKV) -> torch.Size:
-    cfg = kv.pool.cfg
-    return torch.Size((cfg.n_layers, cfg.n_kv_heads, kv.cfg.summary_blocks, cfg.head_dim))
 
 
 def _raw(t: torch.Tensor) -> bytes:
@@ -139,7 +134,7 @@ def deserialize(kv: PagedKV, blob: bytes, fingerprint: str) -> int:
     c = kv.cfg.chunk_tokens
     mv = memoryview(blob)
     rsize, pos = _record_size(kv), HEADER.size + 4
-    sum_shape = _summary_shape(kv)
+    sum_shape = kv.summary_shape
     sum_bytes = 4 * sum_shape.numel()
     gpu_room = max(0, kv.budget - kv.cfg.floor_chunks() + 1)
     kv.seq.ensure_chunks(n * c)

@@ -80,7 +80,8 @@ class KVSnapshots:
         shape = chunk_shape(cfg, kv.cfg.chunk_tokens)
         leases.enter_context(self.store.lease(hashes))
         stats = RestoreStats()
-        summaries = self.store.read_summaries(hashes, self.fp)
+        summary_rows = torch.empty((len(hashes), *kv.summary_shape))
+        summaries = self.store.read_summaries(hashes, self.fp, summary_rows)
         slots: list[int] = []
         try:
             if not lazy:
@@ -97,7 +98,7 @@ class KVSnapshots:
                 kv.host.release(h)
             raise
         kv.seq.ensure_chunks(len(hashes) * kv.cfg.chunk_tokens)
-        kv.seq.set_summaries(torch.stack([s.summary for s in summaries]).to(kv.pool.kv.device))
+        kv.seq.set_summaries(summary_rows.to(kv.pool.kv.device))
         for i, (h, s) in enumerate(zip(hashes, summaries, strict=True)):
             ch = kv.seq.chunks[i]
             kv.seq.tokens.extend(s.tokens)

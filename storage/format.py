@@ -219,8 +219,11 @@ def check_identity(
         raise ChunkMismatch(chunk_hash, f"dtype {h.dtype}, expected {expect_dtype}")
 
 
-def decode_meta(h: ChunkHeader, meta: bytes | memoryview, chunk_hash: str) -> tuple[list[int], torch.Tensor]:
-    """Token ids and summary from their two sections, checked by their checksum and the chain hash."""
+def decode_meta(
+    h: ChunkHeader, meta: bytes | memoryview, chunk_hash: str, out: torch.Tensor | None = None
+) -> tuple[list[int], torch.Tensor]:
+    """Token ids and summary from their two sections, checked by their checksum and the chain hash.
+    The summary goes into `out` (fp32 CPU, of the header's summary shape) when given."""
     if len(meta) != h.tokens_len + h.summary_len:
         raise ChunkCorrupt(chunk_hash, "truncated token/summary sections")
     if zlib.crc32(meta) != h.meta_crc:
@@ -231,8 +234,13 @@ def decode_meta(h: ChunkHeader, meta: bytes | memoryview, chunk_hash: str) -> tu
     tokens = np.frombuffer(view, dtype="<i4", count=h.n_tokens)
     if tokens.min() < 0:
         raise ChunkCorrupt(chunk_hash, "negative token id")
-    summary = np.frombuffer(view, dtype="<f4", offset=h.tokens_len).copy()
-    return tokens.tolist(), torch.from_numpy(summary).reshape(h.summary_shape)
+    summary = np.frombuffer(view, dtype="<f4", offset=h.tokens_len).reshape(h.summary_shape)
+    if out is None:
+        return tokens.tolist(), torch.from_numpy(summary.copy())
+    if tuple(out.shape) != h.summary_shape:
+        raise ChunkMismatch(chunk_hash, f"summary shape {list(h.summary_shape)}, expected {list(out.shape)}")
+    np.copyto(out.numpy(), summary)
+    return tokens.tolist(), out
 
 
 def decode_chunk(

@@ -237,6 +237,22 @@ def test_summaries_are_read_without_the_kv(store) -> None:
         store.read_summaries(hs, "fp-other")
 
 
+def test_summaries_fill_out_rows_in_order_whatever_the_section_length(store) -> None:
+    short = make_chain(toks(5), blocks=1)
+    long = make_chain(toks(7, start=1000), blocks=C)  # longer sections than the last read predicted
+    for blobs in (short, long, short):
+        hs = store.get_snapshot(store.put_snapshot("s", FP, blobs)).chunk_hashes
+        b = blobs[0].summary.shape[2]
+        out = torch.full((len(hs), L, H, b, D), float("nan"))
+        got = store.read_summaries(hs, FP, out)
+        assert [g.chain_hash for g in got] == list(hs)
+        assert [g.tokens for g in got] == [x.tokens for x in blobs]
+        assert torch.equal(out, torch.stack([x.summary for x in blobs]))
+        assert all(g.summary.data_ptr() == row.data_ptr() for g, row in zip(got, out, strict=True))
+    with pytest.raises(ChunkMismatch, match="summary shape"):
+        store.read_summaries(hs[:1], FP, torch.empty(1, L, H, C, D))
+
+
 @pytest.mark.parametrize("blocks", [1, 2, C])
 def test_summary_blocks_round_trip(store, blocks) -> None:
     blobs = make_chain(toks(2), blocks=blocks)
