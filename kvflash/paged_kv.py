@@ -18,7 +18,7 @@ from kvflash import KVFlashError, kernels
 from kvflash.config import ResidencyConfig
 from kvflash.host_tier import HostTier
 from kvflash.kvcache import sdpa
-from kvflash.pool import ChunkPool
+from kvflash.pool import ChunkPool, summary_shape
 from kvflash.residency import required_chunks, select_resident
 from kvflash.sequence import Chunk, Sequence
 
@@ -59,9 +59,7 @@ class PagedKV:
 
     @property
     def summary_shape(self) -> torch.Size:
-        """One chunk's summary: `[L, Hkv, B, D]` block mean keys."""
-        cfg = self.pool.cfg
-        return torch.Size((cfg.n_layers, cfg.n_kv_heads, self.cfg.summary_blocks, cfg.head_dim))
+        return torch.Size(summary_shape(self.pool.cfg, self.cfg.summary_blocks))
 
     # -- pins --------------------------------------------------------------------------------------
 

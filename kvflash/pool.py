@@ -17,6 +17,11 @@ def chunk_shape(cfg: ModelConfig, chunk_tokens: int) -> tuple[int, ...]:
     return (cfg.n_layers, 2, cfg.n_kv_heads, chunk_tokens, cfg.head_dim)
 
 
+def summary_shape(cfg: ModelConfig, summary_blocks: int) -> tuple[int, ...]:
+    """Per-chunk key summary `[n_layers, n_kv_heads, summary_blocks, head_dim]` (block mean keys)."""
+    return (cfg.n_layers, cfg.n_kv_heads, summary_blocks, cfg.head_dim)
+
+
 def chunk_bytes(cfg: ModelConfig, chunk_tokens: int, dtype: torch.dtype) -> int:
     return cfg.kv_bytes_per_token(dtype) * chunk_tokens
 

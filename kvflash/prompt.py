@@ -16,11 +16,23 @@ from kvflash.models.tokenizer import Tokenizer
 
 
 def encode_messages(
-    tok: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    tok: Tokenizer,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    known: dict[int, list[int]] | None = None,
 ) -> list[int]:
-    """Ids of the whole rendered conversation."""
-    ids, _ = _encode(tok, messages, add_generation_prompt)
-    return ids
+    """Ids of the whole rendered conversation. `known` maps a message's index to the ids of its
+    content, already encoded (each content is encoded on its own, so they are the same ids)."""
+    tag = uuid.uuid4().hex
+    rendered = _render(tok, messages, add_generation_prompt, tag)
+    return _encode_rendered(tok, rendered, messages, tag, bos=True, known=known)
+
+
+def content_start(tok: Tokenizer, messages: list[dict[str, Any]]) -> int:
+    """Where the first message's content begins in the ids of `encode_messages`."""
+    tag = uuid.uuid4().hex
+    head = _render(tok, messages[:1], False, tag).split(f"\x00{tag}:0\x00")[0]
+    return len(_encode_rendered(tok, head, [], tag, bos=True))
 
 
 def encode_continuation(
@@ -51,20 +63,20 @@ def _render(tok: Tokenizer, messages: list[dict[str, Any]], add_gen: bool, tag: 
     return tok.apply_chat_template(marked, add_generation_prompt=add_gen)
 
 
-def _encode(tok: Tokenizer, messages: list[dict[str, Any]], add_gen: bool) -> tuple[list[int], str]:
-    tag = uuid.uuid4().hex
-    rendered = _render(tok, messages, add_gen, tag)
-    return _encode_rendered(tok, rendered, messages, tag, bos=True), rendered
-
-
 def _encode_rendered(
-    tok: Tokenizer, rendered: str, messages: list[dict[str, Any]], tag: str, bos: bool
+    tok: Tokenizer,
+    rendered: str,
+    messages: list[dict[str, Any]],
+    tag: str,
+    bos: bool,
+    known: dict[int, list[int]] | None = None,
 ) -> list[int]:
     parts = re.split(f"\x00{tag}:(\\d+)\x00", rendered)
     ids: list[int] = []
     for j, part in enumerate(parts):
         if j % 2:
-            ids += tok.encode_plain(str(messages[int(part)]["content"]))
+            i = int(part)
+            ids += known[i] if known and i in known else tok.encode_plain(str(messages[i]["content"]))
         elif part:
             ids += (
                 tok.encode(part) if (bos and not ids) else tok.hf.encode(part, add_special_tokens=False).ids

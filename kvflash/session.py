@@ -19,9 +19,10 @@ from dataclasses import asdict, dataclass, field
 from kvflash.engine import Engine
 from kvflash.generate import Sampler, Sampling
 from kvflash.paged_kv import PagedKV
-from kvflash.prompt import encode_continuation, encode_messages
-from kvflash.snapshots import KVSnapshots
-from kvflash.storage import ChunkError, SnapshotStore
+from kvflash.pool import summary_shape
+from kvflash.prompt import content_start, encode_continuation, encode_messages
+from kvflash.snapshots import KVSnapshots, StoredSummaries
+from kvflash.storage import ChunkError, SnapshotStore, StoreError
 
 SYSTEM_PROMPT = "You are a helpful assistant. Answer the user's questions using the documents below."
 
@@ -81,6 +82,11 @@ class Session:
         self._leases = contextlib.ExitStack()
         self._snapshot_id: str | None = None
         self._resume_tail: list[int] = []
+        self._doc_span: list[int] | None = None
+        """Where the documents' ids lie in the prompt: saved so a later process can take them from
+        the snapshot's chunks instead of tokenising the documents again."""
+        self._ahead: StoredSummaries | None = None
+        """Summaries read while building this turn's prompt, for its restore."""
         if name and self.snapshots:
             self._resume()
 
@@ -103,6 +109,7 @@ class Session:
         self.messages = [self.messages[0], *meta["messages"]]
         self._snapshot_id = latest.id
         self._resume_tail = meta.get("tail", [])
+        self._doc_span = meta.get("doc_span")
 
     def reset(self) -> None:
         """Forgets the conversation (the documents stay)."""
@@ -118,17 +125,48 @@ class Session:
     def _prompt_ids(self, question: str) -> list[int]:
         user = {"role": "user", "content": question}
         if len(self.messages) == 1:
-            return encode_messages(self.tok, self.messages + [user])
+            docs = self._stored_document_ids()
+            if docs is None:
+                docs = self.tok.encode_plain(self.messages[0]["content"])
+            start = content_start(self.tok, self.messages)
+            self._doc_span = [start, start + len(docs)]
+            return encode_messages(self.tok, self.messages + [user], known={0: docs})
         if not self.ids:
             self.ids = self._resumed_ids()
         return self.ids + encode_continuation(self.tok, self.messages, [user])
 
+    def _stored_ids(self, snapshot_id: str) -> list[int]:
+        """A snapshot's token ids, read with its summaries (the restore that follows reuses them)."""
+        snap = self.snapshots.store.get_snapshot(snapshot_id)
+        shape = summary_shape(self.engine.lm.config, self.engine.cfg.residency.summary_blocks)
+        self._ahead = self.snapshots.read_summaries(list(snap.chunk_hashes), shape)
+        return [t for ts in self._ahead.tokens for t in ts]
+
+    def _stored_document_ids(self) -> list[int] | None:
+        """The documents' ids, from the chunks of the newest snapshot over them, if one holds them
+        all: tokenising a 128K-token document took 0.38 s of a 2.4 s turn on the H200's host."""
+        if not self.snapshots:
+            return None
+        fp, docs = self.snapshots.fp, self.docs_hash
+        ours = [s for s in self.snapshots.store.list_snapshots() if s.label == self.label]
+        ours = [s for s in ours if s.fingerprint == fp and s.meta.get("docs") == docs]
+        if not ours:
+            return None
+        latest = max(ours, key=lambda s: s.created)
+        span = latest.meta.get("doc_span")
+        if not (isinstance(span, list) and len(span) == 2 and all(isinstance(x, int) for x in span)):
+            return None
+        if not 0 <= span[0] <= span[1] <= latest.n_chunks * self.chunk_tokens:
+            return None
+        try:
+            return self._stored_ids(latest.id)[span[0] : span[1]]
+        except StoreError:  # the restore meets the same damage, warns and goes cold
+            return None
+
     def _resumed_ids(self) -> list[int]:
         """The stored chunks' tokens plus the tail; if the chunks are unreadable, the re-rendered text."""
         try:
-            snap = self.snapshots.store.get_snapshot(self._snapshot_id)
-            summaries = self.snapshots.store.read_summaries(snap.chunk_hashes, self.snapshots.fp)
-            return [t for s in summaries for t in s.tokens] + list(self._resume_tail)
+            return self._stored_ids(self._snapshot_id) + list(self._resume_tail)
         except ChunkError as e:
             warnings.warn(f"session snapshot unusable ({e}); re-reading the conversation", stacklevel=3)
             *history, last = self.messages
@@ -138,6 +176,7 @@ class Session:
         self, ids: list[int], stats: TurnStats, on_restore: Callable[[int, int], None] | None
     ) -> None:
         """Reuses live KV, else restores the longest stored prefix; on damage, warns and goes cold."""
+        ahead, self._ahead = self._ahead, None
         if self.kv is not None and self.kv.seq.tokens == ids[: len(self.kv.seq)]:
             stats.source, stats.restored_tokens = "memory", len(self.kv.seq)
             return
@@ -153,7 +192,7 @@ class Session:
             lazy = len(hashes) > self.kv.budget
         t0 = time.perf_counter()
         try:
-            r = self.snapshots.restore(self.kv, hashes, lazy, self._leases, on_restore)
+            r = self.snapshots.restore(self.kv, hashes, lazy, self._leases, on_restore, ahead=ahead)
         except ChunkError as e:
             warnings.warn(f"snapshot unusable ({e}); prefilling cold", stacklevel=2)
             self.close()
@@ -220,7 +259,12 @@ class Session:
         """Snapshots the sealed prefix under this session's label, replacing its older snapshot."""
         c = self.chunk_tokens
         n = self.kv.seq.n_sealed
-        meta = {"docs": self.docs_hash, "messages": self.messages[1:], "tail": self.ids[n * c :]}
+        meta = {
+            "docs": self.docs_hash,
+            "doc_span": self._doc_span,
+            "messages": self.messages[1:],
+            "tail": self.ids[n * c :],
+        }
         previous = [s.id for s in self.snapshots.store.list_snapshots() if s.label == self.label]
         try:
             sid = self.snapshots.save(self.kv, self.label, meta)

@@ -30,11 +30,29 @@ class RestoreStats:
     tokens: int = 0
 
 
+@dataclass
+class StoredSummaries:
+    """Token ids and key summaries of stored chunks, in chain order."""
+
+    hashes: list[str]
+    tokens: list[list[int]]
+    rows: torch.Tensor
+    """[n, L, Hkv, B, D] fp32 on the CPU."""
+
+    def head(self, n: int) -> StoredSummaries:
+        return StoredSummaries(self.hashes[:n], self.tokens[:n], self.rows[:n])
+
+
 class KVSnapshots:
     """Saves and restores one model's sequences (one fingerprint) through a SnapshotStore."""
 
     def __init__(self, store: SnapshotStore, fingerprint: str, prefetch: bool = True):
         self.store, self.fp, self.prefetch = store, fingerprint, prefetch
+
+    def read_summaries(self, hashes: list[str], shape: tuple[int, ...]) -> StoredSummaries:
+        rows = torch.empty((len(hashes), *shape))
+        got = self.store.read_summaries(hashes, self.fp, rows)
+        return StoredSummaries(list(hashes), [s.tokens for s in got], rows)
 
     def save(self, kv: PagedKV, label: str, meta: dict | None = None) -> str:
         """Snapshots the sealed prefix, writing only chunks the store does not already hold."""
@@ -66,12 +84,14 @@ class KVSnapshots:
         leases: contextlib.ExitStack,
         on_progress: Callable[[int, int], None] | None = None,
         batch: int = 64,
+        ahead: StoredSummaries | None = None,
     ) -> RestoreStats:
         """Restores the chunks named by hashes into an empty sequence; ChunkError on any failure.
 
         The lease is entered on `leases`, which the caller closes when the sequence is done with
         the store (a lazy sequence reads from it until then). on_progress(chunks done, total)
-        follows an eager read, which goes in batches so it can report.
+        follows an eager read, which goes in batches so it can report. `ahead`, summaries read
+        earlier (a session takes a document's ids from them), spares reading those it covers.
         """
         assert not len(kv.seq), "restore needs an empty sequence"
         if not hashes:
@@ -80,8 +100,10 @@ class KVSnapshots:
         shape = chunk_shape(cfg, kv.cfg.chunk_tokens)
         leases.enter_context(self.store.lease(hashes))
         stats = RestoreStats()
-        summary_rows = torch.empty((len(hashes), *kv.summary_shape))
-        summaries = self.store.read_summaries(hashes, self.fp, summary_rows)
+        if ahead is not None and ahead.hashes[: len(hashes)] == list(hashes):
+            summaries = ahead.head(len(hashes))
+        else:
+            summaries = self.read_summaries(hashes, tuple(kv.summary_shape))
         slots: list[int] = []
         try:
             if not lazy:
@@ -98,10 +120,10 @@ class KVSnapshots:
                 kv.host.release(h)
             raise
         kv.seq.ensure_chunks(len(hashes) * kv.cfg.chunk_tokens)
-        kv.seq.set_summaries(summary_rows.to(kv.pool.kv.device))
-        for i, (h, s) in enumerate(zip(hashes, summaries, strict=True)):
+        kv.seq.set_summaries(summaries.rows.to(kv.pool.kv.device))
+        for i, (h, tokens) in enumerate(zip(hashes, summaries.tokens, strict=True)):
             ch = kv.seq.chunks[i]
-            kv.seq.tokens.extend(s.tokens)
+            kv.seq.tokens.extend(tokens)
             ch.sealed = True
             if lazy:
                 ch.disk = h

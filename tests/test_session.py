@@ -17,6 +17,7 @@ from kvflash.config import EngineConfig, ResidencyConfig
 from kvflash.engine import Engine
 from kvflash.haystack import filler_sentences
 from kvflash.models.loader import load_model
+from kvflash.prompt import encode_messages
 from kvflash.session import Document, Session
 from kvflash.snapshots import KVSnapshots
 from kvflash.storage import SnapshotStore
@@ -71,6 +72,20 @@ def test_memory_and_disk_restore_in_the_same_process_equal_cold(lm, cold, tmp_pa
         ((b, sb),) = turns(Session(engine(lm), [doc], store), [Q2])
         assert sb.source == "disk" and sb.restored_tokens > 0 and sb.restored_tokens % 64 == 0
         assert b == cold["q2_only"]
+
+
+def test_a_new_session_takes_the_documents_ids_from_the_snapshot(lm, cold, tmp_path, monkeypatch) -> None:
+    doc = document()
+    with SnapshotStore(tmp_path) as store:
+        turns(Session(engine(lm), [doc], store), [Q1])
+        sess = Session(engine(lm), [doc], store)
+        expected = encode_messages(sess.tok, [*sess.messages, {"role": "user", "content": Q2}])
+        real, lengths = sess.tok.encode_plain, []
+        monkeypatch.setattr(sess.tok, "encode_plain", lambda text: lengths.append(len(text)) or real(text))
+        ((b, sb),) = turns(sess, [Q2])
+        assert sess.ids[: len(expected)] == expected
+        assert max(lengths) < len(doc.text)  # the question was tokenised, the document was not
+        assert sb.source == "disk" and b == cold["q2_only"]
 
 
 def test_lazy_restore_with_budget_holding_the_context_equals_cold(lm, cold, tmp_path) -> None:
