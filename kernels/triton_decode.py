@@ -303,6 +303,7 @@ def paged_decode_attention(
         if fused:
             counters = arrival_counters(q.device, b * h_kv)
     merge_g = next_pow2(g)
+    merge_rows = min(next_pow2(splits), max(1, MERGE_ELEMS // (merge_g * d))) if fused else 1
     layer_off, s_slot, s_kv, s_head, s_tok = pool_strides(kv_pool, layer)
     _decode_split_kernel[(b, h_kv, splits)](
         q,
@@ -337,7 +338,7 @@ def paged_decode_attention(
         DIRECT=direct,
         FUSED=fused,
         MERGE_G=merge_g,
-        MERGE_ROWS=min(next_pow2(splits), max(1, MERGE_ELEMS // (merge_g * d))),
+        MERGE_ROWS=merge_rows,
         num_warps=num_warps,
         num_stages=num_stages or tuned_stages,
     )
