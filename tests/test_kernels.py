@@ -188,6 +188,20 @@ def test_gpu_decode(case: Decode, fused: bool) -> None:
     check_decode(case, "cuda", fused)
 
 
+@on_gpu
+def test_gpu_decode_fused_repeated() -> None:
+    """64 splits per (sequence, kv-head) racing on real hardware, twenty times: a merge that reads a
+    partial before it is visible, or a counter left non-zero, shows in one of the repeats."""
+    case = Decode(4, 2, 4, 128, 64, 128, torch.bfloat16, splits=64, seed=8)
+    args = decode_inputs(case, "cuda")
+    want = ref.paged_decode_attention(*args)
+    td = triton_impl("triton_decode")
+    for _ in range(20):
+        with poisoned_outputs():
+            close(td.paged_decode_attention(*args, n_splits=case.splits), want, case.dtype)
+    assert not td.arrival_counters(args[0].device, 1).any()
+
+
 # -- chunked prefill ------------------------------------------------------------------------------
 
 
