@@ -2,9 +2,16 @@
 
 The default heuristics in kernels/triton_decode.py come from this sweep (docs/BENCHMARKS.md). Each
 setting is timed as bench/kernels.py times decode (CUDA graph replay over enough distinct KV to
-defeat L2) and reported as a share of the device copy bandwidth measured in the same run.
+defeat L2) and reported as a share of the device copy bandwidth measured in the same run. A setting
+is (merge, block tokens, warps, stages, waves): merge `fused` has the last split to finish merge the
+partials in the same launch, `2k` runs a second combine kernel; waves sets the split count through
+`decode_splits`. Each shape also times both merges at their own defaults, and the JSON is rewritten
+after every shape, so a run cut short keeps what it measured.
 
     python bench/decode_tune.py --out out/decode_tune.json
+    # fused against two-kernel at the rule's tiles, batch 1-16, 8K-256K:
+    python bench/decode_tune.py --out out/decode_fused.json --rule --warps 4 \\
+        --contexts 8192 16384 32768 65536 131072 262144 --batches 1 2 4 8 16
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from rich.table import Table
 
 from kernels import (
     CHUNK,
+    CONTEXTS,
     DTYPE,
     L2_DEFEAT_BYTES,
     MODELS,
@@ -29,18 +37,27 @@ from kernels import (
     paged_pool,
     sdpa,
 )
-from kvflash.kernels.triton_decode import WAVES, decode_launch, decode_splits, paged_decode_attention
+from kvflash.kernels.triton_decode import decode_launch, decode_splits, paged_decode_attention
 
 SHAPES = [("SmolLM2", ctx, b) for ctx in (65536, 262144) for b in (1, 4)] + [
     ("Llama-8B", ctx, b) for ctx in (32768, 65536, 131072, 262144) for b in (1, 4)
 ]
-SETTINGS = list(itertools.product((64, 128, 256), (4, 8), (2, 3), (1, 2, 4)))
-"""(block tokens, warps, stages, splits as a multiple of the heuristic's)."""
+"""The default shapes: long context at small batch, where the launch settings matter."""
+MERGES = {"fused": True, "2k": False}
+
+Setting = tuple[str, int | None, int, int | None, float]
+"""(merge, block tokens, warps, stages, waves); block and stages None: the rule's (`decode_launch`)."""
+
+
+def default_setting(merge: str, head_dim: int, batch: int, rule: bool) -> Setting:
+    """What paged_decode_attention picks by itself with this merge."""
+    block, stages, waves = decode_launch(head_dim, batch, MERGES[merge])
+    return (merge, None if rule else block, 4, None if rule else stages, waves)
 
 
 def shape_timer(model: str, context: int, batch: int):
-    """A function from a launch setting to GB/s of KV read, over one pool built for the shape, and
-    SDPA's GB/s over the same KV laid out contiguously."""
+    """A function from a launch setting to (splits, GB/s of KV read), over one pool built for the
+    shape, and SDPA's GB/s over the same KV laid out contiguously."""
     d, hq, h_kv = MODELS[model]
     n = context // CHUNK
     gbytes = batch * context * h_kv * d * 2 * DTYPE.itemsize / 1e9
@@ -49,21 +66,30 @@ def shape_timer(model: str, context: int, batch: int):
     q = torch.randn(copies * batch, hq, d, dtype=DTYPE, device="cuda")
     n_slots = torch.full((batch,), n, dtype=torch.int32, device="cuda")
     last = torch.full((batch,), CHUNK, dtype=torch.int32, device="cuda")
+    timed: dict[tuple, float] = {}
 
-    def rate(setting: tuple) -> float:
-        block, warps, stages, mult = setting
+    def rate(setting: Setting) -> tuple[int, float]:
+        merge, block, warps, stages, waves = setting
+        rule_block, rule_stages, _ = decode_launch(d, batch)
+        block, stages = block or rule_block, stages or rule_stages
         cpi = max(1, block // CHUNK)
-        tile = 2 * cpi * CHUNK * d * DTYPE.itemsize
-        splits = min(4096, mult * decode_splits(-(-n // cpi), tile, batch, h_kv, q.device))
-        kw = dict(n_splits=splits, block_tokens=block, num_warps=warps, num_stages=stages)
-        calls = [
-            lambda i=i: paged_decode_attention(
-                q[i * batch : (i + 1) * batch], pool, 0, table[i * batch : (i + 1) * batch], n_slots, last,
-                d**-0.5, **kw,
-            )
-            for i in range(copies)
-        ]  # fmt: skip
-        return gbytes / graph_ms(calls) * 1e3
+        splits = decode_splits(
+            -(-n // cpi), 2 * cpi * CHUNK * d * DTYPE.itemsize, batch, h_kv, q.device, waves
+        )
+        kw = dict(
+            fused=MERGES[merge], n_splits=splits, block_tokens=block, num_warps=warps, num_stages=stages
+        )
+        key = tuple(kw.values())
+        if key not in timed:  # several waves can give the same split count
+            calls = [
+                lambda i=i: paged_decode_attention(
+                    q[i * batch : (i + 1) * batch], pool, 0, table[i * batch : (i + 1) * batch], n_slots,
+                    last, d**-0.5, **kw,
+                )
+                for i in range(copies)
+            ]  # fmt: skip
+            timed[key] = gbytes / graph_ms(calls) * 1e3
+        return splits, timed[key]
 
     k, v = contiguous(pool, table)
     refs = [sdpa(q[i * batch : (i + 1) * batch, :, None], k[i * batch : (i + 1) * batch],
@@ -73,45 +99,72 @@ def shape_timer(model: str, context: int, batch: int):
     return rate, sdpa_rate
 
 
+def show(setting: Setting) -> str:
+    """block/warps/stages/waves, `-` where the rule decides."""
+    _, block, warps, stages, waves = setting
+    return f"{block or '-'}/{warps}/{stages or '-'}/{waves:g}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
+    ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    ap.add_argument("--contexts", nargs="+", type=int, help="with --batches: every model x context x batch")
+    ap.add_argument("--batches", nargs="+", type=int, help="(default shapes: SHAPES)")
+    ap.add_argument("--merge", nargs="+", choices=list(MERGES), default=list(MERGES))
+    ap.add_argument("--blocks", nargs="+", type=int, default=[64, 128, 256], help="tokens per loop iteration")
+    ap.add_argument("--warps", nargs="+", type=int, default=[4, 8])
+    ap.add_argument("--stages", nargs="+", type=int, default=[2, 3])
+    ap.add_argument("--waves", nargs="+", type=float, default=[0.5, 1, 2, 4, 8], help="sets the split count")
+    ap.add_argument("--rule", action="store_true", help="blocks and stages from decode_launch, not swept")
     args = ap.parse_args()
+    if args.contexts or args.batches:
+        shapes = list(itertools.product(args.models, args.contexts or CONTEXTS, args.batches or [1, 4]))
+    else:
+        shapes = [s for s in SHAPES if s[0] in args.models]
+    blocks, stages = ([None], [None]) if args.rule else (args.blocks, args.stages)
+    sweep = list(itertools.product(args.merge, blocks, args.warps, stages, args.waves))
     copy = copy_bandwidth()
     rows = []
-    for model, ctx, b in track(SHAPES, description="shapes"):
+    for model, ctx, b in track(shapes, description="shapes"):
         timer, sdpa_gbps = shape_timer(model, ctx, b)
         rows.append({"model": model, "context": ctx, "batch": b, "setting": "sdpa", "gbps": sdpa_gbps})
-        for s in SETTINGS:
+        defaults = [default_setting(m, MODELS[model][0], b, args.rule) for m in args.merge]
+        for s in dict.fromkeys(sweep + defaults):
             try:
-                rate = timer(s)
+                splits, rate = timer(s)
             except Exception as e:  # a setting that does not compile (shared memory) is skipped
-                rate = float("nan")
-                print(f"{model} {ctx} {b} {s}: {type(e).__name__}")
-            rows.append({"model": model, "context": ctx, "batch": b, "setting": s, "gbps": rate})
+                splits, rate = None, float("nan")
+                print(f"{model} {ctx} {b} {show(s)}: {type(e).__name__}")
+            row = {"model": model, "context": ctx, "batch": b, "setting": s, "splits": splits, "gbps": rate}
+            rows.append(row)
         del timer
         torch.cuda.empty_cache()
-    with open(args.out, "w") as f:
-        json.dump({"copy_gbps": copy, "rows": rows}, f, indent=1)
-    t = Table(title=f"decode launch settings (block, warps, stages, x waves), copy {copy:.0f} GB/s")
-    for col in ("model", "ctx", "batch", "default", "% copy", "/ SDPA", "best", "% copy", "/ SDPA"):
+        with open(args.out, "w") as f:
+            json.dump({"copy_gbps": copy, "rows": rows}, f, indent=1)
+
+    t = Table(title=f"decode, share of copy bandwidth ({copy:.0f} GB/s): each merge's default and best")
+    for col in ("model", "ctx", "batch", "SDPA"):
         t.add_column(col)
-    for model, ctx, b in SHAPES:
-        mine = {
-            r["setting"]: r["gbps"] for r in rows if (r["model"], r["context"], r["batch"]) == (model, ctx, b)
-        }
-        ref = mine.pop("sdpa")
-        best = max((s for s in mine if mine[s] == mine[s]), key=mine.get)
-        block, stages, waves = decode_launch(MODELS[model][0], b)
-        base = (block, 4, stages, waves // WAVES)
-        t.add_row(
-            model, str(ctx), str(b), str(base), f"{mine[base] / copy:.1%}", f"{mine[base] / ref:.2f}",
-            str(best), f"{mine[best] / copy:.1%}", f"{mine[best] / ref:.2f}",
-        )  # fmt: skip
+    for m in args.merge:
+        t.add_column(f"{m} default")
+        t.add_column(f"{m} best")
+        t.add_column(f"{m} at block/warps/stages/waves (splits)")
+    for model, ctx, b in shapes:
+        mine = {r["setting"]: r for r in rows if (r["model"], r["context"], r["batch"]) == (model, ctx, b)}
+        cells = [model, str(ctx), str(b), f"{mine.pop('sdpa')['gbps'] / copy:.1%}"]
+        for m in args.merge:
+            ok = [s for s in mine if s[0] == m and mine[s]["gbps"] == mine[s]["gbps"]]
+            best = max(ok, key=lambda s: mine[s]["gbps"])
+            base = mine[default_setting(m, MODELS[model][0], b, args.rule)]
+            cells += [f"{base['gbps'] / copy:.1%}", f"{mine[best]['gbps'] / copy:.1%}"]
+            cells.append(f"{show(best)} ({mine[best]['splits']})")
+        t.add_row(*cells)
     Console().print(t)
-    mean = {s: sum(r["gbps"] / copy for r in rows if r["setting"] == s) / len(SHAPES) for s in SETTINGS}
-    top = sorted((s for s in SETTINGS if mean[s] == mean[s]), key=mean.get, reverse=True)[:5]
-    Console().print("best on average over the shapes:", [(s, f"{mean[s]:.1%}") for s in top])
+    share = {s: [r["gbps"] / copy for r in rows if r["setting"] == s] for s in sweep}
+    mean = {s: sum(v) / len(v) for s, v in share.items() if v and all(x == x for x in v)}
+    top = sorted(mean, key=mean.get, reverse=True)[:5]
+    Console().print("best on average over the shapes:", [(s[0], show(s), f"{mean[s]:.1%}") for s in top])
 
 
 if __name__ == "__main__":

@@ -3,8 +3,10 @@
 Decode reads every resident K/V byte once per token, so it is bound by memory bandwidth. One program
 owns (sequence, kv-head, split): it loads each K/V tile once and serves the whole query group from it
 as one [G, D] tile (GQA), walking its share of the listed slots CPI chunks at a time. The split count
-is chosen from the batch and the table width so that a few waves of programs fill the device; a
-second small kernel merges the splits' partial outputs by their log-sum-exp.
+is chosen from the batch and the table width so that a few waves of programs fill the device. The
+splits' partial outputs are merged by their log-sum-exp, either in the same launch by the program of
+each (sequence, kv-head) that finishes last (`fused`), or by a second small kernel; a single split
+writes the output itself. bench/decode_tune.py times both merges side by side.
 """
 
 from __future__ import annotations
@@ -30,6 +32,17 @@ COMBINE_ROWS = 256
 """Splits merged per step of the combine kernel: every split in one step, up to MAX_SPLITS."""
 COMBINE_COLS = 32
 """head_dim columns per combine program: more programs, each a single round trip to memory."""
+FUSED_WAVES = 1
+"""Waves of programs when the last arrival merges: its merge reads every split's partial alone, so
+fewer, longer splits than WAVES (first guess: one wave; bench/decode_tune.py sweeps it)."""
+MERGE_ELEMS = 8192
+"""fp32 partial elements the merging program loads per step ([G, splits, D]): 64 registers a thread at
+4 warps, so that a step keeps many loads in flight without spilling."""
+COUNTERS = 4096
+"""Arrival counters allocated at once per device, one per (sequence, kv-head): far above any decode
+batch (64 x 8 kv-heads is 512), so the buffer exists before a CUDA graph is captured and never grows
+during capture, where a new allocation would belong to the graph's private pool."""
+_counters: dict[torch.device, torch.Tensor] = {}
 
 
 @triton.jit
@@ -41,10 +54,14 @@ def _decode_split_kernel(
     last_valid_ptr,
     o_ptr,
     lse_ptr,
+    out_ptr,
+    count_ptr,
     qk_scale,
     stride_qb,
     stride_qh,
     stride_tb,
+    stride_ob,
+    stride_oh,
     layer_off,
     stride_slot,
     stride_kv,
@@ -59,6 +76,10 @@ def _decode_split_kernel(
     D: tl.constexpr,
     F32_DOT: tl.constexpr,
     PREC: tl.constexpr,
+    DIRECT: tl.constexpr,
+    FUSED: tl.constexpr,
+    MERGE_G: tl.constexpr,
+    MERGE_ROWS: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -106,10 +127,63 @@ def _decode_split_kernel(
 
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
-    part = (b * tl.num_programs(1) * G + heads) * n_splits + s
-    tl.store(o_ptr + part[:, None] * D + d[None, :], out, mask=(g < G)[:, None])
-    tl.store(lse_ptr + part, lse, mask=g < G)
+    if DIRECT:
+        out_rows = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
+        tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=(g < G)[:, None])
+    else:
+        lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+        part = (b * tl.num_programs(1) * G + heads) * n_splits + s
+        tl.store(o_ptr + part[:, None] * D + d[None, :], out, mask=(g < G)[:, None])
+        tl.store(lse_ptr + part, lse, mask=g < G)
+        if FUSED:
+            # One thread performs the scalar atomic, so a CTA barrier first orders every thread's
+            # partial stores before its release (older Triton inserts none: triton-lang/triton#10816).
+            # Its result reaches the other threads through shared memory behind a barrier, which
+            # orders their merge loads after its acquire.
+            tl.debug_barrier()
+            row = b * tl.num_programs(1) + h
+            if tl.atomic_add(count_ptr + row, 1, sem="acq_rel") == n_splits - 1:
+                out_rows = out_ptr + b * stride_ob + h * G * stride_oh
+                _merge_splits(
+                    o_ptr, lse_ptr, out_rows, stride_oh, row * G, n_splits, G, MERGE_G, MERGE_ROWS, D
+                )
+                tl.store(count_ptr + row, 0)
+
+
+@triton.jit
+def _merge_splits(
+    o_ptr,
+    lse_ptr,
+    out_ptr,
+    stride_oh,
+    row0,
+    n_splits,
+    G: tl.constexpr,
+    MERGE_G: tl.constexpr,
+    ROWS: tl.constexpr,
+    D: tl.constexpr,
+):
+    """Merges the partials of heads row0 .. row0 + G - 1 by their log-sum-exp into out_ptr's G rows,
+    ROWS splits at a time with an online maximum, so any split count fits in registers."""
+    g = tl.arange(0, MERGE_G)
+    ss = tl.arange(0, ROWS)
+    d = tl.arange(0, D)
+    m = tl.full([MERGE_G], -1.0e30, tl.float32)
+    total = tl.zeros([MERGE_G], tl.float32)
+    acc = tl.zeros([MERGE_G, D], tl.float32)
+    for s0 in range(0, n_splits, ROWS):
+        part = (row0 + g[:, None]) * n_splits + s0 + ss[None, :]
+        ok = (g < G)[:, None] & (s0 + ss < n_splits)[None, :]
+        lse = tl.load(lse_ptr + part, mask=ok, other=float("-inf"))
+        o = tl.load(o_ptr + part[:, :, None] * D + d[None, None, :], mask=ok[:, :, None], other=0.0)
+        m_new = tl.maximum(m, tl.max(lse, 1))
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new[:, None])
+        total = total * alpha + tl.sum(w, 1)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 1)
+        m = m_new
+    out = (acc / tl.where(total > 0, total, 1.0)[:, None]).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + g[:, None] * stride_oh + d[None, :], out, mask=(g < G)[:, None])
 
 
 @triton.jit
@@ -150,27 +224,46 @@ def _combine_kernel(
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
-def decode_launch(head_dim: int, batch: int) -> tuple[int, int, int]:
+def decode_launch(head_dim: int, batch: int, fused: bool = True) -> tuple[int, int, float]:
     """(tokens per loop iteration, pipeline stages, waves) for a shape, from bench/decode_tune.py's
-    sweep on the H200 (docs/BENCHMARKS.md). Small batches are where the defaults fell short: there
-    head_dim 128 wants 128-token tiles three stages deep (and twice the waves at batch 2-15), and
-    head_dim 64 wants 128-token tiles from batch 2. From batch 16 the (b, kv-head) programs alone
-    fill the device and the plain defaults are best."""
+    sweep on the H200 (docs/BENCHMARKS.md), taken with the two-kernel merge. Small batches are where
+    the defaults fell short: there head_dim 128 wants 128-token tiles three stages deep (and twice
+    the waves at batch 2-15), and head_dim 64 wants 128-token tiles from batch 2. From batch 16 the
+    (b, kv-head) programs alone fill the device and the plain defaults are best. The fused merge
+    takes FUSED_WAVES instead."""
     if batch >= 16:
-        return BLOCK_TOKENS, 2, WAVES
-    if head_dim >= 128:
-        return 128, 3, WAVES * (1 if batch == 1 else 2)
-    return (BLOCK_TOKENS if batch == 1 else 2 * BLOCK_TOKENS), 2, WAVES
+        block, stages, waves = BLOCK_TOKENS, 2, WAVES
+    elif head_dim >= 128:
+        block, stages, waves = 128, 3, WAVES * (1 if batch == 1 else 2)
+    else:
+        block, stages, waves = (BLOCK_TOKENS if batch == 1 else 2 * BLOCK_TOKENS), 2, WAVES
+    return block, stages, FUSED_WAVES if fused else waves
 
 
 def decode_splits(
-    max_blocks: int, tile_bytes: int, batch: int, n_kv_heads: int, device: torch.device, waves: int = WAVES
+    max_blocks: int, tile_bytes: int, batch: int, n_kv_heads: int, device: torch.device, waves: float = WAVES
 ) -> int:
-    """Splits per (sequence, kv-head): `waves` programs per resident slot of the device, none shorter
-    than MIN_BLOCKS_PER_SPLIT blocks. Sized by the table width, so no host sync is needed."""
+    """Splits per (sequence, kv-head): up to `waves` programs per resident slot of the device, none
+    shorter than MIN_BLOCKS_PER_SPLIT blocks. Rounded down, so that one wave (8 kv-heads on 132 SMs:
+    16 splits, not 17) never spills a few programs into a second. Sized by the table width, so no
+    host sync is needed."""
     resident = sm_count(device) * max(1, TILE_BYTES_PER_SM // tile_bytes)
-    want = triton.cdiv(waves * resident, batch * n_kv_heads)
+    want = int(waves * resident) // (batch * n_kv_heads)
     return max(1, min(want, triton.cdiv(max_blocks, MIN_BLOCKS_PER_SPLIT), MAX_SPLITS))
+
+
+def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """At least n zeroed int32 counters on `device`, shared by every fused launch there: each launch
+    leaves them zero again, so no memset is needed. Launches on one device must not overlap (decode
+    runs on one stream), and a call that needs more than COUNTERS must not be the first during a CUDA
+    graph capture."""
+    buf = _counters.get(device)
+    if buf is None or buf.numel() < n:
+        assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), (
+            "arrival counters cannot grow during CUDA graph capture"
+        )
+        buf = _counters[device] = torch.zeros(max(n, COUNTERS), dtype=torch.int32, device=device)
+    return buf
 
 
 def paged_decode_attention(
@@ -182,25 +275,35 @@ def paged_decode_attention(
     last_valid: torch.Tensor,
     sm_scale: float,
     *,
+    fused: bool = True,
     n_splits: int | None = None,
     block_tokens: int | None = None,
     num_warps: int = 4,
     num_stages: int | None = None,
 ) -> torch.Tensor:
-    """Same contract as reference.paged_decode_attention; the keywords override `decode_launch` and
-    `decode_splits` (bench/decode_tune.py sweeps them)."""
+    """Same contract as reference.paged_decode_attention. `fused` merges the splits in the split kernel
+    (the last arrival of each (sequence, kv-head)) instead of a second kernel; the other keywords
+    override `decode_launch` and `decode_splits` (bench/decode_tune.py sweeps them all)."""
     b, hq, d = q.shape
     h_kv, c = kv_pool.shape[3], kv_pool.shape[4]
     assert q.stride(2) == 1 and slot_table.stride(1) == 1, "q and slot_table rows must be contiguous"
     g = hq // h_kv
-    tuned_block, tuned_stages, waves = decode_launch(d, b)
+    tuned_block, tuned_stages, waves = decode_launch(d, b, fused)
     cpi = max(1, (block_tokens or tuned_block) // c)
     tile_bytes = 2 * cpi * c * d * kv_pool.element_size()
     max_blocks = triton.cdiv(slot_table.shape[1], cpi)
     splits = n_splits or decode_splits(max_blocks, tile_bytes, b, h_kv, q.device, waves)
     blocks_per_split = triton.cdiv(max_blocks, splits)
-    o_part = torch.empty((b, hq, splits, d), dtype=torch.float32, device=q.device)
-    lse = torch.empty((b, hq, splits), dtype=torch.float32, device=q.device)
+    out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
+    direct = splits == 1
+    o_part = lse = counters = None
+    if not direct:
+        o_part = torch.empty((b, hq, splits, d), dtype=torch.float32, device=q.device)
+        lse = torch.empty((b, hq, splits), dtype=torch.float32, device=q.device)
+        if fused:
+            counters = arrival_counters(q.device, b * h_kv)
+    merge_g = next_pow2(g)
+    merge_rows = min(next_pow2(splits), max(1, MERGE_ELEMS // (merge_g * d))) if fused else 1
     layer_off, s_slot, s_kv, s_head, s_tok = pool_strides(kv_pool, layer)
     _decode_split_kernel[(b, h_kv, splits)](
         q,
@@ -210,10 +313,14 @@ def paged_decode_attention(
         last_valid,
         o_part,
         lse,
+        out,
+        counters,
         sm_scale * LOG2E,
         q.stride(0),
         q.stride(1),
         slot_table.stride(0),
+        out.stride(0),
+        out.stride(1),
         layer_off,
         s_slot,
         s_kv,
@@ -228,10 +335,15 @@ def paged_decode_attention(
         D=d,
         F32_DOT=f32_dot(q),
         PREC=dot_precision(kv_pool.dtype),
+        DIRECT=direct,
+        FUSED=fused,
+        MERGE_G=merge_g,
+        MERGE_ROWS=merge_rows,
         num_warps=num_warps,
         num_stages=num_stages or tuned_stages,
     )
-    out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
+    if direct or fused:
+        return out
     cols = min(d, COMBINE_COLS)
     _combine_kernel[(b, hq, d // cols)](
         o_part,

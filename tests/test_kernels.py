@@ -120,10 +120,10 @@ def decode_inputs(case: Decode, device: str):
     return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
 
 
-def check_decode(case: Decode, device: str) -> None:
+def check_decode(case: Decode, device: str, fused: bool = True) -> None:
     args = decode_inputs(case, device)
     with poisoned_outputs():
-        out = triton_impl("triton_decode").paged_decode_attention(*args, n_splits=case.splits)
+        out = triton_impl("triton_decode").paged_decode_attention(*args, n_splits=case.splits, fused=fused)
     close(out, ref.paged_decode_attention(*args), case.dtype)
 
 
@@ -147,15 +147,59 @@ GPU_DECODE = [
 
 
 @interp
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "two-kernel"])
 @pytest.mark.parametrize("case", INTERP_DECODE, ids=str)
-def test_interp_decode(case: Decode) -> None:
-    check_decode(case, "cpu")
+def test_interp_decode(case: Decode, fused: bool) -> None:
+    check_decode(case, "cpu", fused)
 
 
+@interp
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "two-kernel"])
+@pytest.mark.parametrize("splits", [1, 2, 5])
+def test_interp_decode_splits(splits: int, fused: bool) -> None:
+    """One split writes the output itself; five splits over three 128-token blocks leave two empty.
+    Both merges take two splits a step here, so five take three steps, the last one partial."""
+    case = Decode(2, 2, 3, 64, 16, 24, torch.float32, splits=splits, seed=5)
+    td = triton_impl("triton_decode")
+    with mock.patch.object(td, "MERGE_ELEMS", 2 * 4 * 64), mock.patch.object(td, "COMBINE_ROWS", 2):
+        check_decode(case, "cpu", fused)
+
+
+@interp
+def test_interp_decode_fused_twice() -> None:
+    """Two fused calls of other shapes in a row. The interpreter runs programs one after another, so
+    a wrong choice of merging program can still leave the right output; counting merges catches it:
+    exactly one per (sequence, kv-head), and the counters back at zero for the next call."""
+    td = triton_impl("triton_decode")
+    for case in (
+        Decode(3, 2, 4, 64, 16, 6, torch.float32, splits=3, seed=6),
+        Decode(2, 3, 3, 128, 16, 8, torch.bfloat16, splits=4, seed=7),
+    ):
+        with mock.patch.object(td, "_merge_splits", wraps=td._merge_splits) as merge:
+            check_decode(case, "cpu")
+        assert merge.call_count == case.batch * case.h_kv
+    assert not td.arrival_counters(torch.device("cpu"), 1).any()
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "two-kernel"])
 @pytest.mark.parametrize("case", GPU_DECODE, ids=str)
 @on_gpu
-def test_gpu_decode(case: Decode) -> None:
-    check_decode(case, "cuda")
+def test_gpu_decode(case: Decode, fused: bool) -> None:
+    check_decode(case, "cuda", fused)
+
+
+@on_gpu
+def test_gpu_decode_fused_repeated() -> None:
+    """64 splits per (sequence, kv-head) racing on real hardware, twenty times: a merge that reads a
+    partial before it is visible, or a counter left non-zero, shows in one of the repeats."""
+    case = Decode(4, 2, 4, 128, 64, 128, torch.bfloat16, splits=64, seed=8)
+    args = decode_inputs(case, "cuda")
+    want = ref.paged_decode_attention(*args)
+    td = triton_impl("triton_decode")
+    for _ in range(20):
+        with poisoned_outputs():
+            close(td.paged_decode_attention(*args, n_splits=case.splits), want, case.dtype)
+    assert not td.arrival_counters(args[0].device, 1).any()
 
 
 # -- chunked prefill ------------------------------------------------------------------------------
