@@ -153,13 +153,13 @@ class Session:
         if not ours:
             return None
         latest = max(ours, key=lambda s: s.created)
-        span = latest.meta.get("doc_span")
-        if not (isinstance(span, list) and len(span) == 2 and all(isinstance(x, int) for x in span)):
+        span, tail = latest.meta.get("doc_span"), latest.meta.get("tail")
+        if not (_ints(span) and len(span) == 2 and _ints(tail)):
             return None
-        if not 0 <= span[0] <= span[1] <= latest.n_chunks * self.chunk_tokens:
+        if not 0 <= span[0] <= span[1] <= latest.n_chunks * self.chunk_tokens + len(tail):
             return None
         try:
-            return self._stored_ids(latest.id)[span[0] : span[1]]
+            return (self._stored_ids(latest.id) + tail)[span[0] : span[1]]
         except StoreError:  # the restore meets the same damage, warns and goes cold
             return None
 
@@ -275,3 +275,7 @@ class Session:
             self.snapshots.store.rm(old)
         self._snapshot_id = sid
         return sid
+
+
+def _ints(x: object) -> bool:
+    return isinstance(x, list) and all(isinstance(i, int) for i in x)
