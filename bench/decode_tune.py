@@ -51,8 +51,8 @@ Setting = tuple[str, int | None, int, int | None, float]
 
 def default_setting(merge: str, head_dim: int, batch: int, rule: bool) -> Setting:
     """What paged_decode_attention picks by itself with this merge."""
-    block, stages, waves = decode_launch(head_dim, batch, MERGES[merge])
-    return (merge, None if rule else block, 4, None if rule else stages, waves)
+    launch = decode_launch(head_dim, batch)
+    return (merge, None if rule else launch.block_tokens, 4, None if rule else launch.stages, launch.waves)
 
 
 def shape_timer(model: str, context: int, batch: int):
@@ -70,8 +70,8 @@ def shape_timer(model: str, context: int, batch: int):
 
     def rate(setting: Setting) -> tuple[int, float]:
         merge, block, warps, stages, waves = setting
-        rule_block, rule_stages, _ = decode_launch(d, batch)
-        block, stages = block or rule_block, stages or rule_stages
+        launch = decode_launch(d, batch)
+        block, stages = block or launch.block_tokens, stages or launch.stages
         cpi = max(1, block // CHUNK)
         splits = decode_splits(
             -(-n // cpi), 2 * cpi * CHUNK * d * DTYPE.itemsize, batch, h_kv, q.device, waves

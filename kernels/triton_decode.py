@@ -11,6 +11,8 @@ writes the output itself. bench/decode_tune.py times both merges side by side.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -32,9 +34,6 @@ COMBINE_ROWS = 256
 """Splits merged per step of the combine kernel: every split in one step, up to MAX_SPLITS."""
 COMBINE_COLS = 32
 """head_dim columns per combine program: more programs, each a single round trip to memory."""
-FUSED_WAVES = 1
-"""Waves of programs when the last arrival merges: its merge reads every split's partial alone, so
-fewer, longer splits than WAVES (first guess: one wave; bench/decode_tune.py sweeps it)."""
 MERGE_ELEMS = 8192
 """fp32 partial elements the merging program loads per step ([G, splits, D]): 64 registers a thread at
 4 warps, so that a step keeps many loads in flight without spilling."""
@@ -224,20 +223,29 @@ def _combine_kernel(
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
-def decode_launch(head_dim: int, batch: int, fused: bool = True) -> tuple[int, int, float]:
-    """(tokens per loop iteration, pipeline stages, waves) for a shape, from bench/decode_tune.py's
-    sweep on the H200 (docs/BENCHMARKS.md), taken with the two-kernel merge. Small batches are where
-    the defaults fell short: there head_dim 128 wants 128-token tiles three stages deep (and twice
-    the waves at batch 2-15), and head_dim 64 wants 128-token tiles from batch 2. From batch 16 the
-    (b, kv-head) programs alone fill the device and the plain defaults are best. The fused merge
-    takes FUSED_WAVES instead."""
+class Launch(NamedTuple):
+    block_tokens: int
+    """Tokens per loop iteration."""
+    stages: int
+    waves: float
+    """Programs per resident slot of the device: sets the split count (`decode_splits`)."""
+    fused: bool
+    """The last program of each (sequence, kv-head) merges the splits, instead of a second kernel."""
+
+
+def decode_launch(head_dim: int, batch: int) -> Launch:
+    """Launch settings for a shape, from bench/decode_tune.py's sweeps on the H200 (docs/BENCHMARKS.md).
+    Small batches are where the defaults fell short: there head_dim 128 wants 128-token tiles three
+    stages deep (and twice the waves at batch 2-15), and head_dim 64 wants 128-token tiles from
+    batch 2. From batch 16 the (b, kv-head) programs alone fill the device and 64-token tiles are
+    best; head_dim 128 then merges in the split kernel over two waves (4-7 % faster at 8K-256K).
+    Elsewhere the fused merge lost, up to 7 points of copy bandwidth at batch 1: its merging program
+    reads every split's partial alone."""
     if batch >= 16:
-        block, stages, waves = BLOCK_TOKENS, 2, WAVES
-    elif head_dim >= 128:
-        block, stages, waves = 128, 3, WAVES * (1 if batch == 1 else 2)
-    else:
-        block, stages, waves = (BLOCK_TOKENS if batch == 1 else 2 * BLOCK_TOKENS), 2, WAVES
-    return block, stages, FUSED_WAVES if fused else waves
+        return Launch(BLOCK_TOKENS, 2, 2, True) if head_dim >= 128 else Launch(BLOCK_TOKENS, 2, WAVES, False)
+    if head_dim >= 128:
+        return Launch(128, 3, WAVES * (1 if batch == 1 else 2), False)
+    return Launch(BLOCK_TOKENS if batch == 1 else 2 * BLOCK_TOKENS, 2, WAVES, False)
 
 
 def decode_splits(
@@ -275,24 +283,25 @@ def paged_decode_attention(
     last_valid: torch.Tensor,
     sm_scale: float,
     *,
-    fused: bool = True,
+    fused: bool | None = None,
     n_splits: int | None = None,
     block_tokens: int | None = None,
     num_warps: int = 4,
     num_stages: int | None = None,
 ) -> torch.Tensor:
-    """Same contract as reference.paged_decode_attention. `fused` merges the splits in the split kernel
-    (the last arrival of each (sequence, kv-head)) instead of a second kernel; the other keywords
-    override `decode_launch` and `decode_splits` (bench/decode_tune.py sweeps them all)."""
+    """Same contract as reference.paged_decode_attention. The keywords override `decode_launch` and
+    `decode_splits` (bench/decode_tune.py sweeps them all); `fused` merges the splits in the split
+    kernel (the last arrival of each (sequence, kv-head)) instead of a second kernel."""
     b, hq, d = q.shape
     h_kv, c = kv_pool.shape[3], kv_pool.shape[4]
     assert q.stride(2) == 1 and slot_table.stride(1) == 1, "q and slot_table rows must be contiguous"
     g = hq // h_kv
-    tuned_block, tuned_stages, waves = decode_launch(d, b, fused)
-    cpi = max(1, (block_tokens or tuned_block) // c)
+    tuned = decode_launch(d, b)
+    fused = tuned.fused if fused is None else fused
+    cpi = max(1, (block_tokens or tuned.block_tokens) // c)
     tile_bytes = 2 * cpi * c * d * kv_pool.element_size()
     max_blocks = triton.cdiv(slot_table.shape[1], cpi)
-    splits = n_splits or decode_splits(max_blocks, tile_bytes, b, h_kv, q.device, waves)
+    splits = n_splits or decode_splits(max_blocks, tile_bytes, b, h_kv, q.device, tuned.waves)
     blocks_per_split = triton.cdiv(max_blocks, splits)
     out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
     direct = splits == 1
@@ -340,7 +349,7 @@ def paged_decode_attention(
         MERGE_G=merge_g,
         MERGE_ROWS=merge_rows,
         num_warps=num_warps,
-        num_stages=num_stages or tuned_stages,
+        num_stages=num_stages or tuned.stages,
     )
     if direct or fused:
         return out
