@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from kvflash.config import EngineConfig
-from kvflash.generate import Sampler, decode
+from kvflash.generate import Sampler, Sampling, decode
 from kvflash.host_tier import HostTier
 from kvflash.models.loader import LoadedModel
 from kvflash.paged_kv import PagedKV
@@ -26,6 +26,20 @@ class Engine:
         n = slots_for(lm.config, cfg.pool_tokens, c, lm.dtype, lm.device)
         self.pool = ChunkPool(lm.config, n, c, lm.dtype, lm.device)
         self.host = HostTier(self.pool, cfg.host_bytes)
+        if lm.device.type == "cuda":
+            self.warm_up()
+
+    def warm_up(self) -> None:
+        """A two-chunk prefill and a decode step on a scratch sequence. A process's first CUDA calls
+        (cuBLAS handles, Triton kernels loaded from the cache) are slow; warmed here, they are part
+        of starting the engine instead of the first turn's time to first token."""
+        kv = self.new_sequence()
+        try:
+            n = 2 * kv.cfg.chunk_tokens + 1
+            logits = self.prefill(kv, [0] * n)
+            list(self.generate(kv, logits, 2, Sampler(Sampling(), self.lm.device), frozenset()))
+        finally:
+            kv.free()
 
     def new_sequence(self, budget_tokens: int | None = None) -> PagedKV:
         c = self.cfg.residency.chunk_tokens

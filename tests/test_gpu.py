@@ -80,3 +80,11 @@ def test_pooled_prefill_keeps_gpu_memory_constant(lm) -> None:
     after = torch.cuda.memory_allocated()
     assert len(kv.resident()) <= 16 and kv.host.n_used > 60
     assert after - mid < 16 << 20 and mid - before < 64 << 20
+
+
+def test_engine_warms_up_on_cuda_and_gives_every_slot_back(lm) -> None:
+    eng = Engine(lm, EngineConfig(pool_tokens=4096, residency=ResidencyConfig()))
+    assert eng.pool.n_free == eng.pool.n_slots and eng.host.n_used == 0
+    n = torch.cuda.memory_allocated()
+    eng.warm_up()
+    assert eng.pool.n_free == eng.pool.n_slots and torch.cuda.memory_allocated() <= n + (1 << 20)
