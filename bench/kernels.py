@@ -3,9 +3,7 @@
 Decode attention is bound by memory bandwidth, so it is reported as bytes of KV read per second,
 next to the device-to-device copy bandwidth measured in the same run (bytes read + written per
 second: the traffic the memory sustains) and next to torch SDPA over the same KV laid out
-contiguously, and next to copies that move the same bytes per call, timed the same way (the limit
-for one call of that size: at 50 MB a call, launch and ramp are a visible share). Prefill attention
-is compute bound: TFLOP/s against SDPA's flash path on the same
+contiguously. Prefill attention is compute bound: TFLOP/s against SDPA's flash path on the same
 causal shape. Targets (issue 4): decode >= 85% of copy at long context and >= SDPA; prefill >= 80%.
 
 Times are GPU times: each side's calls are replayed from one CUDA graph, so Python launch overhead
@@ -61,8 +59,6 @@ class Row:
     ours_rate: float
     sdpa_rate: float
     of_copy: float | None
-    of_same_copy: float | None
-    """Against copies moving the same bytes per call, timed the same way (launch and ramp included)."""
     max_err: float
 
 
@@ -110,15 +106,6 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / ms / 1e6
 
 
-def same_size_copy_gbps(nbytes: int, copies: int) -> float:
-    """GB/s of traffic for device copies moving nbytes each (half read, half written), replayed from
-    a graph over distinct buffers like the decode calls: the physical limit for one call this size."""
-    src = torch.empty(copies, nbytes // 2, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = graph_ms([lambda i=i: dst[i].copy_(src[i]) for i in range(copies)])
-    return nbytes / ms / 1e6
-
-
 def paged_pool(batch: int, n: int, h_kv: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A one-layer pool of batch * n chunks and a shuffled slot table, like a long-running server's."""
     pool = torch.randn(batch * n, 1, 2, h_kv, CHUNK, d, dtype=DTYPE, device="cuda")
@@ -156,10 +143,9 @@ def bench_decode(model: str, context: int, batch: int, copy_gbps: float) -> Row:
     err = (ours[0]().float() - refs[0]()[:, :, 0].float()).abs().max().item()
     t_ours, t_sdpa = graph_ms(ours), graph_ms(refs)
     rate = gbytes / t_ours * 1e3
-    same = same_size_copy_gbps(int(gbytes * 1e9), copies)
     return Row(
         "decode", model, context, batch, gbytes, t_ours, t_sdpa, backend,
-        rate, gbytes / t_sdpa * 1e3, rate / copy_gbps, rate / same, err,
+        rate, gbytes / t_sdpa * 1e3, rate / copy_gbps, err,
     )  # fmt: skip
 
 
@@ -182,7 +168,7 @@ def bench_prefill(model: str, tokens: int) -> Row:
     gbytes = pool.numel() * pool.element_size() / 1e9
     return Row(
         "prefill", model, tokens, 1, gbytes, t_ours, t_sdpa, backend,
-        tflop / t_ours * 1e3, tflop / t_sdpa * 1e3, None, None, err,
+        tflop / t_ours * 1e3, tflop / t_sdpa * 1e3, None, err,
     )  # fmt: skip
 
 
@@ -204,7 +190,6 @@ def table(rows: list[Row], copy_gbps: float) -> Table:
     for col in ("kernel", "model", "context", "batch", "KV GB", "ours", "SDPA", "backend", "ours/SDPA"):
         t.add_column(col, justify="left" if col in ("kernel", "model", "backend") else "right")
     t.add_column("ours/copy", justify="right")
-    t.add_column("ours/copy same size", justify="right")
     t.add_column("max err", justify="right")
     for r in rows:
         unit = "GB/s" if r.kernel == "decode" else "TFLOP/s"
@@ -216,8 +201,7 @@ def table(rows: list[Row], copy_gbps: float) -> Table:
         t.add_row(
             r.kernel, r.model, f"{r.context // 1024}K", str(r.batch), f"{r.gbytes:.2f}",
             f"{r.ours_rate:,.0f} {unit}", f"{r.sdpa_rate:,.0f} {unit}", r.sdpa_backend,
-            f"[{'green' if good else 'red'}]{vs_sdpa:.2f}[/]", of_copy,
-            "" if r.of_same_copy is None else f"{r.of_same_copy:.0%}", f"{r.max_err:.1e}",
+            f"[{'green' if good else 'red'}]{vs_sdpa:.2f}[/]", of_copy, f"{r.max_err:.1e}",
         )  # fmt: skip
     return t
 
