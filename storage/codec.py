@@ -35,8 +35,7 @@ CODEC_NAMES = {"lossless": Codec.LOSSLESS, "fp8": Codec.FP8}
 
 DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 DTYPES_BY_CODE = {v: k for k, v in DTYPE_CODES.items()}
-_UINT = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
-_TORCH_INT = {2: torch.int16, 4: torch.int32}
+_TORCH_UINT = {2: torch.uint16, 4: torch.uint32}
 
 
 @dataclass(frozen=True)
@@ -149,9 +148,9 @@ def _merge_planes(raw: memoryview, words: np.ndarray) -> None:
 
 
 def _as_uint(t: torch.Tensor) -> np.ndarray:
-    """A flat unsigned-integer numpy view of a contiguous CPU tensor's bytes."""
-    size = t.element_size()
-    return t.view(-1).view(_TORCH_INT[size]).numpy().view(_UINT[size])
+    """A flat unsigned-integer numpy view of a contiguous CPU tensor's bytes (two torch calls: each
+    one drops and retakes the GIL)."""
+    return t.view(_TORCH_UINT[t.element_size()]).numpy().reshape(-1)
 
 
 # fp8 runs in numpy, through lookup tables: torch's elementwise CPU kernels start an OpenMP team per

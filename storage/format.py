@@ -231,8 +231,8 @@ def decode_meta(h: ChunkHeader, meta: bytes | memoryview, chunk_hash: str) -> tu
     tokens = np.frombuffer(view, dtype="<i4", count=h.n_tokens)
     if tokens.min() < 0:
         raise ChunkCorrupt(chunk_hash, "negative token id")
-    summary = np.frombuffer(view, dtype="<f4", offset=h.tokens_len).copy()
-    return tokens.tolist(), torch.from_numpy(summary).reshape(h.summary_shape)
+    summary = np.frombuffer(view, dtype="<f4", offset=h.tokens_len).reshape(h.summary_shape).copy()
+    return tokens.tolist(), torch.from_numpy(summary)
 
 
 def decode_chunk(
