@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -59,6 +60,7 @@ from kvflash.storage.index import (
 from kvflash.storage.locking import Heartbeat, StoreLock
 from kvflash.storage.names import check_fingerprint, check_hash, check_label, check_snapshot_id
 
+T = TypeVar("T")
 MAX_META_BYTES = 1 << 20
 MAX_DEFAULT_WORKERS = 8
 """Measured on a 16-core host: decode threads beyond about 8 contend on the GIL and go slower."""
@@ -275,7 +277,7 @@ class SnapshotStore:
         self._check_rows(hashes, expect_fingerprint)
         self.backend.will_need(hashes)
         load = partial(self._load, fp=expect_fingerprint, shape=expect_shape, dtype=expect_dtype)
-        return list(self.pool.map(load, hashes, outs))
+        return self._map(lambda i: load(hashes[i], outs[i]), len(hashes))
 
     async def read_chunks_async(
         self,
@@ -305,7 +307,7 @@ class SnapshotStore:
         """Token ids and key summaries without the KV (a few percent of each file). Header and
         token/summary checksums are verified here; the payload's when its chunk is read."""
         self._check_rows(hashes, expect_fingerprint)
-        return list(self.pool.map(partial(self._load_summary, fp=expect_fingerprint), hashes))
+        return self._map(lambda i: self._load_summary(hashes[i], expect_fingerprint), len(hashes))
 
     def _load_summary(self, h: str, fp: str) -> ChunkSummary:
         try:
@@ -318,6 +320,31 @@ class SnapshotStore:
             self._mark(e)
             raise
         return ChunkSummary(header.index, h, header.parent_hash, tokens, summary)
+
+    def _map(self, fn: Callable[[int], T], n: int) -> list[T]:
+        """[fn(0), ..., fn(n - 1)] on the pool, as one task per thread that takes the next index
+        whenever it finishes one. A future per chunk cost each chunk a wake-up of the waiting caller
+        (Future.set_result notifies under the GIL) and a Future with its Condition: about half of the
+        GIL-held time of a restore. After a failure the tasks stop taking indices, and the failure
+        of the lowest index is raised."""
+        results: dict[int, T] = {}
+        failures: list[tuple[int, BaseException]] = []
+        indices = iter(range(n))  # next() on it is atomic under the GIL
+
+        def run() -> None:
+            for i in indices:
+                if failures:
+                    return
+                try:
+                    results[i] = fn(i)
+                except BaseException as e:
+                    failures.append((i, e))
+
+        for task in [self.pool.submit(run) for _ in range(min(self.workers, n))]:
+            task.result()
+        if failures:
+            raise min(failures, key=lambda f: f[0])[1]
+        return [results[i] for i in range(n)]
 
     def read_header(self, chunk_hash: str) -> ChunkHeader:
         buf = self.backend.get(check_hash(chunk_hash), MAX_FILE_BYTES)
@@ -484,7 +511,9 @@ class SnapshotStore:
             for h in hashes:
                 holders.setdefault(h, []).append(sid)
         report = VerifyReport(checked_snapshots=len(members), checked_chunks=len(rows))
-        for h, reason in zip(rows, self.pool.map(partial(self._check_file, rows=rows), rows), strict=True):
+        checked = list(rows)
+        reasons = self._map(lambda i: self._check_file(checked[i], rows), len(checked))
+        for h, reason in zip(checked, reasons, strict=True):
             if reason is not None:
                 report.damaged.append(Damage(h, reason, tuple(holders.get(h, ()))))
             elif rows[h].damaged:

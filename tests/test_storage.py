@@ -237,6 +237,28 @@ def test_restore_into_given_tensors_only_after_every_check(store) -> None:
     assert torch.count_nonzero(dest) == 0
 
 
+def test_pool_map_keeps_order_and_raises_the_earliest_failure(store) -> None:
+    """The pool's threads take indices as they go; whichever fails first in time, the caller gets
+    the failure of the earliest index, as from running them one by one, and no thread takes a new
+    index after a failure."""
+    assert store._map(lambda i: i * i, 7) == [i * i for i in range(7)]
+    assert store._map(lambda i: i, 0) == []
+    calls = []
+
+    def fn(i: int) -> int:
+        calls.append(i)
+        if i == 0:
+            time.sleep(0.2)  # index 1 fails first
+        if i in (0, 1):
+            raise ChunkCorrupt(str(i) * 64, "bad")
+        return i
+
+    with pytest.raises(ChunkCorrupt) as e:
+        store._map(fn, 100)
+    assert e.value.chunk_hash == "0" * 64
+    assert len(calls) < 100
+
+
 def test_summaries_are_read_without_the_kv(store) -> None:
     blobs = make_chain(toks(3))
     hs = store.get_snapshot(store.put_snapshot("s", FP, blobs)).chunk_hashes
