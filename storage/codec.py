@@ -139,10 +139,12 @@ def _split_planes(kv: torch.Tensor) -> bytes:
 
 
 def _merge_planes(raw: memoryview, words: np.ndarray) -> None:
-    """In place on the output, for the same reason as `_scratch`."""
+    """In place on the output, for the same reason as `_scratch`; a 2-byte dtype takes two passes
+    (shift the high plane into the output, or the low one in)."""
     planes = np.frombuffer(raw, dtype=np.uint8).reshape(words.itemsize, -1)
-    np.copyto(words, planes[0])
-    for plane in planes[1:]:
+    np.left_shift(planes[0], 8, out=words, dtype=words.dtype)
+    words |= planes[1]
+    for plane in planes[2:]:
         words <<= 8
         words |= plane
 

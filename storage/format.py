@@ -228,11 +228,11 @@ def decode_meta(h: ChunkHeader, meta: bytes | memoryview, chunk_hash: str) -> tu
     view = memoryview(meta)
     if chain_digest(bytes.fromhex(h.parent_hash), h.fingerprint, view[: h.tokens_len]) != h.chain_hash:
         raise ChunkCorrupt(chunk_hash, "chain hash does not match parent, fingerprint and tokens")
-    tokens = np.frombuffer(view, dtype="<i4", count=h.n_tokens)
-    if tokens.min() < 0:
+    tokens = np.frombuffer(view, dtype="<i4", count=h.n_tokens).tolist()
+    if min(tokens) < 0:  # on a list of a chunk's tokens, cheaper than a numpy reduction
         raise ChunkCorrupt(chunk_hash, "negative token id")
     summary = np.frombuffer(view, dtype="<f4", offset=h.tokens_len).reshape(h.summary_shape).copy()
-    return tokens.tolist(), torch.from_numpy(summary)
+    return tokens, torch.from_numpy(summary)
 
 
 def decode_chunk(
