@@ -123,7 +123,8 @@ def decode(
 
 def _scratch(name: str, n: int) -> memoryview:
     """A per-thread buffer of n bytes: a fresh chunk-sized buffer per call costs more in page faults
-    than the decompression itself. Never larger than a validated raw length needs."""
+    than the decompression itself. Callers size it from validated lengths (the raw length; the fp8
+    gather's index, at most 2 MiB)."""
     bufs = _local.__dict__.setdefault("scratch", {})
     buf = bufs.get(name)
     if buf is None or len(buf) < n:
@@ -150,8 +151,8 @@ def _merge_planes(raw: memoryview, words: np.ndarray) -> None:
 
 
 def _as_uint(t: torch.Tensor) -> np.ndarray:
-    """A flat unsigned-integer numpy view of a contiguous CPU tensor's bytes (two torch calls: each
-    one drops and retakes the GIL)."""
+    """A flat unsigned-integer numpy view of a contiguous CPU tensor's bytes, in two torch calls (each
+    is a few microseconds under the GIL on a decode thread)."""
     return t.view(_TORCH_UINT[t.element_size()]).numpy().reshape(-1)
 
 
