@@ -67,16 +67,15 @@ class LocalDirBackend:
     def __init__(self, root: Path):
         self.dir = Path(root) / "chunks"
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._prefix = f"{self.dir}{os.sep}"
+        self._dir = str(self.dir)
 
     def path(self, chunk_hash: str) -> Path:
-        return Path(self._name(chunk_hash))
+        return Path(self._file(chunk_hash))
 
-    def _name(self, chunk_hash: str) -> str:
-        """The file's path as a string: reads open thousands of files a restore, and building
-        pathlib objects cost more than the reads of their headers."""
+    def _file(self, chunk_hash: str) -> str:
+        """`path` as a string: pathlib joins cost a read more than its open, all of it under the GIL."""
         h = check_hash(chunk_hash)
-        return f"{self._prefix}{h[:2]}/{h}.kvc"
+        return f"{self._dir}/{h[:2]}/{h}.kvc"
 
     def put(self, chunk_hash: str, parts: Sequence[bytes]) -> None:
         final = self.path(chunk_hash)
@@ -99,17 +98,21 @@ class LocalDirBackend:
             raise
 
     def get(self, chunk_hash: str, max_bytes: int, into: ReadBuffer | None = None) -> memoryview:
+        """Plain descriptor calls: a file object costs more Python work than the read needs, and every
+        decode thread queues for the GIL that work holds."""
         try:
-            f = open(self._name(chunk_hash), "rb", buffering=0)
+            fd = os.open(self._file(chunk_hash), os.O_RDONLY)
         except FileNotFoundError:
             raise ChunkMissing(chunk_hash, "file missing") from None
-        with f:
-            size = os.fstat(f.fileno()).st_size
+        try:
+            size = os.fstat(fd).st_size
             if size > max_bytes:
                 raise SizeMismatch(chunk_hash, f"file of {size} bytes exceeds any valid chunk")
             view, n = (into or ReadBuffer()).view(size), 0
-            while n < size and (got := f.readinto(view[n:])):
+            while n < size and (got := os.readv(fd, [view[n:]])):
                 n += got
+        finally:
+            os.close(fd)
         return view[:n]
 
     def will_need(self, chunk_hashes: Sequence[str]) -> None:
@@ -119,7 +122,7 @@ class LocalDirBackend:
             return
         for h in chunk_hashes:
             try:
-                fd = os.open(self._name(h), os.O_RDONLY)
+                fd = os.open(self.path(h), os.O_RDONLY)
             except OSError:
                 continue  # the read itself reports it
             try:
@@ -140,7 +143,7 @@ class LocalDirBackend:
 
     def get_range(self, chunk_hash: str, start: int, length: int) -> tuple[bytes, int]:
         try:
-            fd = os.open(self._name(chunk_hash), os.O_RDONLY)
+            fd = os.open(self.path(chunk_hash), os.O_RDONLY)
         except FileNotFoundError:
             raise ChunkMissing(chunk_hash, "file missing") from None
         try:

@@ -231,16 +231,16 @@ def decode_meta(
     view = memoryview(meta)
     if chain_digest(bytes.fromhex(h.parent_hash), h.fingerprint, view[: h.tokens_len]) != h.chain_hash:
         raise ChunkCorrupt(chunk_hash, "chain hash does not match parent, fingerprint and tokens")
-    tokens = np.frombuffer(view, dtype="<i4", count=h.n_tokens)
-    if tokens.min() < 0:
+    tokens = np.frombuffer(view, dtype="<i4", count=h.n_tokens).tolist()
+    if min(tokens) < 0:  # on a list of a chunk's tokens, cheaper than a numpy reduction
         raise ChunkCorrupt(chunk_hash, "negative token id")
     summary = np.frombuffer(view, dtype="<f4", offset=h.tokens_len).reshape(h.summary_shape)
     if out is None:
-        return tokens.tolist(), torch.from_numpy(summary.copy())
+        return tokens, torch.from_numpy(summary.copy())
     if tuple(out.shape) != h.summary_shape:
         raise ChunkMismatch(chunk_hash, f"summary shape {list(h.summary_shape)}, expected {list(out.shape)}")
     np.copyto(out.numpy(), summary)
-    return tokens.tolist(), out
+    return tokens, out
 
 
 def decode_chunk(

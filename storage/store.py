@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -59,9 +60,13 @@ from kvflash.storage.index import (
 from kvflash.storage.locking import Heartbeat, StoreLock
 from kvflash.storage.names import check_fingerprint, check_hash, check_label, check_snapshot_id
 
+T = TypeVar("T")
 MAX_META_BYTES = 1 << 20
 MAX_DEFAULT_WORKERS = 8
-"""Measured on a 16-core host: decode threads beyond about 8 contend on the GIL and go slower."""
+"""Measured on a 16-core host: decode threads beyond about 8 contended on the GIL and went slower.
+That was before a restore's GIL-held work per chunk was cut by 35-45% (docs/BENCHMARKS.md); a
+thread still holds the GIL for 12-17% of its CPU time (perf, 2-core VM), so 8 threads come near one
+GIL's worth and 16 would be over it. Not re-measured on the 16-core host yet."""
 
 
 @dataclass(frozen=True)
@@ -276,7 +281,7 @@ class SnapshotStore:
         self._check_rows(hashes, expect_fingerprint)
         self.backend.will_need(hashes)
         load = partial(self._load, fp=expect_fingerprint, shape=expect_shape, dtype=expect_dtype)
-        return list(self.pool.map(load, hashes, outs))
+        return self._map(lambda i: load(hashes[i], outs[i]), len(hashes))
 
     async def read_chunks_async(
         self,
@@ -307,22 +312,15 @@ class SnapshotStore:
     ) -> list[ChunkSummary]:
         """Token ids and key summaries without the KV (a few percent of each file). Header and
         token/summary checksums are verified here; the payload's when its chunk is read. `out`,
-        fp32 `[len(hashes), L, Hkv, B, D]` on the CPU, receives the summaries in order.
-
-        A chunk's part is a fraction of a millisecond, mostly Python: each pool task takes a run of
-        chunks, since one task per chunk spent more in the pool than in the reads (2,048 chunks)."""
+        fp32 `[len(hashes), L, Hkv, B, D]` on the CPU, receives the summaries in order."""
         if out is not None:
             assert out.dtype == torch.float32 and out.device.type == "cpu" and len(out) == len(hashes)
         self._check_rows(hashes, expect_fingerprint)
-        step = -(-len(hashes) // self.workers) if hashes else 1
 
-        def run(lo: int) -> list[ChunkSummary]:
-            return [
-                self._load_summary(h, expect_fingerprint, None if out is None else out[i])
-                for i, h in enumerate(hashes[lo : lo + step], lo)
-            ]
+        def one(i: int) -> ChunkSummary:
+            return self._load_summary(hashes[i], expect_fingerprint, None if out is None else out[i])
 
-        return [s for part in self.pool.map(run, range(0, len(hashes), step)) for s in part]
+        return self._map(one, len(hashes))
 
     def _load_summary(self, h: str, fp: str, out: torch.Tensor | None = None) -> ChunkSummary:
         try:
@@ -341,6 +339,31 @@ class SnapshotStore:
             self._mark(e)
             raise
         return ChunkSummary(header.index, h, header.parent_hash, tokens, summary)
+
+    def _map(self, fn: Callable[[int], T], n: int) -> list[T]:
+        """[fn(0), ..., fn(n - 1)] on the pool, as one task per thread that takes the next index
+        whenever it finishes one. A future per chunk cost each chunk a wake-up of the waiting caller
+        (Future.set_result notifies under the GIL) and a Future with its Condition: 40-55% of the
+        GIL-holding samples of a restore. After a failure the tasks stop taking indices, and the
+        failure of the lowest index is raised."""
+        results: dict[int, T] = {}
+        failures: list[tuple[int, BaseException]] = []
+        indices = iter(range(n))  # next() on it is atomic under the GIL
+
+        def run() -> None:
+            for i in indices:
+                if failures:
+                    return
+                try:
+                    results[i] = fn(i)
+                except BaseException as e:
+                    failures.append((i, e))
+
+        for task in [self.pool.submit(run) for _ in range(min(self.workers, n))]:
+            task.result()
+        if failures:
+            raise min(failures, key=lambda f: f[0])[1]
+        return [results[i] for i in range(n)]
 
     def read_header(self, chunk_hash: str) -> ChunkHeader:
         buf = self.backend.get(check_hash(chunk_hash), MAX_FILE_BYTES)
@@ -507,7 +530,9 @@ class SnapshotStore:
             for h in hashes:
                 holders.setdefault(h, []).append(sid)
         report = VerifyReport(checked_snapshots=len(members), checked_chunks=len(rows))
-        for h, reason in zip(rows, self.pool.map(partial(self._check_file, rows=rows), rows), strict=True):
+        checked = list(rows)
+        reasons = self._map(lambda i: self._check_file(checked[i], rows), len(checked))
+        for h, reason in zip(checked, reasons, strict=True):
             if reason is not None:
                 report.damaged.append(Damage(h, reason, tuple(holders.get(h, ()))))
             elif rows[h].damaged:

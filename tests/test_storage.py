@@ -138,6 +138,25 @@ def test_fp8_error_is_reported_and_bounded(dtype) -> None:
     assert float(err.max()) > 0 and torch.count_nonzero(out[1, 0, 1]) == 0
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("step", [1 << 18, 5], ids=["one-step", "steps-inside-blocks"])
+def test_fp8_decodes_each_byte_times_its_block_scale_rounded_once(dtype, step, monkeypatch) -> None:
+    """The table decode gives what decoding element by element gives: the e4m3 value times its
+    block's scale in fp32, rounded once to the dtype, for every byte and whatever the gather step."""
+    monkeypatch.setattr(codec, "_GATHER_STEP", step)
+    shape = (L, 2, H, 8, 32)
+    g = torch.Generator().manual_seed(0)
+    scale = torch.rand(L, 2, H, generator=g) * 8
+    scale[0, 0, 0] = 3e-39  # subnormal
+    q = torch.randint(0, 256, shape, generator=g, dtype=torch.int32).to(torch.uint8)
+    q.view(-1)[:256] = torch.arange(256).to(torch.uint8)
+    raw = scale.numpy().astype("<f4").tobytes() + q.numpy().tobytes()
+    payload = zstandard.ZstdCompressor(write_checksum=True).compress(raw)
+    out = codec.decode(payload, Codec.FP8, dtype, shape, len(raw), zlib.crc32(raw))
+    expected = (q.view(torch.float8_e4m3fn).float() * scale[..., None, None]).to(dtype)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
+
+
 def test_fp8_refuses_non_finite() -> None:
     kv = kv_for(toks(1))
     kv[0, 0, 0, 0, 0] = float("inf")
@@ -216,6 +235,28 @@ def test_restore_into_given_tensors_only_after_every_check(store) -> None:
     with pytest.raises(ChunkCorrupt):
         store.read_chunk(hs[2], FP, out=dest)
     assert torch.count_nonzero(dest) == 0
+
+
+def test_pool_map_keeps_order_and_raises_the_earliest_failure(store) -> None:
+    """The pool's threads take indices as they go; whichever fails first in time, the caller gets
+    the failure of the earliest index, as from running them one by one, and no thread takes a new
+    index after a failure."""
+    assert store._map(lambda i: i * i, 7) == [i * i for i in range(7)]
+    assert store._map(lambda i: i, 0) == []
+    calls = []
+
+    def fn(i: int) -> int:
+        calls.append(i)
+        if i == 0:
+            time.sleep(0.2)  # index 1 fails first
+        if i in (0, 1):
+            raise ChunkCorrupt(str(i) * 64, "bad")
+        return i
+
+    with pytest.raises(ChunkCorrupt) as e:
+        store._map(fn, 100)
+    assert e.value.chunk_hash == "0" * 64
+    assert len(calls) < 100
 
 
 def test_summaries_are_read_without_the_kv(store) -> None:
