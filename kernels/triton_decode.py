@@ -238,12 +238,13 @@ def decode_launch(head_dim: int, batch: int) -> Launch:
     Small batches are where the defaults fell short: there head_dim 128 wants 128-token tiles three
     stages deep (and twice the waves at batch 2-15), and head_dim 64 wants 128-token tiles from
     batch 2. From batch 16 the (b, kv-head) programs alone fill the device and 64-token tiles are
-    best; at batch 16-63 head_dim 128 merges in the split kernel over two waves (4-7 % faster at
-    8K-256K, batch 16). Elsewhere the fused merge lost, up to 7 points of copy bandwidth at batch 1:
-    its merging program reads every split's partial alone; and at batch 64 two waves leave one split
-    per (sequence, kv-head), 82 % of copy against 99-104 % with the plain defaults."""
-    if head_dim >= 128 and 16 <= batch < 64:
-        return Launch(BLOCK_TOKENS, 2, 2, True)
+    best, and head_dim 128 merges in the split kernel: over two waves at batch 16-31 (4-7 % faster
+    than the two-kernel defaults at 8K-256K), six from batch 32 (Llama-8B 8K-128K at batch 32 and 64:
+    97-104 % of copy, against 77-100 % with the defaults, whose few splits left a short last wave).
+    At small batches the fused merge lost, up to 7 points of copy bandwidth at batch 1: its merging
+    program reads every split's partial alone."""
+    if head_dim >= 128 and batch >= 16:
+        return Launch(BLOCK_TOKENS, 2, 2 if batch < 32 else 6, True)
     if batch >= 16:
         return Launch(BLOCK_TOKENS, 2, WAVES, False)
     if head_dim >= 128:
