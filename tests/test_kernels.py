@@ -198,7 +198,7 @@ def test_gpu_decode_fused_repeated() -> None:
     td = triton_impl("triton_decode")
     for _ in range(20):
         with poisoned_outputs():
-            close(td.paged_decode_attention(*args, n_splits=case.splits), want, case.dtype)
+            close(td.paged_decode_attention(*args, n_splits=case.splits, fused=True), want, case.dtype)
     assert not td.arrival_counters(args[0].device, 1).any()
 
 
