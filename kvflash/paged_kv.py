@@ -40,6 +40,9 @@ class PagedKV:
         self.fetch: Callable[[list[str], list[torch.Tensor]], None] | None = None
         """Reads stored chunks (by chain hash) into host-tier slots, in parallel: set by a lazy restore."""
         self._fetch_lock = threading.Lock()
+        self.approximate = False
+        """Some step ran without every earlier chunk resident: this KV is not what the dense cache
+        computes, and is stored apart from exact KV (snapshots.APPROX_SUFFIX)."""
         self.scout = False
         """A scout step computes scores only: it neither advances the sequence nor seals chunks."""
         self._scouted = False
@@ -170,6 +173,8 @@ class PagedKV:
             want = select_resident(self.seq, self.cfg, self.budget, first, last, reselect=due)
         if due:
             self._since_select = 0
+        if not self.scout and len(want) <= last:  # want lies in 0..last and holds first..last
+            self.approximate = True
         for ch in self.resident():
             if ch.index not in want:
                 self._evict(ch)

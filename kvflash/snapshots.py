@@ -21,6 +21,9 @@ from kvflash.paged_kv import PagedKV
 from kvflash.pool import chunk_shape
 from kvflash.storage import ROOT_HASH, ChunkBlob, SnapshotStore, chain_hashes
 
+APPROX_SUFFIX = "+approx"
+"""Fingerprint suffix of chunks whose KV was computed without every earlier chunk resident (a budget
+below the context): they hash apart from exact KV, so they never stand in for it."""
 PREFETCH_PAUSE_S = 0.001
 """Between prefetch batches, so that a selection waiting for the fetch lock gets it."""
 
@@ -44,41 +47,52 @@ class StoredSummaries:
 
 
 class KVSnapshots:
-    """Saves and restores one model's sequences (one fingerprint) through a SnapshotStore."""
+    """Saves and restores one model's sequences through a SnapshotStore, under two fingerprints:
+    the model's for exact KV, the model's + APPROX_SUFFIX for KV computed under eviction."""
 
     def __init__(self, store: SnapshotStore, fingerprint: str, prefetch: bool = True):
         self.store, self.fp, self.prefetch = store, fingerprint, prefetch
+        self.approx_fp = fingerprint + APPROX_SUFFIX
 
-    def read_summaries(self, hashes: list[str], shape: tuple[int, ...]) -> StoredSummaries:
+    def read_summaries(self, fp: str, hashes: list[str], shape: tuple[int, ...]) -> StoredSummaries:
         rows = torch.empty((len(hashes), *shape))
-        got = self.store.read_summaries(hashes, self.fp, rows)
+        got = self.store.read_summaries(hashes, fp, rows)
         return StoredSummaries(list(hashes), [s.tokens for s in got], rows)
 
     def save(self, kv: PagedKV, label: str, meta: dict | None = None) -> str:
         """Snapshots the sealed prefix, writing only chunks the store does not already hold."""
         c = kv.cfg.chunk_tokens
         n = kv.seq.n_sealed
-        hashes = chain_hashes(self.fp, kv.seq.tokens[: n * c], c)
-        stored = self.store.find_longest_prefix(self.fp, hashes)
+        fp = self.approx_fp if kv.approximate else self.fp
+        hashes = chain_hashes(fp, kv.seq.tokens[: n * c], c)
+        stored = self.store.find_longest_prefix(fp, hashes)
         items: list[ChunkBlob | str] = list(hashes[:stored])
         for i in range(stored, n):
             parent = hashes[i - 1] if i else ROOT_HASH
             items.append(
                 ChunkBlob(
-                    self.fp, i, hashes[i], parent, kv.seq.chunk_tokens_of(i),
+                    fp, i, hashes[i], parent, kv.seq.chunk_tokens_of(i),
                     kv.seq.summaries[i].cpu(), kv.chunk_kv(i).cpu(),
                 )
             )  # fmt: skip
-        return self.store.put_snapshot(label, self.fp, items, meta)
+        return self.store.put_snapshot(label, fp, items, meta)
 
-    def lookup(self, ids: list[int], chunk_tokens: int) -> list[str]:
-        """Hashes of the longest stored chunk-aligned prefix of ids, leaving one token to compute."""
-        hashes = chain_hashes(self.fp, ids[: len(ids) - 1], chunk_tokens)
-        return hashes[: self.store.find_longest_prefix(self.fp, hashes)]
+    def lookup(self, ids: list[int], chunk_tokens: int, approximate: bool) -> tuple[str, list[str]]:
+        """(fingerprint, hashes) of the longest stored chunk-aligned prefix of ids, leaving one token
+        to compute: exact KV, or with `approximate` (a sequence that evicts anyway) approximate KV
+        where it covers more."""
+        best: tuple[str, list[str]] = (self.fp, [])
+        for fp in (self.fp, self.approx_fp) if approximate else (self.fp,):
+            hashes = chain_hashes(fp, ids[: len(ids) - 1], chunk_tokens)
+            hashes = hashes[: self.store.find_longest_prefix(fp, hashes)]
+            if len(hashes) > len(best[1]):
+                best = (fp, hashes)
+        return best
 
     def restore(
         self,
         kv: PagedKV,
+        fp: str,
         hashes: list[str],
         lazy: bool,
         leases: contextlib.ExitStack,
@@ -86,7 +100,8 @@ class KVSnapshots:
         batch: int = 64,
         ahead: StoredSummaries | None = None,
     ) -> RestoreStats:
-        """Restores the chunks named by hashes into an empty sequence; ChunkError on any failure.
+        """Restores the chunks named by hashes (stored under `fp`) into an empty sequence; ChunkError
+        on any failure.
 
         The lease is entered on `leases`, which the caller closes when the sequence is done with
         the store (a lazy sequence reads from it until then). on_progress(chunks done, total)
@@ -103,7 +118,7 @@ class KVSnapshots:
         if ahead is not None and ahead.hashes[: len(hashes)] == list(hashes):
             summaries = ahead.head(len(hashes))
         else:
-            summaries = self.read_summaries(hashes, tuple(kv.summary_shape))
+            summaries = self.read_summaries(fp, hashes, tuple(kv.summary_shape))
         slots: list[int] = []
         try:
             if not lazy:
@@ -111,7 +126,7 @@ class KVSnapshots:
                 for lo in range(0, len(hashes), batch):
                     outs = [kv.host.view(h) for h in slots[lo : lo + batch]]
                     self.store.read_chunks_parallel(
-                        hashes[lo : lo + batch], self.fp, shape, kv.pool.kv.dtype, outs
+                        hashes[lo : lo + batch], fp, shape, kv.pool.kv.dtype, outs
                     )
                     if on_progress:
                         on_progress(min(lo + batch, len(hashes)), len(hashes))
@@ -129,17 +144,18 @@ class KVSnapshots:
                 ch.disk = h
             else:
                 ch.host = slots[i]
+        kv.approximate = fp == self.approx_fp
         if lazy:
-            kv.fetch = self._fetcher(shape, kv.pool.kv.dtype)
+            kv.fetch = self._fetcher(fp, shape, kv.pool.kv.dtype)
         self.store.record_hit(hashes)
         stats.tokens = len(hashes) * kv.cfg.chunk_tokens
         if not lazy:
             kv.moved["disk"] += len(hashes) * kv.chunk_nbytes
         return stats
 
-    def _fetcher(self, shape, dtype):
+    def _fetcher(self, fp, shape, dtype):
         def fetch(hashes: list[str], outs: list[torch.Tensor]) -> None:
-            self.store.read_chunks_parallel(hashes, self.fp, shape, dtype, out=outs)
+            self.store.read_chunks_parallel(hashes, fp, shape, dtype, out=outs)
 
         return fetch
 

@@ -19,7 +19,7 @@ from kvflash.haystack import filler_sentences
 from kvflash.models.loader import load_model
 from kvflash.prompt import content_start, encode_messages
 from kvflash.session import Document, Session, system_message
-from kvflash.snapshots import KVSnapshots
+from kvflash.snapshots import APPROX_SUFFIX, KVSnapshots
 from kvflash.storage import SnapshotStore
 
 FACT = "The lighthouse of Port Elden was built in 1843 by an engineer named Mara Quill."
@@ -208,6 +208,20 @@ def test_lazy_restore_under_a_small_budget_reads_only_what_it_selects(lm, tmp_pa
     assert sb.source == "lazy" and sb.restored_tokens >= 12 * 64
     assert 0 < sb.bytes_moved["disk"] <= 8 * chunk_bytes < sb.restored_tokens // 64 * chunk_bytes
     assert sb.resident_chunks <= 8
+
+
+def test_kv_computed_under_eviction_never_stands_in_for_exact_kv(lm, tmp_path) -> None:
+    doc = document(n_sentences=60)
+    with SnapshotStore(tmp_path) as store:
+        ((_, small),) = turns(Session(engine(lm, pool_tokens=512), [doc], store), [Q1])
+        assert [s.fingerprint.endswith(APPROX_SUFFIX) for s in store.list_snapshots()] == [True]
+        # A budget that holds the context computes exact KV: it must not restore the evicting run's.
+        ((_, full),) = turns(Session(engine(lm), [doc], store), [Q2])
+        assert full.source == "cold"  # and its exact snapshot replaced the other under the label
+        assert [s.fingerprint.endswith(APPROX_SUFFIX) for s in store.list_snapshots()] == [False]
+        # A sequence that evicts anyway takes exact KV too.
+        ((_, again),) = turns(Session(engine(lm, pool_tokens=512), [doc], store, lazy=True), [Q2])
+        assert again.source == "lazy" and again.restored_tokens >= small.prefilled_tokens // 64 * 64 - 64
 
 
 def test_closing_a_lazy_session_stops_its_prefetch(lm, tmp_path) -> None:
