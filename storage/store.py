@@ -63,10 +63,9 @@ from kvflash.storage.names import check_fingerprint, check_hash, check_label, ch
 T = TypeVar("T")
 MAX_META_BYTES = 1 << 20
 MAX_DEFAULT_WORKERS = 8
-"""Measured on a 16-core host: decode threads beyond about 8 contended on the GIL and went slower.
-That was before a restore's GIL-held work per chunk was cut by 35-45% (docs/BENCHMARKS.md); a
-thread still holds the GIL for 12-17% of its CPU time (perf, 2-core VM), so 8 threads come near one
-GIL's worth and 16 would be over it. Not re-measured on the 16-core host yet."""
+"""A decode thread holds the GIL for 12-17% of its CPU time (perf, 2-core VM), so 8 threads come near
+one GIL's worth and 16 are over it: on the H200's 16-core host, 16 threads restored 1.70-1.92 GB/s
+from the page cache, 8 threads 1.85-2.46 GB/s (docs/BENCHMARKS.md, third session)."""
 
 
 @dataclass(frozen=True)
