@@ -12,7 +12,7 @@ set -euo pipefail
 root=${1:?usage: bench/niah_grid.sh ROOT [kvflash niah flags for every arm]}
 shift
 KVFLASH=${KVFLASH:-kvflash}
-ARMS=${ARMS:-full qk4 qk8 lru8 sink8 restore-full restore-qk8}
+ARMS=${ARMS:-full qk4 qk8 qk8-abs lru8 sink8 restore-full restore-qk8}
 grid=(--lengths "${LENGTHS:-2048,4096,8192}" --depths "${DEPTHS:-11}" --trials "${TRIALS:-4}")
 
 arm_flags() {
@@ -20,6 +20,7 @@ arm_flags() {
     full) echo --policy full ;;
     qk4) echo --policy qk --budget-frac 0.25 ;;
     qk8) echo --policy qk --budget-frac 0.125 ;;
+    qk8-abs) echo --policy qk --budget-frac 0.125 --absolute-positions ;;
     lru8) echo --policy lru --budget-frac 0.125 ;;
     sink8) echo --policy sink --budget-frac 0.125 ;;
     restore-full) echo --policy full --mode restore ;;

@@ -57,6 +57,9 @@ def niah(
     mode: str = typer.Option(
         "cold", "--mode", help=f"{', '.join(MODES)}: restore answers after restoring a disk snapshot."
     ),
+    absolute_positions: bool = typer.Option(
+        False, "--absolute-positions", help="Attend at absolute positions, not positions within the cache."
+    ),
     codec: str = typer.Option("lossless", "--codec", help="Snapshot codec in restore modes: lossless, fp8."),
     template: str = typer.Option("passcode", "--template", help=f"Needle: {', '.join(TEMPLATES)}."),
     haystack: Path = typer.Option(None, "--haystack", help="Filler text file (default: generated prose)."),
@@ -74,7 +77,8 @@ def niah(
     cfg = NiahConfig(
         lengths=parse_lengths(lengths), depths=parse_depths(depths), trials=trials,
         pool_tokens=pool_tokens, budget_frac=budget_frac, policy=policy, mode=mode,
-        codec=codec, template=template, haystack=str(haystack.resolve()) if haystack else None,
+        cache_positions=not absolute_positions, codec=codec, template=template,
+        haystack=str(haystack.resolve()) if haystack else None,
         needle=needle, question=question, seed=seed, max_tokens=max_tokens, out=str(out),
         model=str(model) if model else None, dtype=dtype, device=device,
     )  # fmt: skip

@@ -78,11 +78,14 @@ def paged_decode_attention(
     n_slots: torch.Tensor,
     last_valid: torch.Tensor,
     sm_scale: float,
+    rot: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, D] -> [B, Hq, D] in q's dtype. Sequence b attends over slot_table[b, :n_slots[b]]
-    (int32), all tokens valid except in its last listed slot, where only the first last_valid[b] are."""
+    (int32), all tokens valid except in its last listed slot, where only the first last_valid[b] are.
+    rot [B, W, 2, D/2] fp32 (cos, sin), when given, rotates each listed chunk's keys: RoPE positions
+    shifted per chunk (reference.shift_keys)."""
     fn = _pick("paged_decode_attention", kv_pool, q, slot_table, n_slots, last_valid)
-    return fn(q, kv_pool, layer, slot_table, n_slots, last_valid, sm_scale)
+    return fn(q, kv_pool, layer, slot_table, n_slots, last_valid, sm_scale, rot=rot)
 
 
 def prefill_attention(
@@ -93,11 +96,14 @@ def prefill_attention(
     chunk_index: torch.Tensor,
     q_start: int,
     sm_scale: float,
+    rot: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, Hq, D] at positions q_start + t -> [T, Hq, D], causal over the listed slots (int32, in
-    logical order: chunk_index ascending), key j of slot i at position chunk_index[i] * C + j."""
+    logical order: chunk_index ascending), key j of slot i at position chunk_index[i] * C + j.
+    rot [n, 2, D/2] fp32, when given, rotates each listed chunk's keys (reference.shift_keys); the
+    causal mask still follows chunk_index."""
     fn = _pick("prefill_attention", kv_pool, q, slots, chunk_index)
-    return fn(q, kv_pool, layer, slots, chunk_index, q_start, sm_scale)
+    return fn(q, kv_pool, layer, slots, chunk_index, q_start, sm_scale, rot=rot)
 
 
 def chunk_summaries(kv_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,15 @@ def _attend(
     return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v
 
 
+def shift_keys(k: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+    """Keys k [..., n, C, D] of n chunks moved by each chunk's RoPE rotation rot [..., n, 2, D/2]
+    (cos, sin of shift * inverse frequency): key positions as if the chunks between were absent."""
+    cos = torch.cat([rot[..., 0, :]] * 2, -1)[..., None, :]
+    sin = torch.cat([rot[..., 1, :]] * 2, -1)[..., None, :]
+    kf, half = k.float(), k.shape[-1] // 2
+    return kf * cos + torch.cat([-kf[..., half:], kf[..., :half]], -1) * sin
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     kv_pool: torch.Tensor,
@@ -30,9 +39,11 @@ def paged_decode_attention(
     n_slots: torch.Tensor,
     last_valid: torch.Tensor,
     sm_scale: float,
+    rot: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence b over its first n_slots[b] listed slots; only the first
-    last_valid[b] tokens of the last listed slot (the append head) are valid. Returns [B, Hq, D]."""
+    last_valid[b] tokens of the last listed slot (the append head) are valid. Returns [B, Hq, D].
+    rot [B, max_n, 2, D/2], when given, moves each listed chunk's keys (`shift_keys`)."""
     b, _, d = q.shape
     c = kv_pool.shape[4]
     max_n = slot_table.shape[1]
@@ -41,6 +52,9 @@ def paged_decode_attention(
     tok = torch.arange(max_n * c, device=q.device)[None, :]
     valid = tok < ((n_slots - 1) * c + last_valid)[:, None]  # [B, max_n * C]
     kv = kv_pool[slots, layer]  # [B, max_n, 2, Hkv, C, D]
+    if rot is not None:
+        kv = kv.float()
+        kv[:, :, 0] = shift_keys(kv[:, :, 0].transpose(1, 2), rot[:, None]).transpose(1, 2)
     kv = kv.permute(2, 0, 3, 1, 4, 5).reshape(2, b, kv.shape[3], max_n * c, d)
     kv = torch.where(valid[None, :, None, :, None], kv, 0)
     out = _attend(q[:, :, None, :], kv[0], kv[1], valid[:, None, None, :], sm_scale)
@@ -55,14 +69,18 @@ def prefill_attention(
     chunk_index: torch.Tensor,
     q_start: int,
     sm_scale: float,
+    rot: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Query t sits at position q_start + t; key j of listed slot i at chunk_index[i] * C + j; causal.
-    Returns [T, Hq, D]."""
+    Returns [T, Hq, D]. rot [n, 2, D/2], when given, moves each listed chunk's keys (`shift_keys`)."""
     t, _, d = q.shape
     c = kv_pool.shape[4]
     key_pos = (chunk_index.long()[:, None] * c + torch.arange(c, device=q.device)).flatten()
     q_pos = q_start + torch.arange(t, device=q.device)
     kv = kv_pool[slots.long(), layer]  # [n, 2, Hkv, C, D]
+    if rot is not None:
+        kv = kv.float()
+        kv[:, 0] = shift_keys(kv[:, 0].transpose(0, 1), rot).transpose(0, 1)
     kv = kv.permute(1, 2, 0, 3, 4).reshape(2, kv.shape[2], -1, d)
     kv = torch.where((key_pos < q_start + t)[None, None, :, None], kv, 0)
     mask = key_pos[None, :] <= q_pos[:, None]

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from kvflash.kernels._common import LOG2E, dot_precision, f32_dot, pool_strides, sm_count
+from kvflash.kernels.triton_decode import _shifted_qk
 
 BLOCK_TOKENS = 64
 """Keys per inner step: whole chunks, at least this many."""
@@ -41,6 +42,9 @@ def _attend_blocks(
     m_i,
     l_i,
     q,
+    qa,
+    qb,
+    rot_ptr,
     q_pos,
     last_pos,
     k_base,
@@ -60,6 +64,7 @@ def _attend_blocks(
     F32_DOT: tl.constexpr,
     PREC: tl.constexpr,
     STAGES: tl.constexpr,
+    SHIFTED: tl.constexpr,
 ):
     """Online-softmax update over blocks [blk_lo, blk_hi); MASKED applies the causal and list-end masks."""
     t = tl.arange(0, CPI * C)
@@ -72,15 +77,26 @@ def _attend_blocks(
         if MASKED:
             key_pos = tl.load(chunk_index_ptr + ci, mask=ci < n_vis, other=0) * C + t % C
             live = (ci < n_vis) & (key_pos <= last_pos)
+        else:
+            live = t < CPI * C
+        if SHIFTED:  # one chunk a block (CPI == 1)
+            qk = _shifted_qk(
+                qa, qb, rot_ptr + blk * D, k_base + rows[:, None], live[:, None], D, F32_DOT, PREC
+            )
+            v = tl.load(k_base + stride_kv + rows[:, None] + d[None, :], mask=live[:, None], other=0.0)
+        elif MASKED:
             k = tl.load(k_base + rows[:, None] + d[None, :], mask=live[:, None], other=0.0)
             v = tl.load(k_base + stride_kv + rows[:, None] + d[None, :], mask=live[:, None], other=0.0)
         else:
             k = tl.load(k_base + rows[:, None] + d[None, :])
             v = tl.load(k_base + stride_kv + rows[:, None] + d[None, :])
+        if not SHIFTED:
+            if F32_DOT:
+                k = k.to(tl.float32)
+            qk = tl.dot(q, tl.trans(k), input_precision=PREC)
         if F32_DOT:
-            k = k.to(tl.float32)
             v = v.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        qk = qk * qk_scale
         if MASKED:
             qk = tl.where(live[None, :] & (key_pos[None, :] <= q_pos[:, None]), qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -98,6 +114,7 @@ def _prefill_kernel(
     kv_ptr,
     slots_ptr,
     chunk_index_ptr,
+    rot_ptr,
     o_ptr,
     n,
     q_start,
@@ -121,6 +138,7 @@ def _prefill_kernel(
     PREC: tl.constexpr,
     COUNT: tl.constexpr,
     FULL_STAGES: tl.constexpr,
+    SHIFTED: tl.constexpr,
 ):
     mb = tl.program_id(0)
     h = tl.program_id(1)
@@ -131,6 +149,13 @@ def _prefill_kernel(
     q = q.to(kv_ptr.dtype.element_ty)
     if F32_DOT:
         q = q.to(tl.float32)
+    qa = q
+    qb = q
+    if SHIFTED:
+        hd = tl.arange(0, D // 2)
+        q_rows = q_ptr + r[:, None] * stride_qt + h * stride_qh + hd[None, :]
+        qa = tl.load(q_rows, mask=(r < T)[:, None], other=0.0).to(tl.float32)
+        qb = tl.load(q_rows + D // 2, mask=(r < T)[:, None], other=0.0).to(tl.float32)
 
     first_pos = q_start + mb * BLOCK_M
     last_pos = q_start + tl.minimum(mb * BLOCK_M + BLOCK_M, T) - 1
@@ -143,13 +168,15 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     acc, m_i, l_i = _attend_blocks(
-        acc, m_i, l_i, q, q_pos, last_pos, k_base, slots_ptr, chunk_index_ptr, 0, full_blocks, n_vis,
-        qk_scale, stride_slot, stride_kv, stride_tok, C, CPI, D, False, F32_DOT, PREC, FULL_STAGES,
+        acc, m_i, l_i, q, qa, qb, rot_ptr, q_pos, last_pos, k_base, slots_ptr, chunk_index_ptr, 0,
+        full_blocks, n_vis, qk_scale, stride_slot, stride_kv, stride_tok, C, CPI, D, False, F32_DOT, PREC,
+        FULL_STAGES, SHIFTED,
     )  # fmt: skip
     vis_blocks = tl.cdiv(n_vis, CPI)
     acc, m_i, l_i = _attend_blocks(
-        acc, m_i, l_i, q, q_pos, last_pos, k_base, slots_ptr, chunk_index_ptr, full_blocks, vis_blocks,
-        n_vis, qk_scale, stride_slot, stride_kv, stride_tok, C, CPI, D, True, F32_DOT, PREC, 1,
+        acc, m_i, l_i, q, qa, qb, rot_ptr, q_pos, last_pos, k_base, slots_ptr, chunk_index_ptr,
+        full_blocks, vis_blocks, n_vis, qk_scale, stride_slot, stride_kv, stride_tok, C, CPI, D, True,
+        F32_DOT, PREC, 1, SHIFTED,
     )  # fmt: skip
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
@@ -174,12 +201,17 @@ def prefill_attention(
     chunk_index: torch.Tensor,
     q_start: int,
     sm_scale: float,
+    rot: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Same contract as reference.prefill_attention; chunk_index must be ascending (logical order)."""
+    """Same contract as reference.prefill_attention; chunk_index must be ascending (logical order).
+    With `rot` [n, 2, D/2] fp32 the kernel walks one chunk a block, turning the queries by each
+    chunk's rotation."""
     t, hq, d = q.shape
     h_kv, c = kv_pool.shape[3], kv_pool.shape[4]
     assert q.stride(2) == 1 and slots.is_contiguous() and chunk_index.is_contiguous()
-    cpi = max(1, BLOCK_TOKENS // c)
+    cpi = 1 if rot is not None else max(1, BLOCK_TOKENS // c)
+    if rot is not None:
+        assert rot.dtype == torch.float32 and rot.is_contiguous() and rot.shape == (slots.numel(), 2, d // 2)
     block_m = _block_m(t, hq, q.device)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     layer_off, s_slot, s_kv, s_head, s_tok = pool_strides(kv_pool, layer)
@@ -188,6 +220,7 @@ def prefill_attention(
         kv_pool,
         slots,
         chunk_index,
+        rot,
         out,
         slots.numel(),
         q_start,
@@ -211,6 +244,7 @@ def prefill_attention(
         PREC=dot_precision(kv_pool.dtype),
         COUNT=COUNT_STEP,
         FULL_STAGES=3 if block_m * d <= TILE_ELEMS_DEEP else 2,
+        SHIFTED=rot is not None,
         num_warps=8 if block_m == 128 else 4,
     )
     return out

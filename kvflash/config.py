@@ -88,6 +88,11 @@ class ResidencyConfig:
     """The last this-many query tokens of a step score the chunks: enough to cover a question."""
     summary_blocks: int = 4
     """Each chunk is summarised by the mean key of each of this many equal runs of its tokens."""
+    cache_positions: bool = True
+    """Attend to resident chunks at positions as if the chunks between them and the query were absent
+    (StreamingLLM's positions within the cache): a selected far chunk sits just before the resident
+    ones after it, instead of at a distance the model rarely bridges with the chunks between gone.
+    KV is still stored at its absolute positions; the kernels turn each chunk's keys on the fly."""
     scout_rounds: int = 2
     """Scout passes over a long prompt's last step before the real one: the first runs on the floor
     alone, each later one with the chunks the previous one chose, whose queries then see them."""

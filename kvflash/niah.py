@@ -36,7 +36,7 @@ MODES = ("cold", "restore", "lazy")
 NEUTRAL_QUESTION = "Summarise the document in one sentence."
 """Asked by the session that stores the document in restore modes: it only needs the prefill."""
 ARM_FIELDS = (
-    "pool_tokens", "budget_frac", "policy", "mode", "codec", "template", "haystack",
+    "pool_tokens", "budget_frac", "policy", "mode", "cache_positions", "codec", "template", "haystack",
     "needle", "question", "seed", "max_tokens", "model", "dtype",
 )  # fmt: skip
 """Settings that change answers: a resumed run must agree on all of them (the grid may grow)."""
@@ -56,6 +56,8 @@ class NiahConfig:
     """Pool as a share of each length, in whole chunks, at least the residency floor."""
     policy: str = "full"
     mode: str = "cold"
+    cache_positions: bool = True
+    """ResidencyConfig.cache_positions: off attends at absolute positions (the A/B arm)."""
     codec: str = "lossless"
     """The snapshot codec in restore modes: lossless, or fp8 to check that its error spares the needle."""
     template: str = "passcode"
@@ -136,7 +138,8 @@ class NiahConfig:
             share = f"1/{round(inv)}" if abs(inv - round(inv)) < 1e-9 else f"{self.budget_frac:g}"
             pool = f"{self.policy} @ {share} of length"
         codec = f", {self.codec}" if self.codec != "lossless" and self.mode != "cold" else ""
-        return f"{pool}, {self.mode}{codec}"
+        absolute = ", absolute positions" if not self.cache_positions and self.policy != "full" else ""
+        return f"{pool}, {self.mode}{codec}{absolute}"
 
     def pool_for(self, length: int, prompt_tokens: int) -> int:
         """Pool tokens for one trial: the whole prompt and answer under full, else the configured share."""
@@ -222,7 +225,7 @@ class ModelArm:
         docs = [Document("haystack.txt", document)]
         prompt = encode_messages(self.tok, [system_message(docs), {"role": "user", "content": question}])
         pool = self.cfg.pool_for(length, len(prompt))
-        res = ResidencyConfig(policy=self.cfg.policy)
+        res = ResidencyConfig(policy=self.cfg.policy, cache_positions=self.cfg.cache_positions)
         engine = Engine(self.lm, EngineConfig(pool_tokens=pool, residency=res))
         if self.store is not None:
             self._ask(Session(engine, docs, self.store), NEUTRAL_QUESTION, 1)

@@ -18,6 +18,7 @@ from kvflash import KVFlashError, kernels
 from kvflash.config import ResidencyConfig
 from kvflash.host_tier import HostTier
 from kvflash.kvcache import sdpa
+from kvflash.models.rope import inv_frequencies
 from kvflash.pool import ChunkPool, summary_shape
 from kvflash.residency import required_chunks, select_resident
 from kvflash.sequence import Chunk, Sequence
@@ -59,6 +60,10 @@ class PagedKV:
         self._scores: torch.Tensor | None = None
         self._queries: list[torch.Tensor] | None = None
         """Each layer's scoring queries, on steps scored from exact keys (scouts, decode re-selection)."""
+        self._inv_freq = inv_frequencies(pool.cfg).to(pool.kv.device)
+        self._rot: torch.Tensor | None = None
+        """[resident, 2, D/2] cos/sin moving each resident chunk's keys to its cache position, or None
+        when no resident chunk has evicted chunks between it and the step's queries."""
 
     @property
     def summary_shape(self) -> torch.Size:
@@ -190,9 +195,21 @@ class PagedKV:
         dev, i32 = self.pool.kv.device, torch.int32
         self._slots = torch.tensor([self.seq.chunks[i].gpu for i in order], device=dev, dtype=i32)
         self._order = torch.tensor(order, device=dev, dtype=i32)
+        self._rot = self._cache_rotation(order, first) if self.cfg.cache_positions else None
         if not self._triton:
             self._key_pos = (self._order[:, None].long() * c + torch.arange(c, device=dev)).flatten()
         self._step_metadata(start, end)
+
+    def _cache_rotation(self, order: list[int], first: int) -> torch.Tensor | None:
+        """Each resident chunk moves forward by the evicted chunks between it and the step's first
+        chunk (its rank; the step's own chunks are the last, contiguous ranks, so they stay put)."""
+        c = self.cfg.chunk_tokens
+        gap_q = first - order.index(first)
+        shift = [(gap_q - (i - rank)) * c for rank, i in enumerate(order)]
+        if not any(shift):
+            return None
+        ang = torch.tensor(shift, device=self._inv_freq.device, dtype=torch.float32)[:, None] * self._inv_freq
+        return torch.stack([ang.cos(), ang.sin()], 1)
 
     def _step_metadata(self, start: int, end: int) -> None:
         """Where the step's tokens are written and which keys each query sees; the slot list is kept
@@ -233,7 +250,10 @@ class PagedKV:
         if self._triton:
             return self._attend_triton(layer, q)
         h_kv, d = kv.shape[3], kv.shape[5]
-        keys = kv[self._slots, layer, 0].transpose(0, 1).reshape(h_kv, -1, d)
+        keys = kv[self._slots, layer, 0].transpose(0, 1)  # [Hkv, n, C, D]
+        if self._rot is not None:
+            keys = kernels.reference.shift_keys(keys, self._rot).to(kv.dtype)
+        keys = keys.reshape(h_kv, -1, d)
         values = kv[self._slots, layer, 1].transpose(0, 1).reshape(h_kv, -1, d)
         return sdpa(q, keys, values, self._mask)
 
@@ -241,10 +261,13 @@ class PagedKV:
         scale = q.shape[-1] ** -0.5
         if q.shape[0] == 1:
             meta = self._decode_meta
+            rot = None if self._rot is None else self._rot[None]
             return kernels.paged_decode_attention(
-                q, self.pool.kv, layer, self._slots[None], meta[:1], meta[1:], scale
+                q, self.pool.kv, layer, self._slots[None], meta[:1], meta[1:], scale, rot
             )
-        return kernels.prefill_attention(q, self.pool.kv, layer, self._slots, self._order, self._start, scale)
+        return kernels.prefill_attention(
+            q, self.pool.kv, layer, self._slots, self._order, self._start, scale, self._rot
+        )
 
     def _score(self, layer: int, q: torch.Tensor) -> None:
         """Adds this layer's estimate of the attention mass each chunk would get (prefill steps).

@@ -120,11 +120,22 @@ def decode_inputs(case: Decode, device: str):
     return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
 
 
-def check_decode(case: Decode, device: str, fused: bool = True) -> None:
+def random_rot(lead: tuple[int, ...], d: int, seed: int, device: str) -> torch.Tensor:
+    """Per-chunk RoPE rotations [*lead, 2, D/2] (cos, sin) for random shifts of up to 5,000 positions."""
+    g = torch.Generator().manual_seed(seed)
+    shift = torch.randint(0, 5000, lead, generator=g).float()
+    ang = shift[..., None] * 10000.0 ** (-torch.arange(0, d, 2).float() / d)
+    return torch.stack([ang.cos(), ang.sin()], -2).to(device)
+
+
+def check_decode(case: Decode, device: str, fused: bool = True, shifted: bool = False) -> None:
     args = decode_inputs(case, device)
+    rot = random_rot((case.batch, case.max_n), case.d, case.seed, device) if shifted else None
     with poisoned_outputs():
-        out = triton_impl("triton_decode").paged_decode_attention(*args, n_splits=case.splits, fused=fused)
-    close(out, ref.paged_decode_attention(*args), case.dtype)
+        out = triton_impl("triton_decode").paged_decode_attention(
+            *args, n_splits=case.splits, fused=fused, rot=rot
+        )
+    close(out, ref.paged_decode_attention(*args, rot=rot), case.dtype)
 
 
 INTERP_DECODE = [
@@ -151,6 +162,12 @@ GPU_DECODE = [
 @pytest.mark.parametrize("case", INTERP_DECODE, ids=str)
 def test_interp_decode(case: Decode, fused: bool) -> None:
     check_decode(case, "cpu", fused)
+
+
+@interp
+@pytest.mark.parametrize("case", INTERP_DECODE[1::2], ids=str)
+def test_interp_decode_shifted(case: Decode) -> None:
+    check_decode(case, "cpu", fused=False, shifted=True)
 
 
 @interp
@@ -188,6 +205,12 @@ def test_gpu_decode(case: Decode, fused: bool) -> None:
     check_decode(case, "cuda", fused)
 
 
+@pytest.mark.parametrize("case", GPU_DECODE, ids=str)
+@on_gpu
+def test_gpu_decode_shifted(case: Decode) -> None:
+    check_decode(case, "cuda", shifted=True)
+
+
 @on_gpu
 def test_gpu_decode_fused_repeated() -> None:
     """64 splits per (sequence, kv-head) racing on real hardware, twenty times: a merge that reads a
@@ -200,6 +223,22 @@ def test_gpu_decode_fused_repeated() -> None:
         with poisoned_outputs():
             close(td.paged_decode_attention(*args, n_splits=case.splits, fused=True), want, case.dtype)
     assert not td.arrival_counters(args[0].device, 1).any()
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "two-kernel"])
+@pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "plain"])
+@on_gpu
+def test_gpu_decode_chain_reads_the_previous_output(pdl: bool, fused: bool) -> None:
+    """Ten decodes in a row, each one's query the previous one's output: a dependent launch that read
+    its query before the previous kernel had written it would drift from the reference chain."""
+    case = Decode(2, 3, 3, 64, 64, 1024, torch.bfloat16, splits=32, seed=9)
+    q, *rest = decode_inputs(case, "cuda")
+    td = triton_impl("triton_decode")
+    got = want = q
+    for _ in range(10):
+        got = td.paged_decode_attention(got, *rest, n_splits=case.splits, fused=fused, pdl=pdl)
+        want = ref.paged_decode_attention(want, *rest)
+    close(got, want, case.dtype)
 
 
 # -- chunked prefill ------------------------------------------------------------------------------
@@ -238,11 +277,12 @@ def prefill_inputs(case: Prefill, device: str):
     return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
 
 
-def check_prefill(case: Prefill, device: str) -> None:
+def check_prefill(case: Prefill, device: str, shifted: bool = False) -> None:
     args = prefill_inputs(case, device)
+    rot = random_rot((args[3].numel(),), case.d, case.seed, device) if shifted else None
     with poisoned_outputs():
-        out = triton_impl("triton_prefill").prefill_attention(*args)
-    close(out, ref.prefill_attention(*args), case.dtype)
+        out = triton_impl("triton_prefill").prefill_attention(*args, rot=rot)
+    close(out, ref.prefill_attention(*args, rot=rot), case.dtype)
 
 
 INTERP_PREFILL = [
@@ -268,10 +308,40 @@ def test_interp_prefill(case: Prefill) -> None:
     check_prefill(case, "cpu")
 
 
+@interp
+@pytest.mark.parametrize("case", INTERP_PREFILL[1::2], ids=str)
+def test_interp_prefill_shifted(case: Prefill) -> None:
+    check_prefill(case, "cpu", shifted=True)
+
+
+@pytest.mark.parametrize("shifted", [False, True], ids=["absolute", "shifted"])
 @pytest.mark.parametrize("case", GPU_PREFILL, ids=str)
 @on_gpu
-def test_gpu_prefill(case: Prefill) -> None:
-    check_prefill(case, "cuda")
+def test_gpu_prefill(case: Prefill, shifted: bool) -> None:
+    check_prefill(case, "cuda", shifted)
+
+
+def test_shifted_keys_sit_at_the_shifted_positions() -> None:
+    """A key rotated to position p, then shifted by s, is the key rotated to p + s: the reference's
+    rotation moves keys along RoPE positions (what cache positions rely on)."""
+    from kvflash.models.rope import apply_rotary
+
+    d, c, n = 64, 16, 3
+    g = torch.Generator().manual_seed(0)
+    k0 = torch.randn(n, c, 1, d, generator=g)
+    inv = 10000.0 ** (-torch.arange(0, d, 2).float() / d)
+    pos = torch.arange(n * c).float().view(n, c) + 1000
+    shift = torch.tensor([700.0, 64.0, 0.0])
+
+    def rope(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ang = torch.cat([p[:, None] * inv] * 2, -1)
+        return ang.cos(), ang.sin()
+
+    at = torch.stack([apply_rotary(k0[i], *rope(pos[i])) for i in range(n)])[:, :, 0]
+    moved = torch.stack([apply_rotary(k0[i], *rope(pos[i] + shift[i])) for i in range(n)])[:, :, 0]
+    ang = shift[:, None] * inv
+    got = ref.shift_keys(at, torch.stack([ang.cos(), ang.sin()], -2))
+    torch.testing.assert_close(got, moved, atol=2e-4, rtol=1e-4)
 
 
 # -- summaries and scores -------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from kvflash import KVFlashError
 from kvflash.config import ResidencyConfig
 from kvflash.host_tier import HostTier
 from kvflash.kvcache import ContiguousKV
+from kvflash.models.rope import inv_frequencies
 from kvflash.paged_kv import PagedKV
 from kvflash.pool import ChunkPool
 from kvflash.residency import required_chunks
@@ -127,8 +128,14 @@ def test_pool_invariants_under_random_operations(actions, policy, seed) -> None:
     c = kv.cfg.chunk_tokens
     for act in actions:
         if act[0] == "step":
-            _forward_random(kv, act[1], gen, written)
-            first = (len(kv.seq) - act[1]) // c
+            n, start = act[1], len(kv.seq)
+            # as Engine.step_chunks does: a step writes no more chunks than the budget leaves room for
+            while (
+                n > 1 and len(required_chunks(kv.seq, kv.cfg, start // c, (start + n - 1) // c)) > kv.budget
+            ):
+                n -= 1
+            _forward_random(kv, n, gen, written)
+            first = start // c
             last = (len(kv.seq) - 1) // c
             need = required_chunks(kv.seq, kv.cfg, first, last)
             assert need <= {ch.index for ch in kv.resident()}, "a sink, tail or pinned chunk was evicted"
@@ -214,3 +221,24 @@ def test_scout_scores_from_exact_keys_find_one_sharp_key_that_block_means_miss()
     step(len(kv.seq), 2, torch.randn(2, d, generator=gen) * 0.05, q_question)
     kv._apply_scores()
     assert kv.seq.chunks[7].score > 10 * kv.seq.chunks[3].score
+
+
+@pytest.mark.parametrize("cache_positions", [True, False])
+def test_resident_chunks_attend_at_positions_within_the_cache(cache_positions: bool) -> None:
+    """Under eviction each resident chunk's keys turn forward by C x the evicted chunks between it and
+    the step's queries (the sink by all of them, the window by none); off, they stay absolute."""
+    cfg = tiny_config()
+    kv = make_kv(cfg, n_slots=8, budget=6, policy="sink", cache_positions=cache_positions)
+    model = tiny_model(cfg)
+    for start in range(0, 16 * 12, 16):
+        model(torch.zeros(16, dtype=torch.long), torch.arange(start, start + 16), kv)
+    order = kv._order.tolist()
+    assert order[0] == 0 and order[1:] == list(range(order[1], 12)), order
+    if not cache_positions:
+        assert kv._rot is None
+        return
+    gap = order[1] - 1  # chunks 1 .. order[1] - 1 are evicted
+    ang = gap * 16 * inv_frequencies(cfg)
+    torch.testing.assert_close(kv._rot[0], torch.stack([ang.cos(), ang.sin()]))
+    torch.testing.assert_close(kv._rot[1:, 0], torch.ones(len(order) - 1, cfg.head_dim // 2))
+    torch.testing.assert_close(kv._rot[1:, 1], torch.zeros(len(order) - 1, cfg.head_dim // 2))
