@@ -62,6 +62,8 @@ class PagedKV:
         """Each layer's scoring queries, on steps scored from exact keys (scouts, decode re-selection)."""
         self._inv_freq = inv_frequencies(pool.cfg).to(pool.kv.device)
         self._rot: torch.Tensor | None = None
+        self._cand_rot: torch.Tensor | None = None
+        """[candidates, 2, D/2]: where each earlier chunk is scored from (`_candidate_rotation`)."""
         """[resident, 2, D/2] cos/sin moving each resident chunk's keys to its cache position, or None
         when no resident chunk has evicted chunks between it and the step's queries."""
 
@@ -211,6 +213,19 @@ class PagedKV:
         ang = torch.tensor(shift, device=self._inv_freq.device, dtype=torch.float32)[:, None] * self._inv_freq
         return torch.stack([ang.cos(), ang.sin()], 1)
 
+    def _candidate_rotation(self, first: int) -> torch.Tensor | None:
+        """Under cache positions, the rotation [first, 2, D/2] that scores each earlier chunk where it
+        would be attended from if selected: just before the tail, `tail_chunks + 1` chunks before the
+        step (nearer chunks stay). Scored at their absolute distance, far chunks lose to near ones by
+        RoPE's decay alone, though selected they would sit near."""
+        if not self.cfg.cache_positions or not first:
+            return None
+        c, dev = self.cfg.chunk_tokens, self._inv_freq.device
+        near = first - self.cfg.tail_chunks - 1
+        shift = (near - torch.arange(first, device=dev)).clamp(min=0) * c
+        ang = shift.float()[:, None] * self._inv_freq
+        return torch.stack([ang.cos(), ang.sin()], 1)
+
     def _step_metadata(self, start: int, end: int) -> None:
         """Where the step's tokens are written and which keys each query sees; the slot list is kept
         from the last selection (it changes only when residency does)."""
@@ -231,8 +246,10 @@ class PagedKV:
         self._n_cand = start // c
         t = end - start
         capture = self.cfg.policy == "qk" and (self.scout or t > 1 or self._since_select + t >= self.tau())
+        self._cand_rot = None
         if capture:
             self._scores = torch.zeros(self._n_cand, device=dev)
+            self._cand_rot = self._candidate_rotation(start // c)
         exact = capture and (self.scout or t == 1)
         self._queries = [] if exact else None
 
@@ -278,7 +295,7 @@ class PagedKV:
         the max finds the chunk one retrieval head looks at a lot (docs/ARCHITECTURE.md, Residency).
         """
         qs = q[-self.cfg.score_queries :].float()
-        summ = self.seq.summaries[: self._n_cand, layer, None]  # a view: no copy of every summary
+        summ = _turned(self.seq.summaries[: self._n_cand, layer, None], self._cand_rot)
         self._scores += self._mass(self._estimate_lse(qs[None], summ))[0]
 
     def _estimate_lse(self, qs: torch.Tensor, summ: torch.Tensor) -> torch.Tensor:
@@ -319,17 +336,24 @@ class PagedKV:
         for lo in range(0, len(on_gpu), batch):
             part = on_gpu[lo : lo + batch]
             slots = torch.tensor([ch.gpu for ch in part], device=dev)
+            idx = [ch.index for ch in part]
             keys = self.pool.kv[slots, :, 0]  # [n, L, Hkv, C, D]
-            lse[..., [ch.index for ch in part]] = _keys_lse(qg, keys)
+            lse[..., idx] = _keys_lse(qg, _turned(keys, self._rows(self._cand_rot, idx)))
         for lo in range(0, len(on_host), batch):
             part = on_host[lo : lo + batch]
             stage = torch.empty((len(part), *self.pool.kv.shape[1:]), dtype=self.pool.kv.dtype, device=dev)
             for j, ch in enumerate(part):
                 stage[j].copy_(self.host.view(ch.host), non_blocking=True)
-            lse[..., [ch.index for ch in part]] = _keys_lse(qg, stage[:, :, 0])
+            idx = [ch.index for ch in part]
+            lse[..., idx] = _keys_lse(qg, _turned(stage[:, :, 0], self._rows(self._cand_rot, idx)))
         if rest:
-            lse[..., rest] = self._estimate_lse(qs, self.seq.summaries[torch.tensor(rest, device=dev)])
+            summ = self.seq.summaries[torch.tensor(rest, device=dev)]
+            lse[..., rest] = self._estimate_lse(qs, _turned(summ, self._rows(self._cand_rot, rest)))
         return self._mass(lse).sum(0)
+
+    @staticmethod
+    def _rows(rot: torch.Tensor | None, index: list[int]) -> torch.Tensor | None:
+        return None if rot is None else rot[index]
 
     def end(self) -> None:
         self.step += 1
@@ -368,6 +392,13 @@ class PagedKV:
             if ch.host is not None:
                 self.host.release(ch.host)
                 ch.host = None
+
+
+def _turned(keys: torch.Tensor, rot: torch.Tensor | None) -> torch.Tensor:
+    """Keys or block means [n, L, Hkv, X, D] of n chunks turned by rot [n, 2, D/2] (None: as they are)."""
+    if rot is None:
+        return keys
+    return kernels.reference.shift_keys(keys.float().movedim(0, 2), rot).movedim(2, 0)
 
 
 def _keys_lse(qs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

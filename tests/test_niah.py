@@ -207,3 +207,19 @@ def test_smollm_small_grid_restore_answers_as_cold(smollm_path, tmp_path) -> Non
     assert all(x["resident_chunks"] <= 8 for x in c + r)
     assert cold["overall"] == restore["overall"] and cold["overall"] >= 1 / 3
     assert (tmp_path / "restore" / "heatmap.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_smollm_qk_at_an_eighth_finds_needles_far_from_the_question(smollm_path, tmp_path) -> None:
+    """A 2K document, a pool of 1/8 (raised to the 7-chunk floor, 448 tokens), needles at depths
+    0.1-0.4: at absolute positions qk found none at these depths on the H200 grid (0/48); with
+    positions within the cache, scored where they would sit, 46/48. Here: at least three of four."""
+    from kvflash.models.loader import load_model
+    from kvflash.niah import run
+
+    lm = load_model(smollm_path, dtype="fp32", device="cpu")
+    arm = dict(lengths=(2048,), depths=(0.1, 0.2, 0.3, 0.4), trials=1, policy="qk", budget_frac=0.125)
+    summary = run(NiahConfig(**arm, out=str(tmp_path / "qk8")), lm)
+    rows = [json.loads(x) for x in (tmp_path / "qk8" / "results.jsonl").read_text().splitlines()]
+    assert all(r["pool_tokens"] == 448 and r["resident_chunks"] <= 7 for r in rows)
+    assert summary["overall"] >= 0.75, [r["answer"] for r in rows]

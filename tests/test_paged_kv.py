@@ -11,7 +11,7 @@ from kvflash import KVFlashError
 from kvflash.config import ResidencyConfig
 from kvflash.host_tier import HostTier
 from kvflash.kvcache import ContiguousKV
-from kvflash.models.rope import inv_frequencies
+from kvflash.models.rope import Rotary, apply_rotary, inv_frequencies
 from kvflash.paged_kv import PagedKV
 from kvflash.pool import ChunkPool
 from kvflash.residency import required_chunks
@@ -190,7 +190,7 @@ def test_scout_scores_from_exact_keys_find_one_sharp_key_that_block_means_miss()
     higher; a prefill step's estimate is fooled, the question's scout (exact keys, streamed from the
     host tier) is not."""
     cfg = tiny_config()
-    kv = make_kv(cfg, n_slots=8, policy="qk")
+    kv = make_kv(cfg, n_slots=8, policy="qk", cache_positions=False)  # raw keys: no RoPE to undo
     h_kv, hq, d, c = cfg.n_kv_heads, cfg.n_heads, cfg.head_dim, 16
     u = torch.zeros(d)
     u[0] = 1.0
@@ -242,3 +242,32 @@ def test_resident_chunks_attend_at_positions_within_the_cache(cache_positions: b
     torch.testing.assert_close(kv._rot[0], torch.stack([ang.cos(), ang.sin()]))
     torch.testing.assert_close(kv._rot[1:, 0], torch.ones(len(order) - 1, cfg.head_dim // 2))
     torch.testing.assert_close(kv._rot[1:, 1], torch.zeros(len(order) - 1, cfg.head_dim // 2))
+
+
+@pytest.mark.parametrize("cache_positions", [True, False])
+def test_chunks_are_scored_from_where_they_would_sit(cache_positions: bool) -> None:
+    """Chunks 2 and 12 hold the same keys before RoPE. Under cache positions every chunk before the
+    tail is scored as if it sat just before the tail, so the two score alike; at absolute positions
+    their distances to the question differ, and so do their scores."""
+    cfg = tiny_config()
+    kv = make_kv(cfg, n_slots=8, policy="qk", cache_positions=cache_positions)
+    rotary, h_kv, hq, d, c = Rotary(cfg), cfg.n_kv_heads, cfg.n_heads, cfg.head_dim, 16
+    gen = torch.Generator().manual_seed(1)
+    same = torch.randn(c, h_kv, d, generator=gen)
+
+    def step(lo: int, t: int, keys: torch.Tensor, q: torch.Tensor) -> None:
+        cos, sin = rotary.cos_sin(torch.arange(lo, lo + t))
+        kv.begin(torch.zeros(t, dtype=torch.long), torch.arange(lo, lo + t))
+        for layer in range(cfg.n_layers):
+            k = apply_rotary(keys, cos, sin)
+            kv.attend(layer, apply_rotary(q.expand(t, hq, d), cos, sin), k, torch.randn(t, h_kv, d))
+        kv.end()
+
+    for i in range(20):
+        keys = same if i in (2, 12) else torch.randn(c, h_kv, d, generator=gen) * 0.3
+        step(i * c, c, keys, torch.randn(1, hq, d, generator=gen))
+    kv.scout = True
+    step(len(kv.seq), 2, torch.randn(2, h_kv, d, generator=gen), torch.randn(1, hq, d, generator=gen) * 2)
+    kv._apply_scores()
+    a, b = kv.seq.chunks[2].score, kv.seq.chunks[12].score
+    assert (abs(a - b) < 1e-4 * max(a, b)) == cache_positions, (a, b)
