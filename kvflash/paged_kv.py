@@ -62,10 +62,10 @@ class PagedKV:
         """Each layer's scoring queries, on steps scored from exact keys (scouts, decode re-selection)."""
         self._inv_freq = inv_frequencies(pool.cfg).to(pool.kv.device)
         self._rot: torch.Tensor | None = None
-        self._cand_rot: torch.Tensor | None = None
-        """[candidates, 2, D/2]: where each earlier chunk is scored from (`_candidate_rotation`)."""
         """[resident, 2, D/2] cos/sin moving each resident chunk's keys to its cache position, or None
         when no resident chunk has evicted chunks between it and the step's queries."""
+        self._cand_rot: torch.Tensor | None = None
+        """[candidates, 2, D/2]: where each earlier chunk is scored from (`_candidate_rotation`)."""
 
     @property
     def summary_shape(self) -> torch.Size:

@@ -121,6 +121,14 @@ def decode(
     return out
 
 
+def frame_checksummed(payload: bytes | memoryview) -> bool:
+    """Whether the payload's zstd frame declares a content checksum (False if no frame parses)."""
+    try:
+        return zstandard.get_frame_parameters(payload).has_checksum
+    except zstandard.ZstdError:
+        return False
+
+
 def _scratch(name: str, n: int) -> memoryview:
     """A per-thread buffer of n bytes: a fresh chunk-sized buffer per call costs more in page faults
     than the decompression itself. Callers size it from validated lengths (the raw length; the fp8

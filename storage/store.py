@@ -279,7 +279,9 @@ class SnapshotStore:
         outs = _check_out(out, len(hashes))
         self._check_rows(hashes, expect_fingerprint)
         self.backend.will_need(hashes)
-        load = partial(self._load, fp=expect_fingerprint, shape=expect_shape, dtype=expect_dtype)
+        load = partial(
+            self._load, fp=expect_fingerprint, shape=expect_shape, dtype=expect_dtype, stored_crc=False
+        )
         return self._map(lambda i: load(hashes[i], outs[i]), len(hashes))
 
     async def read_chunks_async(
@@ -301,7 +303,8 @@ class SnapshotStore:
             except ChunkError as e:
                 await loop.run_in_executor(self.pool, self._mark, e)
                 raise
-            decode = partial(self._decode, buf, h, expect_fingerprint, expect_shape, expect_dtype, dest)
+            fp, shape, dtype = expect_fingerprint, expect_shape, expect_dtype
+            decode = partial(self._decode, buf, h, fp, shape, dtype, dest, stored_crc=False)
             return await loop.run_in_executor(self.pool, decode)
 
         return list(await asyncio.gather(*(one(h, d) for h, d in zip(hashes, outs, strict=True))))
@@ -387,6 +390,7 @@ class SnapshotStore:
         fp: str,
         shape: Sequence[int] | None = None,
         dtype: torch.dtype | None = None,
+        stored_crc: bool = True,
     ) -> ChunkBlob:
         if not hasattr(self._local, "buffer"):
             self._local.buffer = ReadBuffer()
@@ -395,7 +399,7 @@ class SnapshotStore:
         except ChunkError as e:
             self._mark(e)
             raise
-        return self._decode(buf, h, fp, shape, dtype, out)
+        return self._decode(buf, h, fp, shape, dtype, out, stored_crc)
 
     def _decode(
         self,
@@ -405,9 +409,11 @@ class SnapshotStore:
         shape: Sequence[int] | None,
         dtype: torch.dtype | None,
         out: torch.Tensor | None,
+        stored_crc: bool = True,
     ) -> ChunkBlob:
+        """`stored_crc=False` on restores: see format.decode_chunk; `verify` checks every checksum."""
         try:
-            return decode_chunk(buf, h, fp, shape, dtype, out)
+            return decode_chunk(buf, h, fp, shape, dtype, out, stored_crc)
         except ChunkError as e:
             # the index vouched for this fingerprint, so a foreign one in the file is damage too
             self._mark(e)

@@ -523,7 +523,9 @@ def _flip(path: Path, offset: int) -> None:
 
 
 CORRUPTIONS = {
-    "payload byte": (lambda p: _flip(p, -10), ChunkCorrupt, "payload checksum"),
+    # restores skip the stored crc32 where zstd checks the frame: the refusal says "payload: zstd ..."
+    "payload byte": (lambda p: _flip(p, -10), ChunkCorrupt, "payload"),
+    "payload byte, mid-frame": (lambda p: _flip(p, p.stat().st_size * 3 // 4), ChunkCorrupt, "payload"),
     "header byte": (lambda p: _flip(p, 40), ChunkCorrupt, "header checksum"),
     "token byte": (lambda p: _flip(p, format.HEADER_SIZE + 1), ChunkCorrupt, "token/summary"),
     "bad magic": (lambda p: _flip(p, 0), ChunkCorrupt, "magic"),
