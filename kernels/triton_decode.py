@@ -6,7 +6,9 @@ as one [G, D] tile (GQA), walking its share of the listed slots CPI chunks at a 
 is chosen from the batch and the table width so that a few waves of programs fill the device. The
 splits' partial outputs are merged by their log-sum-exp, either in the same launch by the program of
 each (sequence, kv-head) that finishes last (`fused`), or by a second small kernel; a single split
-writes the output itself. bench/decode_tune.py times both merges side by side.
+writes the output itself. bench/decode_tune.py times both merges side by side. With `rot`
+(positions within the cache) each chunk is scored against the query turned back by that chunk's
+rotation, one chunk per tile.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Flash-attention style: one program per (query block, query head) keeps its output tile on chip and
 streams K/V tiles of CPI whole chunks. The listed slots are in logical order, so the slots wholly
 before the block's first query need no mask, the next ones up to its last query are masked, and
-the rest (wholly in its future) are never read.
+the rest (wholly in its future) are never read. With `rot` (positions within the cache) each key
+chunk is scored against the queries turned back by that chunk's rotation, one chunk per tile.
 """
 
 from __future__ import annotations
