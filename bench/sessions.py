@@ -43,9 +43,11 @@ def make_document(n_tokens: int, count, seed: int = 0) -> str:
     return " ".join(parts[:lo])
 
 
-def ask(doc: Path, question: str, store: Path, args, env) -> dict:
+def ask(doc: Path, question: str, store: Path, args, env, positions: str) -> dict:
     cmd = [sys.executable, "-m", "kvflash.cli.app", "ask", str(doc), question, "--store", str(store),
            "--pool-tokens", str(args.pool_tokens), "-n", str(args.max_tokens), "--json"]  # fmt: skip
+    if positions == "absolute":
+        cmd.append("--absolute-positions")
     if args.model:
         cmd += ["--model", args.model]
     if args.device:
@@ -67,7 +69,13 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--device", default=None)
     ap.add_argument("--out", default="out/sessions")
+    ap.add_argument(
+        "--positions", default="cache", help="cache, absolute, or both as cache,absolute: arms per length"
+    )
     args = ap.parse_args()
+    arms = args.positions.split(",")
+    if not arms or any(a not in ("cache", "absolute") for a in arms):
+        raise SystemExit(f"--positions takes cache, absolute or cache,absolute, not {args.positions!r}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -80,21 +88,25 @@ def main() -> None:
             doc = Path(tmp) / f"doc{n}.txt"
             doc.write_text(make_document(n, lambda s: len(tok.encode_plain(s))))
             env = dict(os.environ)
-            t1 = ask(doc, "What is the first sentence of the document about?", Path(tmp) / "store", args, env)
-            t2 = ask(doc, "Who is mentioned most often in the document?", Path(tmp) / "store", args, env)
-        row = {"doc_tokens": n, "pool_tokens": args.pool_tokens, "turn1": t1, "turn2": t2,
-               "ratio": t2["ttft_s"] / t1["ttft_s"]}  # fmt: skip
-        rows.append(row)
-        Console(stderr=True).print(f"{n} tokens: turn1 {t1['ttft_s']:.2f}s turn2 {t2['ttft_s']:.2f}s")
+            for arm in arms:  # side by side: each arm its own store, turn 1 then turn 2
+                store = Path(tmp) / f"store-{arm}"
+                t1 = ask(doc, "What is the first sentence of the document about?", store, args, env, arm)
+                t2 = ask(doc, "Who is mentioned most often in the document?", store, args, env, arm)
+                row = {"doc_tokens": n, "pool_tokens": args.pool_tokens, "positions": arm, "turn1": t1,
+                       "turn2": t2, "ratio": t2["ttft_s"] / t1["ttft_s"]}  # fmt: skip
+                rows.append(row)
+                Console(stderr=True).print(
+                    f"{n} tokens, {arm} positions: turn1 {t1['ttft_s']:.2f}s turn2 {t2['ttft_s']:.2f}s"
+                )
     (out / "sessions.json").write_text(json.dumps(rows, indent=1))
     table = Table(title=f"turn-2 vs turn-1 TTFT (pool {args.pool_tokens} tokens)")
-    for col in ("doc tokens", "turn 1 TTFT s", "turn 2 TTFT s", "turn 2 source", "restored", "prefilled",
-                "disk MiB", "turn2/turn1"):  # fmt: skip
+    for col in ("doc tokens", "positions", "turn 1 TTFT s", "turn 2 TTFT s", "turn 2 source", "restored",
+                "prefilled", "disk MiB", "turn2/turn1"):  # fmt: skip
         table.add_column(col, justify="right")
     for r in rows:
         t1, t2 = r["turn1"], r["turn2"]
-        table.add_row(str(r["doc_tokens"]), f"{t1['ttft_s']:.2f}", f"{t2['ttft_s']:.2f}", t2["source"],
-                      str(t2["restored_tokens"]), str(t2["prefilled_tokens"]),
+        table.add_row(str(r["doc_tokens"]), r["positions"], f"{t1['ttft_s']:.2f}", f"{t2['ttft_s']:.2f}",
+                      t2["source"], str(t2["restored_tokens"]), str(t2["prefilled_tokens"]),
                       f"{t2['bytes_moved'].get('disk', 0) / 2**20:.0f}", f"{r['ratio']:.3f}")  # fmt: skip
     Console().print(table)
     _plot(rows, out / "sessions.png")
@@ -106,7 +118,8 @@ def _plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{r['doc_tokens'] // 1024}K" for r in rows]
+    both = len({r["positions"] for r in rows}) > 1
+    labels = [f"{r['doc_tokens'] // 1024}K" + (f"\n{r['positions']}" if both else "") for r in rows]
     x = range(len(rows))
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.bar([i - 0.2 for i in x], [r["turn1"]["ttft_s"] for r in rows], 0.4, label="turn 1 (cold)")

@@ -28,6 +28,9 @@ PoolOpt = typer.Option(
     None, "--pool-tokens", help="GPU KV budget in tokens (default: 16384; 'auto' on CUDA)."
 )
 PolicyOpt = typer.Option("qk", "--policy", help=f"Residency policy: {', '.join(POLICIES)}.")
+AbsolutePositionsOpt = typer.Option(
+    False, "--absolute-positions", help="Attend at absolute positions, not positions within the cache."
+)
 LazyOpt = typer.Option(None, "--lazy/--eager", help="Restore lazily (default: when KV exceeds the budget).")
 MaxTokOpt = typer.Option(256, "--max-tokens", "-n", min=1, help="Most tokens per answer.")
 NoStoreOpt = typer.Option(False, "--no-store", help="Neither restore from nor save to the snapshot store.")
@@ -62,11 +65,13 @@ def pool_tokens(value: str | None) -> int | str:
 def open_session(
     docs: list[Path], session: str | None, pool: str | None, policy: str, lazy: bool | None,
     model: Path | None, dtype: str | None, device: str | None, store: Path | None, no_store: bool,
+    absolute_positions: bool = False,
 ) -> Session:  # fmt: skip
     documents = read_documents(docs)
     lm = load_model(model, dtype=dtype, device=device)
     budget = pool_tokens(pool)
-    engine = Engine(lm, EngineConfig(pool_tokens=budget, residency=ResidencyConfig(policy=policy)))
+    res = ResidencyConfig(policy=policy, cache_positions=not absolute_positions)
+    engine = Engine(lm, EngineConfig(pool_tokens=budget, residency=res))
     st = None if no_store else SnapshotStore(store or snapshots_dir())
     return Session(engine, documents, st, name=session, lazy=lazy)
 
@@ -121,6 +126,7 @@ def ask(
     session: str = SessionOpt,
     pool: str = PoolOpt,
     policy: str = PolicyOpt,
+    absolute_positions: bool = AbsolutePositionsOpt,
     lazy: bool = LazyOpt,
     max_tokens: int = MaxTokOpt,
     model: Path = ModelOpt,
@@ -131,7 +137,9 @@ def ask(
     as_json: bool = JsonOpt,
 ) -> None:
     """Ask QUESTION about DOCS; restores what an earlier turn stored and prints a stats line."""
-    sess = open_session(docs, session, pool, policy, lazy, model, dtype, device, store, no_store)
+    sess = open_session(
+        docs, session, pool, policy, lazy, model, dtype, device, store, no_store, absolute_positions
+    )
     console = Console(highlight=False)
     try:
         text, stats = run_turn(sess, question, max_tokens, console, stream=not as_json)
@@ -148,6 +156,7 @@ def chat(
     session: str = SessionOpt,
     pool: str = PoolOpt,
     policy: str = PolicyOpt,
+    absolute_positions: bool = AbsolutePositionsOpt,
     lazy: bool = LazyOpt,
     max_tokens: int = MaxTokOpt,
     model: Path = ModelOpt,
@@ -156,7 +165,9 @@ def chat(
     store: Path = StoreOpt,
 ) -> None:
     """Interactive multi-turn chat about DOCS. Commands: /stats, /reset, /save, /quit."""
-    sess = open_session(docs, session, pool, policy, lazy, model, dtype, device, store, False)
+    sess = open_session(
+        docs, session, pool, policy, lazy, model, dtype, device, store, False, absolute_positions
+    )
     console = Console(highlight=False)
     last: TurnStats | None = None
     console.print(

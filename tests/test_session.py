@@ -242,3 +242,18 @@ def test_closing_a_lazy_session_stops_its_prefetch(lm, tmp_path) -> None:
         prefetch.join()
     assert on_disk >= 4
     assert (kv.moved["disk"] - read_before) // kv.chunk_nbytes < on_disk
+
+
+@pytest.mark.parametrize("absolute", [False, True])
+def test_ask_and_chat_choose_the_position_scheme(smollm_path, tmp_path, absolute: bool) -> None:
+    from kvflash.cli.ask_cmd import open_session
+
+    doc_file = tmp_path / "town.txt"
+    doc_file.write_text(document().text)
+    sess = open_session(
+        [doc_file], None, "1024", "qk", None, smollm_path, "fp32", "cpu", tmp_path, True, absolute
+    )
+    try:
+        assert sess.engine.cfg.residency.cache_positions is not absolute
+    finally:
+        sess.close()
