@@ -210,8 +210,7 @@ class PagedKV:
         shift = [(gap_q - (i - rank)) * c for rank, i in enumerate(order)]
         if not any(shift):
             return None
-        ang = torch.tensor(shift, device=self._inv_freq.device, dtype=torch.float32)[:, None] * self._inv_freq
-        return torch.stack([ang.cos(), ang.sin()], 1)
+        return self._rotation(torch.tensor(shift, device=self._inv_freq.device))
 
     def _candidate_rotation(self, first: int) -> torch.Tensor | None:
         """Under cache positions, the rotation [first, 2, D/2] that scores each earlier chunk where it
@@ -222,7 +221,10 @@ class PagedKV:
             return None
         c, dev = self.cfg.chunk_tokens, self._inv_freq.device
         near = first - self.cfg.tail_chunks - 1
-        shift = (near - torch.arange(first, device=dev)).clamp(min=0) * c
+        return self._rotation((near - torch.arange(first, device=dev)).clamp(min=0) * c)
+
+    def _rotation(self, shift: torch.Tensor) -> torch.Tensor:
+        """[n, 2, D/2] cos and sin of each chunk's RoPE angles for a shift of `shift[i]` positions."""
         ang = shift.float()[:, None] * self._inv_freq
         return torch.stack([ang.cos(), ang.sin()], 1)
 
