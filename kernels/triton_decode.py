@@ -255,25 +255,26 @@ def _combine_kernel(
     b = tl.program_id(0)
     h = tl.program_id(1)
     row = b * tl.num_programs(1) + h
-    m = tl.full((), float("-inf"), tl.float32)
-    for s0 in range(0, n_splits, ROWS):
-        ss = s0 + tl.arange(0, ROWS)
-        lse = tl.load(lse_ptr + row * n_splits + ss, mask=ss < n_splits, other=float("-inf"))
-        m = tl.maximum(m, tl.max(lse, 0))
-    m = tl.where(m == float("-inf"), 0.0, m)
     d = tl.program_id(2) * COLS + tl.arange(0, COLS)
+    # One pass with an online maximum: each step loads its splits' lse and partials together, so
+    # the merge costs one round trip to memory per ROWS splits, not a max pass and then a sum pass.
+    m = tl.full((), -1.0e30, tl.float32)
     total = tl.full((), 0.0, tl.float32)
     acc = tl.zeros([COLS], tl.float32)
     for s0 in range(0, n_splits, ROWS):
         ss = s0 + tl.arange(0, ROWS)
-        w = tl.exp2(tl.load(lse_ptr + row * n_splits + ss, mask=ss < n_splits, other=float("-inf")) - m)
+        lse = tl.load(lse_ptr + row * n_splits + ss, mask=ss < n_splits, other=float("-inf"))
         o = tl.load(
             o_part_ptr + (row * n_splits + ss)[:, None] * D + d[None, :],
             mask=(ss < n_splits)[:, None],
             other=0.0,
         )
-        acc += tl.sum(w[:, None] * o, 0)
-        total += tl.sum(w, 0)
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)
+        acc = acc * alpha + tl.sum(w[:, None] * o, 0)
+        total = total * alpha + tl.sum(w, 0)
+        m = m_new
     out = acc / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
