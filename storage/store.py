@@ -59,6 +59,7 @@ from kvflash.storage.index import (
 )
 from kvflash.storage.locking import Heartbeat, StoreLock
 from kvflash.storage.names import check_fingerprint, check_hash, check_label, check_snapshot_id
+from kvflash.storage.workers import DecodeWorkers, WorkerFailed
 
 T = TypeVar("T")
 MAX_META_BYTES = 1 << 20
@@ -125,7 +126,11 @@ class SnapshotStore:
         level: int = DEFAULT_LEVEL,
         workers: int | None = None,
         backend: ChunkBackend | None = None,
+        processes: int = 0,
     ):
+        """`workers` threads save and restore; with `processes` > 0 (a local directory only), batch
+        restores decode in that many worker processes instead (storage/workers.py: threads stop
+        scaling at ~8 on the GIL). `workers.default_processes()` picks by the core count."""
         if codec not in CODEC_NAMES:
             raise StoreError(f"unknown codec {codec!r}; choose one of {', '.join(CODEC_NAMES)}")
         if not -7 <= level <= 22:
@@ -141,9 +146,16 @@ class SnapshotStore:
         self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="kvflash-store")
         self._local = threading.local()
         self._meta_len_hint = 0
+        self.decoders: DecodeWorkers | None = None
+        if processes > 0 and isinstance(self.backend, LocalDirBackend):
+            self.decoders = DecodeWorkers(str(self.root), processes)
+            self._drivers = ThreadPoolExecutor(processes, thread_name_prefix="kvflash-drive")
 
     def close(self) -> None:
         self.pool.shutdown()
+        if self.decoders is not None:
+            self._drivers.shutdown()
+            self.decoders.close()
         self.index.close()
 
     def __enter__(self) -> SnapshotStore:
@@ -279,6 +291,12 @@ class SnapshotStore:
         outs = _check_out(out, len(hashes))
         self._check_rows(hashes, expect_fingerprint)
         self.backend.will_need(hashes)
+        if self.decoders is not None and self.decoders.usable and len(hashes) > 1:
+            shape = None if expect_shape is None else tuple(expect_shape)
+            try:
+                return self._read_in_processes(hashes, expect_fingerprint, shape, expect_dtype, outs)
+            except WorkerFailed:
+                pass  # the threads below read every chunk again, and report their own errors
         load = partial(
             self._load, fp=expect_fingerprint, shape=expect_shape, dtype=expect_dtype, stored_crc=False
         )
@@ -342,7 +360,34 @@ class SnapshotStore:
             raise
         return ChunkSummary(header.index, h, header.parent_hash, tokens, summary)
 
-    def _map(self, fn: Callable[[int], T], n: int) -> list[T]:
+    def _read_in_processes(
+        self,
+        hashes: Sequence[str],
+        fp: str,
+        shape: tuple[int, ...] | None,
+        dtype: torch.dtype | None,
+        outs: list[torch.Tensor | None],
+    ) -> list[ChunkBlob]:
+        """Runs of consecutive chunks, a few per worker so a slow one does not hold up the end, each
+        driven by a thread that waits on its worker and copies its output."""
+        assert self.decoders is not None
+        n_runs = min(len(hashes), 4 * self.decoders.n)
+        bounds = [len(hashes) * i // n_runs for i in range(n_runs + 1)]
+
+        def run(i: int) -> list[ChunkBlob]:
+            lo, hi = bounds[i], bounds[i + 1]
+            try:
+                return self.decoders.read(hashes[lo:hi], fp, shape, dtype, outs[lo:hi])
+            except ChunkError as e:
+                self._mark(e)
+                raise
+
+        runs = self._map(run, n_runs, self._drivers, self.decoders.n)
+        return [blob for blobs in runs for blob in blobs]
+
+    def _map(
+        self, fn: Callable[[int], T], n: int, pool: ThreadPoolExecutor | None = None, width: int = 0
+    ) -> list[T]:
         """[fn(0), ..., fn(n - 1)] on the pool, as one task per thread that takes the next index
         whenever it finishes one. A future per chunk cost each chunk a wake-up of the waiting caller
         (Future.set_result notifies under the GIL) and a Future with its Condition: 40-55% of the
@@ -361,7 +406,8 @@ class SnapshotStore:
                 except BaseException as e:
                     failures.append((i, e))
 
-        for task in [self.pool.submit(run) for _ in range(min(self.workers, n))]:
+        pool, width = pool or self.pool, width or self.workers
+        for task in [pool.submit(run) for _ in range(min(width, n))]:
             task.result()
         if failures:
             raise min(failures, key=lambda f: f[0])[1]

@@ -1,0 +1,319 @@
+"""Chunk decoding in worker processes, for restores that outgrow the GIL.
+
+A restore thread holds the GIL for 12-17 % of its time (header parsing, checks, numpy and torch set-up
+around the native zstd and plane-merge calls), so on the 16-core H200 host threads stop scaling at 8:
+2.6 GB/s of stored bytes for the lossless codec, 1.1 GB/s for fp8. Processes scale with the cores
+(4.9 and 2.6 GB/s at 16; docs/BENCHMARKS.md), and leave the parent's GIL to the engine.
+
+Each worker owns a shared-memory segment (a file in /dev/shm that both map; unlinked once the worker
+has mapped it, so nothing outlives the two processes). The parent sends a worker a run of chunk hashes
+as JSON over a pipe; the worker reads, checks and decodes as many as fit into its segment and answers
+with their offsets and metadata, or with the chunk error that stopped it; the parent copies the KV
+out. Only JSON crosses the pipe: nothing read from disk is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import multiprocessing as mp
+import os
+import queue
+import secrets
+import tempfile
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvflash.storage import errors
+from kvflash.storage.backend import LocalDirBackend, ReadBuffer
+from kvflash.storage.chunk import ChunkBlob
+from kvflash.storage.codec import DTYPE_CODES, DTYPES_BY_CODE
+from kvflash.storage.format import MAX_FILE_BYTES, decode_chunk, parse_header
+
+SEGMENT_BYTES = 32 << 20
+"""Shared memory per worker: a run of ~20 SmolLM2 chunks or 3 of an 8B Llama's; a chunk larger than
+this is decoded by the parent's threads."""
+MIN_CORES = 8
+"""Below this many cores threads are not GIL-bound (2-core VM: two threads decode 1.8x one), and
+starting processes (each imports torch) costs more than it saves."""
+_ERRORS = {
+    cls.__name__: cls
+    for cls in (
+        errors.ChunkMissing,
+        errors.ChunkCorrupt,
+        errors.SizeMismatch,
+        errors.ChunkMismatch,
+        errors.UnsupportedVersion,
+        errors.ForeignFingerprint,
+    )
+}
+
+
+def default_processes() -> int:
+    cores = os.cpu_count() or 1
+    return min(cores, 16) if cores >= MIN_CORES else 0
+
+
+class WorkerFailed(errors.StoreError):
+    """A worker could not serve a run: it died or broke its protocol (`broken`: no more runs go to
+    the workers), or a chunk does not fit its segment. The caller reads the chunks itself."""
+
+    def __init__(self, message: str, broken: bool = True):
+        super().__init__(message)
+        self.broken = broken
+
+
+@dataclass
+class _Decoded:
+    index: int
+    chain_hash: str
+    parent_hash: str
+    tokens: list[int]
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    kv_at: int
+    summary_shape: tuple[int, ...]
+    summary_at: int
+
+
+class _Worker:
+    def __init__(self, ctx: mp.context.SpawnContext, root: str):
+        shm_dir = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        path = os.path.join(shm_dir, f"kvflash-{os.getpid()}-{secrets.token_hex(6)}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, SEGMENT_BYTES)
+            self.mem = mmap.mmap(fd, SEGMENT_BYTES)
+        finally:
+            os.close(fd)
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child, root, path), daemon=True, name="kvflash-decode")
+        try:
+            self.proc.start()
+        except BaseException:
+            os.unlink(path)
+            raise
+        child.close()
+        self._path: str | None = path
+
+    def run(self, hashes: Sequence[str], fp: str) -> tuple[list[_Decoded], errors.ChunkError | None]:
+        """Decodes a prefix of `hashes` (at least one chunk, unless the first fails or does not fit)."""
+        try:
+            if self._path is not None:  # the worker has mapped the segment once it answers anything
+                self._ready()
+            self.conn.send_bytes(json.dumps({"hashes": list(hashes), "fp": fp}).encode())
+            reply = json.loads(self.conn.recv_bytes())
+            done = [
+                _Decoded(
+                    c["index"],
+                    c["hash"],
+                    c["parent"],
+                    c["tokens"],
+                    DTYPES_BY_CODE[c["dtype"]],
+                    tuple(c["shape"]),
+                    c["kv_at"],
+                    tuple(c["summary_shape"]),
+                    c["summary_at"],
+                )  # fmt: skip
+                for c in reply["chunks"]
+            ]
+            err = reply.get("error")
+        except (EOFError, OSError, ValueError, KeyError, TypeError) as e:
+            raise WorkerFailed(f"decode worker: {e!r}") from None
+        if err is None:
+            return done, None
+        if err["type"] not in _ERRORS:
+            raise WorkerFailed(f"decode worker: {err['type']}: {err['reason']}")
+        return done, _ERRORS[err["type"]](err["hash"], err["reason"])
+
+    def _ready(self) -> None:
+        msg = json.loads(self.conn.recv_bytes())
+        if msg != "ready":
+            raise ValueError(f"unexpected greeting {msg!r}")
+        os.unlink(self._path)
+        self._path = None
+
+    def close(self) -> None:
+        try:
+            self.conn.send_bytes(b"null")
+        except OSError:
+            pass
+        self.proc.join(timeout=5)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+        self.conn.close()
+        if self._path is not None:
+            os.unlink(self._path)
+        self.mem.close()
+
+
+class DecodeWorkers:
+    """n worker processes, started in the background when made; `read` blocks until one is free."""
+
+    def __init__(self, root: str, n: int):
+        self.n = n
+        self._free: queue.Queue[_Worker] = queue.Queue()
+        self._all: list[_Worker] = []
+        self._broken = False
+        self._lock = threading.Lock()
+        self.decoded = 0
+        """Chunks the workers have served."""
+        self._started = threading.Thread(target=self._start, args=(root,), daemon=True)
+        self._started.start()
+
+    def _start(self, root: str) -> None:
+        ctx = mp.get_context("spawn")
+        for _ in range(self.n):
+            with self._lock:
+                if self._broken:
+                    return
+                try:
+                    w = _Worker(ctx, root)
+                except OSError:  # no shared memory or no processes here: the threads do the work
+                    self._broken = True
+                    return
+                self._all.append(w)
+            self._free.put(w)
+
+    def wait(self) -> None:
+        """Blocks until every worker has started and mapped its segment (reads wait for it anyway;
+        a benchmark calls this so start-up stays out of its clocks)."""
+        self._started.join()
+        for w in self._all:
+            if w._path is not None:
+                w._ready()
+
+    @property
+    def usable(self) -> bool:
+        return not self._broken
+
+    def read(
+        self,
+        hashes: Sequence[str],
+        fp: str,
+        shape: tuple[int, ...] | None,
+        dtype: torch.dtype | None,
+        outs: Sequence[torch.Tensor | None],
+    ) -> list[ChunkBlob]:
+        """The blobs of `hashes`, KV copied into `outs[i]` where given (the caller has checked them
+        as host memory); `shape` and `dtype`, where given, are expected of every chunk. Raises the
+        first chunk's ChunkError, or WorkerFailed (the caller then reads the chunks itself)."""
+        w = self._take_worker()
+        try:
+            blobs: list[ChunkBlob] = []
+            while len(blobs) < len(hashes):
+                done, err = w.run(hashes[len(blobs) :], fp)
+                for d in done:
+                    blobs.append(self._copy_out(w, d, fp, shape, dtype, outs[len(blobs)]))
+                if err is not None:
+                    raise err
+                if not done:
+                    raise WorkerFailed(f"chunk {hashes[len(blobs)][:16]} exceeds a worker's segment", False)
+            with self._lock:
+                self.decoded += len(blobs)
+            return blobs
+        except WorkerFailed as e:
+            self._broken |= e.broken
+            raise
+        finally:
+            self._free.put(w)
+
+    def _take_worker(self) -> _Worker:
+        while True:
+            try:
+                return self._free.get(timeout=0.1)
+            except queue.Empty:
+                if self._broken:
+                    raise WorkerFailed("no decode worker started") from None
+
+    @staticmethod
+    def _copy_out(
+        w: _Worker,
+        d: _Decoded,
+        fp: str,
+        shape: tuple[int, ...] | None,
+        dtype: torch.dtype | None,
+        out: torch.Tensor | None,
+    ) -> ChunkBlob:
+        if out is not None:
+            shape, dtype = tuple(out.shape), out.dtype
+        if (shape is not None and shape != d.shape) or (dtype is not None and dtype != d.dtype):
+            raise errors.ChunkMismatch(
+                d.chain_hash, f"shape {list(d.shape)} {d.dtype}, expected {list(shape or d.shape)} {dtype}"
+            )
+        kv = torch.empty(d.shape, dtype=d.dtype) if out is None else out
+        size = kv.numel() * kv.element_size()
+        # numpy copies without the GIL; torch's copy_ would start an OpenMP team from each thread
+        np.copyto(kv.view(torch.uint8).numpy().reshape(-1), np.frombuffer(w.mem, np.uint8, size, d.kv_at))
+        n_sum = int(np.prod(d.summary_shape))
+        summary = np.frombuffer(w.mem, "<f4", n_sum, d.summary_at).reshape(d.summary_shape)
+        summary = torch.from_numpy(summary.copy())
+        return ChunkBlob(fp, d.index, d.chain_hash, d.parent_hash, d.tokens, summary, kv)
+
+    def close(self) -> None:
+        with self._lock:
+            self._broken = True
+        self._started.join()
+        for w in self._all:
+            w.close()
+        self._all.clear()
+
+
+def _serve(conn: Connection, root: str, shm_path: str) -> None:
+    """A worker's loop: map the segment, greet, then decode runs until told to stop (JSON null)."""
+    torch.set_num_threads(1)
+    fd = os.open(shm_path, os.O_RDWR)
+    try:
+        mem = mmap.mmap(fd, SEGMENT_BYTES)
+    finally:
+        os.close(fd)
+    backend = LocalDirBackend(Path(root))
+    buf = ReadBuffer()
+    conn.send_bytes(b'"ready"')
+    while (msg := json.loads(conn.recv_bytes())) is not None:
+        chunks: list[dict] = []
+        error = None
+        at = 0
+        for h in msg["hashes"]:
+            try:
+                raw = backend.get(h, MAX_FILE_BYTES, buf)
+                head = parse_header(raw, len(raw), h)
+                kv_bytes = int(np.prod(head.shape)) * head.dtype.itemsize
+                sum_at = at + kv_bytes
+                end = sum_at + 4 * int(np.prod(head.summary_shape))
+                if end > SEGMENT_BYTES:
+                    break
+                n = kv_bytes // head.dtype.itemsize
+                out = torch.frombuffer(mem, dtype=head.dtype, count=n, offset=at).view(head.shape)
+                blob = decode_chunk(raw, h, msg["fp"], out=out, stored_crc=False)
+            except errors.ChunkError as e:
+                error = {"type": type(e).__name__, "hash": e.chunk_hash, "reason": e.reason}
+                break
+            except Exception as e:  # a bug, not damage: the parent reads the run itself
+                error = {"type": type(e).__name__, "hash": h, "reason": str(e)}
+                break
+            summary = blob.summary.numpy().reshape(-1)
+            np.copyto(np.frombuffer(mem, "<f4", summary.size, sum_at), summary)
+            chunks.append(
+                {
+                    "index": blob.index,
+                    "hash": h,
+                    "parent": blob.parent_hash,
+                    "tokens": blob.tokens,
+                    "dtype": DTYPE_CODES[head.dtype],
+                    "shape": list(head.shape),
+                    "kv_at": at,
+                    "summary_shape": list(head.summary_shape),
+                    "summary_at": sum_at,
+                }  # fmt: skip
+            )
+            at = end + (-end % 64)
+        conn.send_bytes(json.dumps({"chunks": chunks, "error": error}).encode())
+    mem.close()

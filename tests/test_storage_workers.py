@@ -1,0 +1,91 @@
+"""Restores through decode worker processes (storage/workers.py): the same blobs as the threads give,
+the same refusals of damaged chunks, and a restore that survives a worker's death."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvflash.storage import ChunkCorrupt, ChunkMismatch, SnapshotStore
+from tests.test_storage import FP, C, D, H, L, _flip, bits, chunk_path, make_chain, toks
+
+
+def _segments() -> set[str]:
+    return {f for f in os.listdir("/dev/shm") if f.startswith(f"kvflash-{os.getpid()}-")}
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    """A store with two worker processes (started once for the module: each imports torch) and a
+    thread-only store over the same directory, each with a lossless and an fp8 snapshot."""
+    root = tmp_path_factory.mktemp("workers")
+    blobs = make_chain(toks(12))
+    sids = {}
+    for codec in ("lossless", "fp8"):
+        with SnapshotStore(root / codec, codec=codec) as st:
+            sids[codec] = st.put_snapshot(codec, FP, blobs)
+    with_procs = {c: SnapshotStore(root / c, processes=2) for c in sids}
+    threads = {c: SnapshotStore(root / c) for c in sids}
+    yield blobs, sids, with_procs, threads
+    for st in (*with_procs.values(), *threads.values()):
+        st.close()
+
+
+@pytest.mark.parametrize("codec", ["lossless", "fp8"])
+def test_workers_give_what_threads_give(stores, codec) -> None:
+    blobs, sids, procs, threads = stores
+    hashes = procs[codec].get_snapshot(sids[codec]).chunk_hashes
+    before = procs[codec].decoders.decoded
+    got = procs[codec].read_chunks_parallel(hashes, FP, (L, 2, H, C, D), torch.bfloat16)
+    outs = [torch.full((L, 2, H, C, D), float("nan"), dtype=torch.bfloat16) for _ in hashes]
+    into = procs[codec].read_chunks_parallel(hashes, FP, out=outs)
+    want = threads[codec].read_chunks_parallel(hashes, FP)
+    assert procs[codec].decoders.decoded - before == 2 * len(hashes), "the workers served both reads"
+    for g, i, o, w, b in zip(got, into, outs, want, blobs, strict=True):
+        assert (g.index, g.chain_hash, g.parent_hash) == (w.index, w.chain_hash, w.parent_hash)
+        assert g.tokens == w.tokens
+        assert torch.equal(g.summary, w.summary) and torch.equal(bits(g.kv), bits(w.kv))
+        assert i.kv is o and torch.equal(bits(o), bits(w.kv))
+        if codec == "lossless":
+            assert torch.equal(bits(g.kv), bits(b.kv))
+
+
+def test_workers_refuse_damage_and_mark_it(stores, tmp_path) -> None:
+    blobs, _, procs, _ = stores
+    st = SnapshotStore(tmp_path, processes=2)
+    try:
+        sid = st.put_snapshot("s", FP, blobs[:6])
+        hashes = st.get_snapshot(sid).chunk_hashes
+        with pytest.raises(ChunkMismatch, match="shape"):
+            st.read_chunks_parallel(hashes, FP, (L, 2, H, C, D + 1), torch.bfloat16)
+        _flip(chunk_path(st.root, hashes[4]), -10)
+        outs = [torch.zeros(L, 2, H, C, D, dtype=torch.bfloat16) for _ in hashes]
+        with pytest.raises(ChunkCorrupt, match=hashes[4][:16]):
+            st.read_chunks_parallel(hashes, FP, out=outs)
+        assert st.decoders.usable, "damage is the chunk's fault, not the worker's"
+        assert not outs[4].any(), "a damaged chunk's destination is never written"
+        assert [d.chunk_hash for d in st.verify(sid).damaged] == [hashes[4]]
+        with pytest.raises(ChunkCorrupt, match="damaged earlier"):
+            st.read_chunks_parallel(hashes, FP)
+    finally:
+        st.close()
+
+
+def test_a_dead_worker_costs_nothing_but_the_workers(tmp_path) -> None:
+    blobs = make_chain(toks(8))
+    with SnapshotStore(tmp_path, processes=2) as st:
+        hashes = st.get_snapshot(st.put_snapshot("s", FP, blobs)).chunk_hashes
+        st.decoders.wait()
+        assert _segments() == set(), "segments are unlinked once mapped"
+        victim = st.decoders._all[0].proc
+        victim.kill()
+        victim.join()
+        got = st.read_chunks_parallel(hashes, FP)
+        assert not st.decoders.usable, "a dead worker retires the workers"
+        assert all(torch.equal(bits(g.kv), bits(b.kv)) for g, b in zip(got, blobs, strict=True))
+        procs = [w.proc for w in st.decoders._all]
+    assert not any(p.is_alive() for p in procs), "close stops every worker"
+    assert Path("/dev/shm").is_dir() and _segments() == set()
