@@ -1,12 +1,15 @@
 """Snapshot store benchmark: compression ratio and save/restore throughput against the raw disk.
 
-The raw disk is measured in the same run on the same directory: files of the same sizes as the chunk
-files, written with fsync and read back with the same number of threads after their pages are
-dropped from the page cache (posix_fadvise DONTNEED). Restores are timed cold the same way, then
-warm, into a fresh tensor per chunk; then cold again into destinations allocated and written before
-the clock starts, as the engine restores into its host tier (pinned memory on a GPU host), so that
-restore pays no page faults for its output. Target (issue 5): a cold restore reaches >= 80% of the
-raw read speed, counting stored bytes.
+Every cold restore comes right after a raw cold read of the same files (their pages dropped with
+posix_fadvise DONTNEED before each), read the way a restore reads them minus the decoding: all
+hinted at once (WILLNEED), then read by as many threads as the restore uses into reused buffers.
+Each restore's share is against the read just before it, so a disk whose speed drifts between runs
+(1.0-2.0 GB/s on the H200 host) does not skew the ratio; --repeats pairs per kind, median share.
+Kinds: into fresh tensors, into destinations allocated before the clock starts (as the engine
+restores into its host-tier slots), and the same with the store's threads only (no decode
+processes). Then warm restores (files in the page cache: what decoding sustains) and the async
+path. The raw write (fsync'd files of the chunk files' sizes) is measured at the end.
+Target (issue 5): a cold restore reaches >= 80% of the raw read speed, counting stored bytes.
 
 Input: `--kv-file` safetensors whose 5-D tensors are chunks `[L, 2, Hkv, C, D]` (in name order) or
 whose 6-D tensor stacks them; otherwise synthetic bf16 KV with SmolLM2-135M's shape (the output
@@ -24,6 +27,8 @@ import json
 import os
 import platform
 import shutil
+import statistics
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -31,6 +36,7 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
+from rich.progress import Progress
 from rich.table import Table
 
 from kvflash.config import ResidencyConfig
@@ -38,6 +44,7 @@ from kvflash.paths import kvflash_home
 from kvflash.storage import ROOT_HASH, ChunkBlob, SnapshotStore
 from kvflash.storage.codec import fp8_error
 from kvflash.storage.store import MAX_DEFAULT_WORKERS
+from kvflash.storage.workers import default_processes
 
 SMOLLM2 = (30, 3, 64, 64)
 """SmolLM2-135M: layers, kv-heads, chunk tokens, head dim."""
@@ -54,18 +61,28 @@ class Row:
     save_s: float
     save_raw_mbps: float
     save_stored_mbps: float
-    restore_cold_s: float
-    restore_cold_stored_mbps: float
-    restore_cold_raw_mbps: float
-    restore_warm_stored_mbps: float
-    restore_slots_cold_stored_mbps: float
-    """Cold restore into destinations allocated (and faulted in) before it, like host-tier slots."""
-    restore_async_cold_stored_mbps: float
+    cold_mbps: list[tuple[float, float]]
+    """(cold restore into fresh tensors, the raw cold read of the same files just before it), MB/s
+    of stored bytes, once per repeat; the restore decodes in processes when the store has them."""
+    slots_mbps: list[tuple[float, float]]
+    """The same into destinations allocated (and faulted in) before it, like host-tier slots."""
+    threads_slots_mbps: list[tuple[float, float]]
+    """The same with the store's threads alone."""
+    warm_mbps: float
+    warm_threads_mbps: float
+    async_cold_mbps: float
     fp8_max_rel_err: float | None
-    of_raw_read: float = 0.0
-    """Cold restore speed in stored bytes over the raw disk's cold read speed."""
-    of_raw_read_slots: float = 0.0
-    """The same for the restore into allocated destinations."""
+
+    @property
+    def raw_read_mbps(self) -> list[float]:
+        return [
+            raw for pairs in (self.cold_mbps, self.slots_mbps, self.threads_slots_mbps) for _, raw in pairs
+        ]
+
+    @staticmethod
+    def share(pairs: list[tuple[float, float]]) -> float:
+        """Median over repeats of a restore's speed over the raw read measured just before it."""
+        return statistics.median(r / raw for r, raw in pairs)
 
 
 def synthetic_kv(n_chunks: int, layers: int, heads: int, chunk: int, dim: int) -> list[torch.Tensor]:
@@ -132,14 +149,13 @@ def drop_cache(paths: list[Path]) -> None:
             os.close(fd)
 
 
-def raw_disk(directory: Path, sizes: list[int], workers: int) -> tuple[float, float]:
-    """(write MB/s with fsync, cold read MB/s) for files of the given sizes."""
+def raw_write(directory: Path, sizes: list[int]) -> float:
+    """MB/s writing files of the given sizes with fsync (and the directory's), as a save does."""
     directory.mkdir(parents=True)
     data = os.urandom(max(sizes))
-    paths = [directory / f"f{i}" for i in range(len(sizes))]
     t = time.perf_counter()
-    for p, n in zip(paths, sizes, strict=True):
-        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    for i, n in enumerate(sizes):
+        fd = os.open(directory / f"f{i}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.write(fd, memoryview(data)[:n])
         os.fsync(fd)
         os.close(fd)
@@ -147,66 +163,91 @@ def raw_disk(directory: Path, sizes: list[int], workers: int) -> tuple[float, fl
     os.fsync(dfd)
     os.close(dfd)
     write_s = time.perf_counter() - t
-    drop_cache(paths)
-    t = time.perf_counter()
-    with ThreadPoolExecutor(workers) as pool:
-        list(pool.map(lambda p: p.read_bytes(), paths))
-    read_s = time.perf_counter() - t
     shutil.rmtree(directory)
-    return sum(sizes) / write_s / MB, sum(sizes) / read_s / MB
+    return sum(sizes) / write_s / MB
+
+
+def raw_read(files: list[Path], threads: int) -> float:
+    """MB/s of the files' cold read, done the way a restore reads them but without decoding: every
+    file hinted at once (WILLNEED), then read by `threads` threads into reused buffers."""
+    drop_cache(files)
+    local = threading.local()
+
+    def read(p: Path) -> int:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            n = os.fstat(fd).st_size
+            buf = getattr(local, "buf", None)
+            if buf is None or len(buf) < n:
+                buf = local.buf = bytearray(n)
+            return os.readv(fd, [memoryview(buf)[:n]])
+        finally:
+            os.close(fd)
+
+    t = time.perf_counter()
+    for p in files:
+        fd = os.open(p, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        os.close(fd)
+    with ThreadPoolExecutor(threads) as pool:
+        total = sum(pool.map(read, files))
+    return total / (time.perf_counter() - t) / MB
+
+
+def timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
 
 
 def bench_codec(
-    root: Path, blobs: list[ChunkBlob], codec: str, level: int, workers: int
-) -> tuple[Row, list[int]]:
+    root: Path, blobs: list[ChunkBlob], codec: str, level: int, workers: int, processes: int, repeats: int
+) -> Row:
     raw_bytes = sum(b.kv.numel() * b.kv.element_size() for b in blobs)
-    with SnapshotStore(root, codec=codec, level=level, workers=workers) as st:
+    shape, dtype = tuple(blobs[0].kv.shape), blobs[0].kv.dtype
+    with (
+        SnapshotStore(root, codec=codec, level=level, workers=workers, processes=processes) as st,
+        SnapshotStore(root, workers=workers) as threads,
+    ):
+        if st.decoders is not None:
+            st.decoders.wait()  # each worker imports torch: keep that out of the save's clock
         t = time.perf_counter()
         sid = st.put_snapshot("bench", FP, blobs)
         save_s = time.perf_counter() - t
         hashes = st.get_snapshot(sid).chunk_hashes
         files = [st.backend.path(h) for h in hashes]
-        sizes = [f.stat().st_size for f in files]
-        stored = sum(sizes)
-
-        drop_cache(files)
-        t = time.perf_counter()
-        got = st.read_chunks_parallel(hashes, FP)
-        cold_s = time.perf_counter() - t
-        t = time.perf_counter()
-        st.read_chunks_parallel(hashes, FP)
-        warm_s = time.perf_counter() - t
+        stored = sum(f.stat().st_size for f in files)
+        mbps = lambda s: stored / s / MB  # noqa: E731
+        read_threads = max(workers, processes)
         slots = [torch.zeros_like(b.kv) for b in blobs]
+        got: list[ChunkBlob] = []
+        restores = {
+            "cold": lambda: got.__setitem__(slice(None), st.read_chunks_parallel(hashes, FP, shape, dtype)),
+            "slots": lambda: st.read_chunks_parallel(hashes, FP, out=slots),
+            "threads": lambda: threads.read_chunks_parallel(hashes, FP, out=slots),
+        }
+        pairs: dict[str, list[tuple[float, float]]] = {k: [] for k in restores}
+        for _ in range(repeats):
+            for kind, restore in restores.items():
+                raw = raw_read(files, read_threads)
+                drop_cache(files)
+                pairs[kind].append((mbps(timed(restore)), raw))
+        warm = mbps(min(timed(restores["slots"]) for _ in range(3)))
+        warm_threads = mbps(min(timed(restores["threads"]) for _ in range(3)))
         drop_cache(files)
-        t = time.perf_counter()
-        st.read_chunks_parallel(hashes, FP, out=slots)
-        slots_s = time.perf_counter() - t
-        drop_cache(files)
-        t = time.perf_counter()
-        asyncio.run(st.read_chunks_async(hashes, FP))
-        async_s = time.perf_counter() - t
+        async_s = timed(lambda: asyncio.run(st.read_chunks_async(hashes, FP)))
     err = None
     if codec == "fp8":
         err = max(float(fp8_error(a.kv, b.kv).max()) for a, b in zip(blobs, got, strict=True))
     else:
         assert all(torch.equal(a.kv, b.kv) for a, b in zip(blobs, got, strict=True)), "lossless mismatch"
         assert all(torch.equal(a.kv, b) for a, b in zip(blobs, slots, strict=True)), "lossless mismatch"
-    row = Row(
-        codec=codec,
-        level=level,
-        ratio=raw_bytes / stored,
-        save_s=save_s,
-        save_raw_mbps=raw_bytes / save_s / MB,
-        save_stored_mbps=stored / save_s / MB,
-        restore_cold_s=cold_s,
-        restore_cold_stored_mbps=stored / cold_s / MB,
-        restore_cold_raw_mbps=raw_bytes / cold_s / MB,
-        restore_warm_stored_mbps=stored / warm_s / MB,
-        restore_slots_cold_stored_mbps=stored / slots_s / MB,
-        restore_async_cold_stored_mbps=stored / async_s / MB,
-        fp8_max_rel_err=err,
-    )
-    return row, sizes
+    return Row(
+        codec=codec, level=level, ratio=raw_bytes / stored, save_s=save_s,
+        save_raw_mbps=raw_bytes / save_s / MB, save_stored_mbps=stored / save_s / MB,
+        cold_mbps=pairs["cold"], slots_mbps=pairs["slots"], threads_slots_mbps=pairs["threads"],
+        warm_mbps=warm, warm_threads_mbps=warm_threads, async_cold_mbps=mbps(async_s), fp8_max_rel_err=err,
+    )  # fmt: skip
 
 
 def main() -> None:
@@ -217,6 +258,12 @@ def main() -> None:
         "--dir", type=Path, default=kvflash_home() / "bench-storage", help="scratch dir on the disk"
     )
     ap.add_argument("--workers", type=int, help="store threads (default: the store's)")
+    ap.add_argument(
+        "--processes", type=int, default=default_processes(), help="decode processes (default: by cores)"
+    )
+    ap.add_argument(
+        "--repeats", type=int, default=3, help="cold restores of each kind, each after a raw read"
+    )
     ap.add_argument(
         "--summary-blocks",
         type=int,
@@ -240,34 +287,41 @@ def main() -> None:
     if args.dir.exists():
         shutil.rmtree(args.dir)
     con = Console()
-    con.print(f"input: {source}; {raw_bytes / MB:.1f} MB of KV; dir {args.dir}; {workers} threads")
-    rows, sizes = [], []
-    for i, (codec, level) in enumerate(CODECS):
-        row, files = bench_codec(args.dir / f"store{i}", blobs, codec, level, workers)
-        rows.append(row)
-        sizes = sizes or files
-    # the raw disk gets files of the first (lossless) store's sizes: the bytes its restore reads
-    raw = raw_disk(args.dir / "raw", sizes, workers)
-    for r in rows:
-        r.of_raw_read = r.restore_cold_stored_mbps / raw[1]
-        r.of_raw_read_slots = r.restore_slots_cold_stored_mbps / raw[1]
+    con.print(
+        f"input: {source}; {raw_bytes / MB:.1f} MB of KV; dir {args.dir}; "
+        f"{workers} threads, {args.processes} decode processes"
+    )
+    rows = []
+    with Progress(console=con, transient=True) as progress:
+        task = progress.add_task("codecs", total=len(CODECS))
+        for i, (codec, level) in enumerate(CODECS):
+            progress.update(task, description=f"{codec} zstd {level}")
+            root = args.dir / f"store{i}"
+            rows.append(bench_codec(root, blobs, codec, level, workers, args.processes, args.repeats))
+            progress.advance(task)
+    sizes = [p.stat().st_size for p in sorted((args.dir / "store0" / "chunks").rglob("*.kvc"))]
+    write = raw_write(args.dir / "raw", sizes)
     shutil.rmtree(args.dir)
 
+    reads = [raw for r in rows for raw in r.raw_read_mbps]
     t = Table(
-        title=f"snapshot store (raw disk: write {raw[0]:.0f} MB/s fsync'd, read {raw[1]:.0f} MB/s cold)"
+        title=f"snapshot store: raw disk write {write:.0f} MB/s fsync'd, cold read {min(reads):.0f}-"
+        f"{max(reads):.0f} MB/s (measured before each restore; shares are against that read)"
     )
-    for col in ("codec", "ratio", "save MB/s raw|stored", "restore cold MB/s stored|raw", "of raw read"):
+    for col in ("codec", "ratio", "save MB/s raw|stored", "cold restore MB/s (share)"):
         t.add_column(col)
-    for col in ("into slots: cold MB/s", "of raw read", "warm MB/s", "async cold MB/s", "fp8 max rel err"):
+    for col in ("into slots", "threads into slots", "warm procs|threads", "async cold", "fp8 max rel err"):
         t.add_column(col)
+
+    def cell(pairs: list[tuple[float, float]]) -> str:
+        return f"{statistics.median(r for r, _ in pairs):.0f} ({Row.share(pairs):.0%})"
+
     for r in rows:
         t.add_row(
             f"{r.codec} (zstd {r.level})", f"{r.ratio:.2f}x",
             f"{r.save_raw_mbps:.0f} | {r.save_stored_mbps:.0f}",
-            f"{r.restore_cold_stored_mbps:.0f} | {r.restore_cold_raw_mbps:.0f}",
-            f"{r.of_raw_read:.0%}", f"{r.restore_slots_cold_stored_mbps:.0f}",
-            f"{r.of_raw_read_slots:.0%}", f"{r.restore_warm_stored_mbps:.0f}",
-            f"{r.restore_async_cold_stored_mbps:.0f}",
+            cell(r.cold_mbps), cell(r.slots_mbps), cell(r.threads_slots_mbps),
+            f"{r.warm_mbps:.0f} | {r.warm_threads_mbps:.0f}", f"{r.async_cold_mbps:.0f}",
             "" if r.fp8_max_rel_err is None else f"{r.fp8_max_rel_err:.4f}",
         )  # fmt: skip
     con.print(t)
@@ -279,13 +333,14 @@ def main() -> None:
             "summary_shape": list(blobs[0].summary.shape),
             "dir": str(args.dir),
             "workers": workers,
+            "processes": args.processes,
             "cpus": os.cpu_count(),
             "machine": platform.platform(),
             "torch": torch.__version__,
-            "raw_write_mbps": raw[0],
-            "raw_read_mbps": raw[1],
+            "raw_write_mbps": write,
         }
-        args.out.write_text(json.dumps({**meta, "rows": [asdict(r) for r in rows]}, indent=1))
+        results = [asdict(r) | {"raw_read_mbps": r.raw_read_mbps} for r in rows]
+        args.out.write_text(json.dumps({**meta, "rows": results}, indent=1))
 
 
 if __name__ == "__main__":
