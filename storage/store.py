@@ -291,7 +291,7 @@ class SnapshotStore:
         outs = _check_out(out, len(hashes))
         self._check_rows(hashes, expect_fingerprint)
         self.backend.will_need(hashes)
-        if self.decoders is not None and self.decoders.usable and len(hashes) > 1:
+        if self.decoders is not None and self.decoders.ready and len(hashes) > 1:
             shape = None if expect_shape is None else tuple(expect_shape)
             try:
                 return self._read_in_processes(hashes, expect_fingerprint, shape, expect_dtype, outs)

@@ -22,7 +22,7 @@ import queue
 import secrets
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -105,8 +105,6 @@ class _Worker:
     def run(self, hashes: Sequence[str], fp: str) -> tuple[list[_Decoded], errors.ChunkError | None]:
         """Decodes a prefix of `hashes` (at least one chunk, unless the first fails or does not fit)."""
         try:
-            if self._path is not None:  # the worker has mapped the segment once it answers anything
-                self._ready()
             self.conn.send_bytes(json.dumps({"hashes": list(hashes), "fp": fp}).encode())
             reply = json.loads(self.conn.recv_bytes())
             done = [
@@ -132,12 +130,20 @@ class _Worker:
             raise WorkerFailed(f"decode worker: {err['type']}: {err['reason']}")
         return done, _ERRORS[err["type"]](err["hash"], err["reason"])
 
-    def _ready(self) -> None:
-        msg = json.loads(self.conn.recv_bytes())
-        if msg != "ready":
-            raise ValueError(f"unexpected greeting {msg!r}")
+    def greeted(self, give_up: Callable[[], bool]) -> bool:
+        """Waits for the worker's greeting (it has imported its modules and mapped the segment, which
+        can then be unlinked); False if it died first or `give_up()` turned true."""
+        while not self.conn.poll(0.1):
+            if give_up() or not self.proc.is_alive():
+                return False
+        try:
+            if json.loads(self.conn.recv_bytes()) != "ready":
+                return False
+        except (EOFError, OSError, ValueError):
+            return False
         os.unlink(self._path)
         self._path = None
+        return True
 
     def close(self) -> None:
         try:
@@ -155,7 +161,9 @@ class _Worker:
 
 
 class DecodeWorkers:
-    """n worker processes, started in the background when made; `read` blocks until one is free."""
+    """n worker processes, started in the background when made (each imports torch: a second or two).
+    The store sends reads here once a worker is `ready`, never waiting for start-up; `read` blocks
+    until one of the ready workers is free."""
 
     def __init__(self, root: str, n: int):
         self.n = n
@@ -165,34 +173,36 @@ class DecodeWorkers:
         self._lock = threading.Lock()
         self.decoded = 0
         """Chunks the workers have served."""
+        self.n_ready = 0
         self._started = threading.Thread(target=self._start, args=(root,), daemon=True)
         self._started.start()
 
     def _start(self, root: str) -> None:
         ctx = mp.get_context("spawn")
-        for _ in range(self.n):
+        for _ in range(self.n):  # all launched first: they import in parallel
             with self._lock:
                 if self._broken:
                     return
                 try:
-                    w = _Worker(ctx, root)
+                    self._all.append(_Worker(ctx, root))
                 except OSError:  # no shared memory or no processes here: the threads do the work
                     self._broken = True
                     return
-                self._all.append(w)
+        for w in self._all:
+            if not w.greeted(lambda: self._broken):
+                self._broken = True
+                return
+            self.n_ready += 1
             self._free.put(w)
 
     def wait(self) -> None:
-        """Blocks until every worker has started and mapped its segment (reads wait for it anyway;
-        a benchmark calls this so start-up stays out of its clocks)."""
+        """Blocks until every worker is ready or start-up failed (a benchmark keeps start-up out of
+        its clocks this way)."""
         self._started.join()
-        for w in self._all:
-            if w._path is not None:
-                w._ready()
 
     @property
-    def usable(self) -> bool:
-        return not self._broken
+    def ready(self) -> bool:
+        return self.n_ready > 0 and not self._broken
 
     def read(
         self,
@@ -231,7 +241,7 @@ class DecodeWorkers:
                 return self._free.get(timeout=0.1)
             except queue.Empty:
                 if self._broken:
-                    raise WorkerFailed("no decode worker started") from None
+                    raise WorkerFailed("the decode workers stopped") from None
 
     @staticmethod
     def _copy_out(

@@ -28,6 +28,8 @@ def stores(tmp_path_factory):
         with SnapshotStore(root / codec, codec=codec) as st:
             sids[codec] = st.put_snapshot(codec, FP, blobs)
     with_procs = {c: SnapshotStore(root / c, processes=2) for c in sids}
+    for st in with_procs.values():
+        st.decoders.wait()
     threads = {c: SnapshotStore(root / c) for c in sids}
     yield blobs, sids, with_procs, threads
     for st in (*with_procs.values(), *threads.values()):
@@ -56,6 +58,7 @@ def test_workers_give_what_threads_give(stores, codec) -> None:
 def test_workers_refuse_damage_and_mark_it(stores, tmp_path) -> None:
     blobs, _, procs, _ = stores
     st = SnapshotStore(tmp_path, processes=2)
+    st.decoders.wait()
     try:
         sid = st.put_snapshot("s", FP, blobs[:6])
         hashes = st.get_snapshot(sid).chunk_hashes
@@ -65,7 +68,7 @@ def test_workers_refuse_damage_and_mark_it(stores, tmp_path) -> None:
         outs = [torch.zeros(L, 2, H, C, D, dtype=torch.bfloat16) for _ in hashes]
         with pytest.raises(ChunkCorrupt, match=hashes[4][:16]):
             st.read_chunks_parallel(hashes, FP, out=outs)
-        assert st.decoders.usable, "damage is the chunk's fault, not the worker's"
+        assert st.decoders.ready, "damage is the chunk's fault, not the worker's"
         assert not outs[4].any(), "a damaged chunk's destination is never written"
         assert [d.chunk_hash for d in st.verify(sid).damaged] == [hashes[4]]
         with pytest.raises(ChunkCorrupt, match="damaged earlier"):
@@ -74,17 +77,21 @@ def test_workers_refuse_damage_and_mark_it(stores, tmp_path) -> None:
         st.close()
 
 
-def test_a_dead_worker_costs_nothing_but_the_workers(tmp_path) -> None:
+def test_reads_never_wait_for_workers_and_survive_their_death(tmp_path) -> None:
     blobs = make_chain(toks(8))
     with SnapshotStore(tmp_path, processes=2) as st:
         hashes = st.get_snapshot(st.put_snapshot("s", FP, blobs)).chunk_hashes
+        st.read_chunks_parallel(hashes, FP)  # workers still importing torch: the threads read
+        assert st.decoders.decoded == 0
         st.decoders.wait()
+        st.read_chunks_parallel(hashes, FP)
+        assert st.decoders.decoded == len(hashes)
         assert _segments() == set(), "segments are unlinked once mapped"
         victim = st.decoders._all[0].proc
         victim.kill()
         victim.join()
         got = st.read_chunks_parallel(hashes, FP)
-        assert not st.decoders.usable, "a dead worker retires the workers"
+        assert not st.decoders.ready, "a dead worker retires the workers"
         assert all(torch.equal(bits(g.kv), bits(b.kv)) for g, b in zip(got, blobs, strict=True))
         procs = [w.proc for w in st.decoders._all]
     assert not any(p.is_alive() for p in procs), "close stops every worker"
