@@ -21,7 +21,6 @@ from kvflash.models.tokenizer import StreamDecoder
 from kvflash.paths import snapshots_dir
 from kvflash.session import Document, Session, TurnStats
 from kvflash.storage import SnapshotStore
-from kvflash.storage.workers import default_processes
 
 DocsArg = typer.Argument(..., help="Document files (UTF-8 text).", show_default=False)
 SessionOpt = typer.Option(None, "--session", "-s", help="Name a conversation to resume it later.")
@@ -73,7 +72,7 @@ def open_session(
     budget = pool_tokens(pool)
     res = ResidencyConfig(policy=policy, cache_positions=not absolute_positions)
     engine = Engine(lm, EngineConfig(pool_tokens=budget, residency=res))
-    st = None if no_store else SnapshotStore(store or snapshots_dir(), processes=default_processes())
+    st = None if no_store else SnapshotStore(store or snapshots_dir())
     return Session(engine, documents, st, name=session, lazy=lazy)
 
 

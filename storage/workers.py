@@ -5,27 +5,31 @@ around the native zstd and plane-merge calls), so on the 16-core H200 host threa
 2.6 GB/s of stored bytes for the lossless codec, 1.1 GB/s for fp8. Processes scale with the cores
 (4.9 and 2.6 GB/s at 16; docs/BENCHMARKS.md), and leave the parent's GIL to the engine.
 
-Each worker owns a shared-memory segment (a file in /dev/shm that both map; unlinked once the worker
-has mapped it, so nothing outlives the two processes). The parent sends a worker a run of chunk hashes
-as JSON over a pipe; the worker reads, checks and decodes as many as fit into its segment and answers
-with their offsets and metadata, or with the chunk error that stopped it; the parent copies the KV
-out. Only JSON crosses the pipe: nothing read from disk is ever unpickled.
+Each worker is a Python process running `serve` and owns a shared-memory segment (a file in
+/dev/shm that both map; unlinked once the worker has mapped it, so nothing outlives the two
+processes). The parent sends a worker a run of chunk hashes as JSON over its stdin; the worker
+reads, checks and decodes as many as fit into its segment and answers on its stdout with their
+offsets and metadata, or with the chunk error that stopped it; the parent copies the KV out. Only
+JSON crosses the pipes: nothing read from disk is ever unpickled.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
-import multiprocessing as mp
 import os
 import queue
 import secrets
+import select
+import subprocess
+import sys
 import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 import torch
@@ -82,8 +86,26 @@ class _Decoded:
     summary_at: int
 
 
+def _send(stream: IO[bytes], msg: object) -> None:
+    data = json.dumps(msg).encode()
+    stream.write(len(data).to_bytes(4, "little") + data)
+    stream.flush()
+
+
+def _recv(stream: IO[bytes]) -> object:
+    """One message; EOFError if the other side has gone."""
+    head = stream.read(4)
+    if len(head) < 4:
+        raise EOFError("pipe closed")
+    n = int.from_bytes(head, "little")
+    data = stream.read(n)
+    if len(data) < n:
+        raise EOFError("pipe closed mid-message")
+    return json.loads(data)
+
+
 class _Worker:
-    def __init__(self, ctx: mp.context.SpawnContext, root: str):
+    def __init__(self, root: str):
         shm_dir = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         path = os.path.join(shm_dir, f"kvflash-{os.getpid()}-{secrets.token_hex(6)}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -92,21 +114,23 @@ class _Worker:
             self.mem = mmap.mmap(fd, SEGMENT_BYTES)
         finally:
             os.close(fd)
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, root, path), daemon=True, name="kvflash-decode")
+        # A fresh interpreter that imports this module alone, not multiprocessing's spawn: that would
+        # import the parent's __main__ (the whole CLI, Triton included) in every worker.
+        code = f"import sys; from {__name__} import serve; serve(*sys.argv[1:])"
+        cmd = [sys.executable, "-c", code, root, path]
         try:
-            self.proc.start()
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         except BaseException:
             os.unlink(path)
+            self.mem.close()
             raise
-        child.close()
         self._path: str | None = path
 
     def run(self, hashes: Sequence[str], fp: str) -> tuple[list[_Decoded], errors.ChunkError | None]:
         """Decodes a prefix of `hashes` (at least one chunk, unless the first fails or does not fit)."""
         try:
-            self.conn.send_bytes(json.dumps({"hashes": list(hashes), "fp": fp}).encode())
-            reply = json.loads(self.conn.recv_bytes())
+            _send(self.proc.stdin, {"hashes": list(hashes), "fp": fp})
+            reply = _recv(self.proc.stdout)
             done = [
                 _Decoded(
                     c["index"],
@@ -133,11 +157,11 @@ class _Worker:
     def greeted(self, give_up: Callable[[], bool]) -> bool:
         """Waits for the worker's greeting (it has imported its modules and mapped the segment, which
         can then be unlinked); False if it died first or `give_up()` turned true."""
-        while not self.conn.poll(0.1):
-            if give_up() or not self.proc.is_alive():
+        while not select.select([self.proc.stdout], [], [], 0.1)[0]:
+            if give_up() or self.proc.poll() is not None:
                 return False
         try:
-            if json.loads(self.conn.recv_bytes()) != "ready":
+            if _recv(self.proc.stdout) != "ready":
                 return False
         except (EOFError, OSError, ValueError):
             return False
@@ -147,14 +171,17 @@ class _Worker:
 
     def close(self) -> None:
         try:
-            self.conn.send_bytes(b"null")
+            _send(self.proc.stdin, None)
         except OSError:
             pass
-        self.proc.join(timeout=5)
-        if self.proc.is_alive():
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
             self.proc.kill()
-            self.proc.join()
-        self.conn.close()
+            self.proc.wait()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            with contextlib.suppress(OSError):  # a dead worker's stdin still holds the unsent stop
+                pipe.close()
         if self._path is not None:
             os.unlink(self._path)
         self.mem.close()
@@ -178,13 +205,12 @@ class DecodeWorkers:
         self._started.start()
 
     def _start(self, root: str) -> None:
-        ctx = mp.get_context("spawn")
         for _ in range(self.n):  # all launched first: they import in parallel
             with self._lock:
                 if self._broken:
                     return
                 try:
-                    self._all.append(_Worker(ctx, root))
+                    self._all.append(_Worker(root))
                 except OSError:  # no shared memory or no processes here: the threads do the work
                     self._broken = True
                     return
@@ -276,8 +302,11 @@ class DecodeWorkers:
         self._all.clear()
 
 
-def _serve(conn: Connection, root: str, shm_path: str) -> None:
-    """A worker's loop: map the segment, greet, then decode runs until told to stop (JSON null)."""
+def serve(root: str, shm_path: str) -> None:
+    """A worker's loop: map the segment, greet, then decode runs until told to stop (JSON null).
+    Messages are length-prefixed JSON on stdin and stdout."""
+    conn_in, conn_out = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # a stray print must not break the protocol
     torch.set_num_threads(1)
     fd = os.open(shm_path, os.O_RDWR)
     try:
@@ -286,8 +315,8 @@ def _serve(conn: Connection, root: str, shm_path: str) -> None:
         os.close(fd)
     backend = LocalDirBackend(Path(root))
     buf = ReadBuffer()
-    conn.send_bytes(b'"ready"')
-    while (msg := json.loads(conn.recv_bytes())) is not None:
+    _send(conn_out, "ready")
+    while (msg := _recv(conn_in)) is not None:
         chunks: list[dict] = []
         error = None
         at = 0
@@ -325,5 +354,5 @@ def _serve(conn: Connection, root: str, shm_path: str) -> None:
                 }  # fmt: skip
             )
             at = end + (-end % 64)
-        conn.send_bytes(json.dumps({"chunks": chunks, "error": error}).encode())
+        _send(conn_out, {"chunks": chunks, "error": error})
     mem.close()
