@@ -105,19 +105,19 @@ def _recv(stream: IO[bytes]) -> object:
 
 
 class _Worker:
-    def __init__(self, root: str):
+    def __init__(self, root: str, segment_bytes: int):
         shm_dir = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         path = os.path.join(shm_dir, f"kvflash-{os.getpid()}-{secrets.token_hex(6)}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, SEGMENT_BYTES)
-            self.mem = mmap.mmap(fd, SEGMENT_BYTES)
+            os.ftruncate(fd, segment_bytes)
+            self.mem = mmap.mmap(fd, segment_bytes)
         finally:
             os.close(fd)
         # A fresh interpreter that imports this module alone, not multiprocessing's spawn: that would
         # import the parent's __main__ (the whole CLI, Triton included) in every worker.
         code = f"import sys; from {__name__} import serve; serve(*sys.argv[1:])"
-        cmd = [sys.executable, "-c", code, root, path]
+        cmd = [sys.executable, "-c", code, root, path, str(segment_bytes)]
         try:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         except BaseException:
@@ -192,8 +192,8 @@ class DecodeWorkers:
     The store sends reads here once a worker is `ready`, never waiting for start-up; `read` blocks
     until one of the ready workers is free."""
 
-    def __init__(self, root: str, n: int):
-        self.n = n
+    def __init__(self, root: str, n: int, segment_bytes: int = SEGMENT_BYTES):
+        self.n, self.segment_bytes = n, segment_bytes
         self._free: queue.Queue[_Worker] = queue.Queue()
         self._all: list[_Worker] = []
         self._broken = False
@@ -210,7 +210,7 @@ class DecodeWorkers:
                 if self._broken:
                     return
                 try:
-                    self._all.append(_Worker(root))
+                    self._all.append(_Worker(root, self.segment_bytes))
                 except OSError:  # no shared memory or no processes here: the threads do the work
                     self._broken = True
                     return
@@ -302,7 +302,7 @@ class DecodeWorkers:
         self._all.clear()
 
 
-def serve(root: str, shm_path: str) -> None:
+def serve(root: str, shm_path: str, segment_bytes: str) -> None:
     """A worker's loop: map the segment, greet, then decode runs until told to stop (JSON null).
     Messages are length-prefixed JSON on stdin and stdout."""
     conn_in, conn_out = sys.stdin.buffer, sys.stdout.buffer
@@ -310,7 +310,7 @@ def serve(root: str, shm_path: str) -> None:
     torch.set_num_threads(1)
     fd = os.open(shm_path, os.O_RDWR)
     try:
-        mem = mmap.mmap(fd, SEGMENT_BYTES)
+        mem = mmap.mmap(fd, int(segment_bytes))
     finally:
         os.close(fd)
     backend = LocalDirBackend(Path(root))
@@ -327,7 +327,7 @@ def serve(root: str, shm_path: str) -> None:
                 kv_bytes = int(np.prod(head.shape)) * head.dtype.itemsize
                 sum_at = at + kv_bytes
                 end = sum_at + 4 * int(np.prod(head.summary_shape))
-                if end > SEGMENT_BYTES:
+                if end > len(mem):
                     break
                 n = kv_bytes // head.dtype.itemsize
                 out = torch.frombuffer(mem, dtype=head.dtype, count=n, offset=at).view(head.shape)

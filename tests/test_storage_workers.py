@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvflash.storage import ChunkCorrupt, ChunkMismatch, SnapshotStore
+from kvflash.storage.workers import DecodeWorkers
 from tests.test_storage import FP, C, D, H, L, _flip, bits, chunk_path, make_chain, toks
 
 
@@ -96,3 +97,20 @@ def test_reads_never_wait_for_workers_and_survive_their_death(tmp_path) -> None:
         procs = [w.proc for w in st.decoders._all]
     assert all(p.poll() is not None for p in procs), "close stops every worker"
     assert Path("/dev/shm").is_dir() and _segments() == set()
+
+
+def test_runs_larger_than_a_segment_go_in_parts_and_oversize_chunks_to_threads(tmp_path) -> None:
+    """A segment that holds one chunk (KV + summary, 3.8 KB here) makes a worker answer each run one
+    chunk at a time; one that holds none sends the read to the threads, and the workers stay."""
+    blobs = make_chain(toks(5))
+    with SnapshotStore(tmp_path, processes=1) as st:
+        hashes = st.get_snapshot(st.put_snapshot("s", FP, blobs)).chunk_hashes
+        st.decoders.close()
+        for segment, served in ((6000, len(hashes)), (1000, 0)):
+            st.decoders = DecodeWorkers(str(st.root), 1, segment_bytes=segment)
+            st.decoders.wait()
+            got = st.read_chunks_parallel(hashes, FP)
+            assert st.decoders.decoded == served and st.decoders.ready
+            assert all(torch.equal(bits(g.kv), bits(b.kv)) for g, b in zip(got, blobs, strict=True))
+            assert [g.tokens for g in got] == [b.tokens for b in blobs]
+            st.decoders.close()
