@@ -284,7 +284,42 @@ def main() -> None:
     }
     with open(args.out, "w") as f:
         json.dump({**meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
-    console.print(f"wrote {args.out}")
+    png = str(args.out).removesuffix(".json") + ".png"
+    plot_decode([asdict(r) for r in rows], copy_gbps, png)
+    console.print(f"wrote {args.out} and {png}")
+
+
+def plot_decode(rows: list[dict], copy_gbps: float, path: str) -> None:
+    """Decode as a share of the copy rate against context, one line per batch, per model, with the
+    read limit of batch 1 (dashed) and the 85 % target."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(MODELS)
+    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 3.6), sharey=True)
+    for ax, model in zip(axes, models, strict=True):
+        mine = [r for r in rows if r["kernel"] == "decode" and r["model"] == model]
+        for batch in sorted({r["batch"] for r in mine}):
+            pts = sorted(
+                (r["context"], 100 * r["ours_rate"] / copy_gbps, 100 * r["read_rate"] / copy_gbps)
+                for r in mine
+                if r["batch"] == batch
+            )
+            line = ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"batch {batch}")
+            if batch == 1:
+                color = line[0].get_color()
+                ax.plot([p[0] for p in pts], [p[2] for p in pts], "--", color=color, label="read limit, b1")
+        ax.axhline(85, color="grey", lw=0.8, ls=":")
+        ax.axvline(LONG_CONTEXT, color="grey", lw=0.8, ls=":")
+        ax.set_xscale("log", base=2)
+        ax.set_title(model)
+        ax.set_xlabel("context (tokens)")
+    axes[0].set_ylabel("% of copy bandwidth")
+    axes[-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

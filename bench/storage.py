@@ -341,6 +341,35 @@ def main() -> None:
         }
         results = [asdict(r) | {"raw_read_mbps": r.raw_read_mbps} for r in rows]
         args.out.write_text(json.dumps({**meta, "rows": results}, indent=1))
+        plot_shares(results, args.out.with_suffix(".png"))
+
+
+def plot_shares(rows: list[dict], path: Path) -> None:
+    """Each cold restore's share of the raw read just before it (dots) and their median (bar), per
+    codec and kind, with the 80 % target."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = [
+        ("cold_mbps", "fresh tensors"),
+        ("slots_mbps", "into slots"),
+        ("threads_slots_mbps", "into slots, threads"),
+    ]
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    for k, (key, label) in enumerate(kinds):
+        xs = [i + (k - 1) * 0.27 for i in range(len(rows))]
+        shares = [[100 * a / b for a, b in r[key]] for r in rows]
+        ax.bar(xs, [statistics.median(s) for s in shares], 0.25, label=label)
+        for x, s in zip(xs, shares, strict=True):
+            ax.plot([x] * len(s), s, "k.", ms=3)
+    ax.axhline(80, color="grey", lw=0.8, ls=":")
+    ax.set_xticks(range(len(rows)), [f"{r['codec']} zstd {r['level']}" for r in rows])
+    ax.set_ylabel("% of the raw cold read")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":
