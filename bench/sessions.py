@@ -48,6 +48,8 @@ def ask(doc: Path, question: str, store: Path, args, env, positions: str) -> dic
            "--pool-tokens", str(args.pool_tokens), "-n", str(args.max_tokens), "--json"]  # fmt: skip
     if positions == "absolute":
         cmd.append("--absolute-positions")
+    if args.decode_processes:
+        cmd += ["--decode-processes", str(args.decode_processes)]
     if args.model:
         cmd += ["--model", args.model]
     if args.device:
@@ -68,6 +70,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--model", default=None)
     ap.add_argument("--device", default=None)
+    ap.add_argument("--decode-processes", type=int, default=0, help="passed to ask (0: the store's threads)")
     ap.add_argument("--out", default="out/sessions")
     ap.add_argument(
         "--positions", default="cache", help="cache, absolute, or both as cache,absolute: arms per length"

@@ -315,44 +315,54 @@ def serve(root: str, shm_path: str, segment_bytes: str) -> None:
         os.close(fd)
     backend = LocalDirBackend(Path(root))
     buf = ReadBuffer()
-    _send(conn_out, "ready")
-    while (msg := _recv(conn_in)) is not None:
-        chunks: list[dict] = []
-        error = None
-        at = 0
-        for h in msg["hashes"]:
-            try:
-                raw = backend.get(h, MAX_FILE_BYTES, buf)
-                head = parse_header(raw, len(raw), h)
-                kv_bytes = int(np.prod(head.shape)) * head.dtype.itemsize
-                sum_at = at + kv_bytes
-                end = sum_at + 4 * int(np.prod(head.summary_shape))
-                if end > len(mem):
-                    break
-                n = kv_bytes // head.dtype.itemsize
-                out = torch.frombuffer(mem, dtype=head.dtype, count=n, offset=at).view(head.shape)
-                blob = decode_chunk(raw, h, msg["fp"], out=out, stored_crc=False)
-            except errors.ChunkError as e:
-                error = {"type": type(e).__name__, "hash": e.chunk_hash, "reason": e.reason}
-                break
-            except Exception as e:  # a bug, not damage: the parent reads the run itself
-                error = {"type": type(e).__name__, "hash": h, "reason": str(e)}
-                break
-            summary = blob.summary.numpy().reshape(-1)
-            np.copyto(np.frombuffer(mem, "<f4", summary.size, sum_at), summary)
-            chunks.append(
-                {
-                    "index": blob.index,
-                    "hash": h,
-                    "parent": blob.parent_hash,
-                    "tokens": blob.tokens,
-                    "dtype": DTYPE_CODES[head.dtype],
-                    "shape": list(head.shape),
-                    "kv_at": at,
-                    "summary_shape": list(head.summary_shape),
-                    "summary_at": sum_at,
-                }  # fmt: skip
-            )
-            at = end + (-end % 64)
-        _send(conn_out, {"chunks": chunks, "error": error})
+    try:
+        _send(conn_out, "ready")
+        while (msg := _recv(conn_in)) is not None:
+            _send(conn_out, _decode_run(backend, buf, mem, msg["hashes"], msg["fp"]))
+    except (EOFError, BrokenPipeError):  # the parent has gone without a stop message
+        pass
     mem.close()
+
+
+def _decode_run(
+    backend: LocalDirBackend, buf: ReadBuffer, mem: mmap.mmap, hashes: list[str], fp: str
+) -> dict:
+    """Decodes chunks of `hashes` into `mem` one after another until one fails or does not fit."""
+    chunks: list[dict] = []
+    error = None
+    at = 0
+    for h in hashes:
+        try:
+            raw = backend.get(h, MAX_FILE_BYTES, buf)
+            head = parse_header(raw, len(raw), h)
+            kv_bytes = int(np.prod(head.shape)) * head.dtype.itemsize
+            sum_at = at + kv_bytes
+            end = sum_at + 4 * int(np.prod(head.summary_shape))
+            if end > len(mem):
+                break
+            n = kv_bytes // head.dtype.itemsize
+            out = torch.frombuffer(mem, dtype=head.dtype, count=n, offset=at).view(head.shape)
+            blob = decode_chunk(raw, h, fp, out=out, stored_crc=False)
+        except errors.ChunkError as e:
+            error = {"type": type(e).__name__, "hash": e.chunk_hash, "reason": e.reason}
+            break
+        except Exception as e:  # a bug, not damage: the parent reads the run itself
+            error = {"type": type(e).__name__, "hash": h, "reason": str(e)}
+            break
+        summary = blob.summary.numpy().reshape(-1)
+        np.copyto(np.frombuffer(mem, "<f4", summary.size, sum_at), summary)
+        chunks.append(
+            {
+                "index": blob.index,
+                "hash": h,
+                "parent": blob.parent_hash,
+                "tokens": blob.tokens,
+                "dtype": DTYPE_CODES[head.dtype],
+                "shape": list(head.shape),
+                "kv_at": at,
+                "summary_shape": list(head.summary_shape),
+                "summary_at": sum_at,
+            }
+        )
+        at = end + (-end % 64)
+    return {"chunks": chunks, "error": error}

@@ -95,6 +95,16 @@ def test_a_new_session_takes_the_documents_ids_from_the_snapshot(lm, tmp_path, m
         assert sb.source == "disk" and sb.restored_tokens < end
 
 
+def test_restore_through_decode_workers_equals_cold(lm, cold, tmp_path) -> None:
+    doc = document()
+    with SnapshotStore(tmp_path, processes=2) as store:
+        turns(Session(engine(lm), [doc], store), [Q1])
+        store.decoders.wait()
+        ((b, sb),) = turns(Session(engine(lm), [doc], store), [Q2])
+        assert sb.source == "disk" and store.decoders.decoded == sb.restored_tokens // 64 > 1
+    assert b == cold["q2_only"]
+
+
 def test_lazy_restore_with_budget_holding_the_context_equals_cold(lm, cold, tmp_path) -> None:
     doc = document()
     with SnapshotStore(tmp_path) as store:
@@ -246,14 +256,17 @@ def test_closing_a_lazy_session_stops_its_prefetch(lm, tmp_path) -> None:
 
 @pytest.mark.parametrize("absolute", [False, True])
 def test_ask_and_chat_choose_the_position_scheme(smollm_path, tmp_path, absolute: bool) -> None:
-    from kvflash.cli.ask_cmd import open_session
+    from kvflash.cli.ask_cmd import close_session, open_session
 
     doc_file = tmp_path / "town.txt"
     doc_file.write_text(document().text)
     sess = open_session(
-        [doc_file], None, "1024", "qk", None, smollm_path, "fp32", "cpu", tmp_path, True, absolute
-    )
+        [doc_file], None, "1024", "qk", None, smollm_path, "fp32", "cpu", tmp_path, absolute, absolute,
+        decode_processes=0 if absolute else 1,
+    )  # fmt: skip
     try:
         assert sess.engine.cfg.residency.cache_positions is not absolute
+        if not absolute:  # the store's decode workers follow --decode-processes
+            assert sess.snapshots.store.decoders.n == 1
     finally:
-        sess.close()
+        close_session(sess)

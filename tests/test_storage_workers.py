@@ -4,6 +4,8 @@ the same refusals of damaged chunks, and a restore that survives a worker's deat
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -114,3 +116,19 @@ def test_runs_larger_than_a_segment_go_in_parts_and_oversize_chunks_to_threads(t
             assert all(torch.equal(bits(g.kv), bits(b.kv)) for g, b in zip(got, blobs, strict=True))
             assert [g.tokens for g in got] == [b.tokens for b in blobs]
             st.decoders.close()
+
+
+def test_workers_leave_quietly_when_their_parent_dies(tmp_path) -> None:
+    """A parent that exits without closing its store: each worker sees its stdin close and exits
+    without a traceback, so no process outlives the parent (run waits for the workers' stderr)."""
+    script = (
+        "import os, sys; from kvflash.storage import SnapshotStore; "
+        f"st = SnapshotStore({str(tmp_path)!r}, processes=2); st.decoders.wait(); "
+        "print(' '.join(str(w.proc.pid) for w in st.decoders._all), flush=True); os._exit(0)"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    pids = [int(p) for p in done.stdout.split()]
+    assert len(pids) == 2 and "Traceback" not in done.stderr, done.stderr
+    for pid in pids:  # gone, or a zombie waiting for a reaper that is not its parent
+        stat = Path(f"/proc/{pid}/stat")
+        assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
