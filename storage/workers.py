@@ -142,7 +142,7 @@ class _Worker:
                     c["kv_at"],
                     tuple(c["summary_shape"]),
                     c["summary_at"],
-                )  # fmt: skip
+                )
                 for c in reply["chunks"]
             ]
             err = reply.get("error")
