@@ -49,7 +49,9 @@ from kvflash.storage.workers import default_processes
 SMOLLM2 = (30, 3, 64, 64)
 """SmolLM2-135M: layers, kv-heads, chunk tokens, head dim."""
 FP = "bench-fingerprint"
-CODECS = [("lossless", 1), ("lossless", 3), ("fp8", 3)]
+CODECS = [("lossless", 1), ("lossless", 3), ("fp8", 1)]
+"""Level 1 is the store default (fp8 at level 3 measured the same: ratio 1.156x, 0.90 ms a chunk to
+decompress on the 2-core VM)."""
 MB = 1e6
 
 
