@@ -67,10 +67,11 @@ def pool_tokens(value: str | None) -> int | str:
 
 
 def open_session(
-    docs: list[Path], session: str | None, pool: str | None, policy: str, lazy: bool | None,
+    docs: list[Path], *, session: str | None, pool: str | None, policy: str, lazy: bool | None,
     model: Path | None, dtype: str | None, device: str | None, store: Path | None, no_store: bool,
     absolute_positions: bool = False, decode_processes: int = 0,
 ) -> Session:  # fmt: skip
+    """The session `ask` and `chat` run, from their options (keywords: a dozen of them)."""
     documents = read_documents(docs)
     lm = load_model(model, dtype=dtype, device=device)
     budget = pool_tokens(pool)
@@ -150,8 +151,9 @@ def ask(
 ) -> None:
     """Ask QUESTION about DOCS; restores what an earlier turn stored and prints a stats line."""
     sess = open_session(
-        docs, session, pool, policy, lazy, model, dtype, device, store, no_store, absolute_positions,
-        decode_processes,
+        docs, session=session, pool=pool, policy=policy, lazy=lazy, model=model, dtype=dtype,
+        device=device, store=store, no_store=no_store, absolute_positions=absolute_positions,
+        decode_processes=decode_processes,
     )  # fmt: skip
     console = Console(highlight=False)
     try:
@@ -180,8 +182,9 @@ def chat(
 ) -> None:
     """Interactive multi-turn chat about DOCS. Commands: /stats, /reset, /save, /quit."""
     sess = open_session(
-        docs, session, pool, policy, lazy, model, dtype, device, store, False, absolute_positions,
-        decode_processes,
+        docs, session=session, pool=pool, policy=policy, lazy=lazy, model=model, dtype=dtype,
+        device=device, store=store, no_store=False, absolute_positions=absolute_positions,
+        decode_processes=decode_processes,
     )  # fmt: skip
     console = Console(highlight=False)
     last: TurnStats | None = None

@@ -261,7 +261,8 @@ def test_ask_and_chat_choose_the_position_scheme(smollm_path, tmp_path, absolute
     doc_file = tmp_path / "town.txt"
     doc_file.write_text(document().text)
     sess = open_session(
-        [doc_file], None, "1024", "qk", None, smollm_path, "fp32", "cpu", tmp_path, absolute, absolute,
+        [doc_file], session=None, pool="1024", policy="qk", lazy=None, model=smollm_path, dtype="fp32",
+        device="cpu", store=tmp_path, no_store=absolute, absolute_positions=absolute,
         decode_processes=0 if absolute else 1,
     )  # fmt: skip
     try:
