@@ -272,8 +272,15 @@ def main() -> None:
         default=ResidencyConfig.summary_blocks,
         help="summary blocks per chunk (default: the engine's)",
     )
+    ap.add_argument(
+        "--codecs",
+        nargs="+",
+        default=[f"{c}:{level}" for c, level in CODECS],
+        help="codec:zstd-level pairs (default: %(default)s)",
+    )
     ap.add_argument("--out", type=Path, help="path of the JSON results")
     args = ap.parse_args()
+    codecs = [(c, int(level)) for c, _, level in (x.partition(":") for x in args.codecs)]
     workers = args.workers or min(MAX_DEFAULT_WORKERS, os.cpu_count() or 1)
 
     if args.kv_file:
@@ -295,8 +302,8 @@ def main() -> None:
     )
     rows = []
     with Progress(console=con, transient=True) as progress:
-        task = progress.add_task("codecs", total=len(CODECS))
-        for i, (codec, level) in enumerate(CODECS):
+        task = progress.add_task("codecs", total=len(codecs))
+        for i, (codec, level) in enumerate(codecs):
             progress.update(task, description=f"{codec} zstd {level}")
             root = args.dir / f"store{i}"
             rows.append(bench_codec(root, blobs, codec, level, workers, args.processes, args.repeats))

@@ -144,6 +144,7 @@ class SnapshotStore:
         self.lock = StoreLock(self.root / "lock")
         self.workers = workers or min(MAX_DEFAULT_WORKERS, os.cpu_count() or 1)
         self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="kvflash-store")
+        self._hints = ThreadPoolExecutor(1, thread_name_prefix="kvflash-hint")
         self._local = threading.local()
         self._meta_len_hint = 0
         self.decoders: DecodeWorkers | None = None
@@ -153,6 +154,7 @@ class SnapshotStore:
 
     def close(self) -> None:
         self.pool.shutdown()
+        self._hints.shutdown(cancel_futures=True)
         if self.decoders is not None:
             self._drivers.shutdown()
             self.decoders.close()
@@ -290,7 +292,10 @@ class SnapshotStore:
         """Chunks in the given order (into `out[i]` where given); reads and decodes run on the pool."""
         outs = _check_out(out, len(hashes))
         self._check_rows(hashes, expect_fingerprint)
-        self.backend.will_need(hashes)
+        if len(hashes) > 1:
+            # On a thread of its own: once the disk's queue is full each hint blocks, and hinting a
+            # thousand chunks before the first decode left the decoders idle for most of the read.
+            self._hints.submit(self.backend.will_need, list(hashes))
         if self.decoders is not None and self.decoders.ready and len(hashes) > 1:
             shape = None if expect_shape is None else tuple(expect_shape)
             try:

@@ -11,6 +11,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 import tracemalloc
 import zlib
@@ -43,6 +44,7 @@ from kvflash.storage import (
     codec,
     format,
 )
+from kvflash.storage.backend import LocalDirBackend
 from kvflash.storage.codec import Codec
 
 FP = "fp-test-0001"
@@ -235,6 +237,28 @@ def test_restore_into_given_tensors_only_after_every_check(store) -> None:
     with pytest.raises(ChunkCorrupt):
         store.read_chunk(hs[2], FP, out=dest)
     assert torch.count_nonzero(dest) == 0
+
+
+def test_a_restore_does_not_wait_for_its_read_ahead_hint(tmp_path) -> None:
+    """The hint for a batch blocks once the disk's queue is full; the reads and decodes must go on
+    meanwhile (on the H200 host, waiting for it kept a 1,024-chunk restore at 75 % of the disk)."""
+    release = threading.Event()
+    hinted: list[list[str]] = []
+
+    class StuckHints(LocalDirBackend):
+        def will_need(self, chunk_hashes):
+            release.wait(10)
+            hinted.append(list(chunk_hashes))
+            super().will_need(chunk_hashes)
+
+    blobs = make_chain(toks(4))
+    with SnapshotStore(tmp_path, workers=2, backend=StuckHints(tmp_path)) as st:
+        hs = st.get_snapshot(st.put_snapshot("s", FP, blobs)).chunk_hashes
+        got = st.read_chunks_parallel(hs, FP)
+        assert not release.is_set() and not hinted  # the restore finished while its hint was stuck
+        assert all(torch.equal(bits(g.kv), bits(b.kv)) for g, b in zip(got, blobs, strict=True))
+        release.set()
+    assert hinted == [list(hs)]  # closing the store let the hint finish
 
 
 def test_pool_map_keeps_order_and_raises_the_earliest_failure(store) -> None:
