@@ -10,9 +10,10 @@ a fixed few microseconds). Prefill attention is compute bound: TFLOP/s against S
 causal shape. Targets (issue 4): decode >= 85% of copy at long context and >= SDPA; prefill >= 80%.
 
 Times are GPU times: each side's calls are replayed from one CUDA graph, so Python launch overhead
-(tens of microseconds, larger than the whole kernel at small shapes) is left out, as it is when the
-engine replays decode steps from graphs. Each graph reads at least L2_DEFEAT_BYTES of distinct KV,
-so small shapes are not served from the 60 MB L2.
+(tens of microseconds, larger than the whole kernel at small shapes) is left out: this measures the
+kernels, not the engine's decode step, which still launches eagerly from Python (no CUDA graphs
+yet). Each graph reads at least L2_DEFEAT_BYTES of distinct KV, so small shapes are not served from
+the 60 MB L2.
 
     python bench/kernels.py --out docs/kernels.json
 """
