@@ -42,7 +42,7 @@ from rich.table import Table
 from kvflash.config import ResidencyConfig
 from kvflash.paths import kvflash_home
 from kvflash.storage import ROOT_HASH, ChunkBlob, SnapshotStore
-from kvflash.storage.codec import fp8_error
+from kvflash.storage.codec import CODEC_NAMES, fp8_error
 from kvflash.storage.store import MAX_DEFAULT_WORKERS
 from kvflash.storage.workers import default_processes
 
@@ -252,6 +252,15 @@ def bench_codec(
     )  # fmt: skip
 
 
+def codec_level(text: str) -> tuple[str, int]:
+    codec, _, level = text.partition(":")
+    if codec not in CODEC_NAMES or not level.lstrip("-").isdigit():
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected CODEC:LEVEL, CODEC one of {', '.join(CODEC_NAMES)}"
+        )
+    return codec, int(level)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kv-file", type=Path, help="safetensors of chunk tensors [L, 2, Hkv, C, D]")
@@ -275,12 +284,13 @@ def main() -> None:
     ap.add_argument(
         "--codecs",
         nargs="+",
-        default=[f"{c}:{level}" for c, level in CODECS],
-        help="codec:zstd-level pairs (default: %(default)s)",
+        type=codec_level,
+        default=CODECS,
+        help="codec:zstd-level pairs, e.g. lossless:1 fp8:1 (default: all of CODECS)",
     )
     ap.add_argument("--out", type=Path, help="path of the JSON results")
     args = ap.parse_args()
-    codecs = [(c, int(level)) for c, _, level in (x.partition(":") for x in args.codecs)]
+    codecs = args.codecs
     workers = args.workers or min(MAX_DEFAULT_WORKERS, os.cpu_count() or 1)
 
     if args.kv_file:
