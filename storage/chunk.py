@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -67,10 +67,13 @@ class ChunkBlob:
     index: int
     chain_hash: str
     parent_hash: str
-    tokens: list[int]
-    summary: torch.Tensor
+    # Out of the repr: formatting a chunk's tensors takes ~50 ms, and Python 3.11's asyncio.run formats
+    # its main task, result included, when it puts the SIGINT handler back (signal.getsignal's enum
+    # lookup fails with the handler's repr): `asyncio.run(store.read_chunks_async(...))` paid ~0.3 s.
+    tokens: list[int] = field(repr=False)
+    summary: torch.Tensor = field(repr=False)
     """[L, Hkv, B, D] fp32: the mean key of each of B equal runs of the chunk's tokens (B divides C)."""
-    kv: torch.Tensor
+    kv: torch.Tensor = field(repr=False)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -261,6 +261,12 @@ def test_a_restore_does_not_wait_for_its_read_ahead_hint(tmp_path) -> None:
     assert hinted == [list(hs)]  # closing the store let the hint finish
 
 
+def test_a_blob_repr_names_the_chunk_without_its_tensors() -> None:
+    blob = make_chain(toks(1))[0]
+    text = repr(blob)
+    assert blob.chain_hash in text and "tensor" not in text and len(text) < 300
+
+
 def test_pool_map_keeps_order_and_raises_the_earliest_failure(store) -> None:
     """The pool's threads take indices as they go; whichever fails first in time, the caller gets
     the failure of the earliest index, as from running them one by one, and no thread takes a new
