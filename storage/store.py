@@ -330,7 +330,15 @@ class SnapshotStore:
             decode = partial(self._decode, buf, h, fp, shape, dtype, dest, stored_crc=False)
             return await loop.run_in_executor(self.pool, decode)
 
-        return list(await asyncio.gather(*(one(h, d) for h, d in zip(hashes, outs, strict=True))))
+        # Every decode ends before anything is raised: a caller that frees its destinations on an
+        # error must not have them written afterwards. The earliest chunk's error is raised.
+        done = await asyncio.gather(
+            *(one(h, d) for h, d in zip(hashes, outs, strict=True)), return_exceptions=True
+        )
+        for r in done:
+            if isinstance(r, BaseException):
+                raise r
+        return done
 
     def read_summaries(
         self, hashes: Sequence[str], expect_fingerprint: str, out: torch.Tensor | None = None

@@ -6,8 +6,8 @@ around the native zstd and plane-merge calls), so on the 16-core H200 host threa
 (4.9 and 2.6 GB/s at 16; docs/BENCHMARKS.md), and leave the parent's GIL to the engine.
 
 Each worker is a Python process running `serve` and owns a shared-memory segment (a file in
-/dev/shm that both map; unlinked once the worker has mapped it, so nothing outlives the two
-processes). The parent sends a worker a run of chunk hashes as JSON over its stdin; the worker
+/dev/shm, unlinked as soon as it is opened: the worker inherits the descriptor, so nothing outlives
+the two processes). The parent sends a worker a run of chunk hashes as JSON over its stdin; the worker
 reads, checks and decodes as many as fit into its segment and answers on its stdout with their
 offsets and metadata, or with the chunk error that stopped it; the parent copies the KV out. Only
 JSON crosses the pipes: nothing read from disk is ever unpickled.
@@ -22,6 +22,7 @@ import os
 import queue
 import secrets
 import select
+import signal
 import subprocess
 import sys
 import tempfile
@@ -110,21 +111,24 @@ class _Worker:
         path = os.path.join(shm_dir, f"kvflash-{os.getpid()}-{secrets.token_hex(6)}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
+            # The name is gone before anything can fail: the worker inherits the descriptor, so no
+            # death of either process (before the greeting included) can leave the segment behind.
+            os.unlink(path)
             os.ftruncate(fd, segment_bytes)
             self.mem = mmap.mmap(fd, segment_bytes)
+            # A fresh interpreter that imports this module alone, not multiprocessing's spawn: that
+            # would import the parent's __main__ (the whole CLI, Triton included) in every worker.
+            code = f"import sys; from {__name__} import serve; serve(*sys.argv[1:])"
+            cmd = [sys.executable, "-c", code, root, str(fd), str(segment_bytes)]
+            try:
+                self.proc = subprocess.Popen(
+                    cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(fd,)
+                )
+            except BaseException:
+                self.mem.close()
+                raise
         finally:
             os.close(fd)
-        # A fresh interpreter that imports this module alone, not multiprocessing's spawn: that would
-        # import the parent's __main__ (the whole CLI, Triton included) in every worker.
-        code = f"import sys; from {__name__} import serve; serve(*sys.argv[1:])"
-        cmd = [sys.executable, "-c", code, root, path, str(segment_bytes)]
-        try:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        except BaseException:
-            os.unlink(path)
-            self.mem.close()
-            raise
-        self._path: str | None = path
 
     def run(self, hashes: Sequence[str], fp: str) -> tuple[list[_Decoded], errors.ChunkError | None]:
         """Decodes a prefix of `hashes` (at least one chunk, unless the first fails or does not fit)."""
@@ -155,8 +159,8 @@ class _Worker:
         return done, _ERRORS[err["type"]](err["hash"], err["reason"])
 
     def greeted(self, give_up: Callable[[], bool]) -> bool:
-        """Waits for the worker's greeting (it has imported its modules and mapped the segment, which
-        can then be unlinked); False if it died first or `give_up()` turned true."""
+        """Waits for the worker's greeting (it has imported its modules and mapped the segment);
+        False if it died first or `give_up()` turned true."""
         while not select.select([self.proc.stdout], [], [], 0.1)[0]:
             if give_up() or self.proc.poll() is not None:
                 return False
@@ -165,8 +169,6 @@ class _Worker:
                 return False
         except (EOFError, OSError, ValueError):
             return False
-        os.unlink(self._path)
-        self._path = None
         return True
 
     def stop(self) -> None:
@@ -184,8 +186,6 @@ class _Worker:
         for pipe in (self.proc.stdin, self.proc.stdout):
             with contextlib.suppress(OSError):  # a dead worker's stdin still holds the unsent stop
                 pipe.close()
-        if self._path is not None:
-            os.unlink(self._path)
         self.mem.close()
 
 
@@ -306,13 +306,15 @@ class DecodeWorkers:
         self._all.clear()
 
 
-def serve(root: str, shm_path: str, segment_bytes: str) -> None:
-    """A worker's loop: map the segment, greet, then decode runs until told to stop (JSON null).
-    Messages are length-prefixed JSON on stdin and stdout."""
+def serve(root: str, shm_fd: str, segment_bytes: str) -> None:
+    """A worker's loop: map the segment (an inherited descriptor), greet, then decode runs until told
+    to stop (JSON null). Messages are length-prefixed JSON on stdin and stdout."""
+    # Ctrl-C in a terminal reaches the whole process group: the parent decides; its death is EOF here.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn_in, conn_out = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # a stray print must not break the protocol
     torch.set_num_threads(1)
-    fd = os.open(shm_path, os.O_RDWR)
+    fd = int(shm_fd)
     try:
         mem = mmap.mmap(fd, int(segment_bytes))
     finally:

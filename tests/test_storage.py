@@ -267,6 +267,23 @@ def test_a_blob_repr_names_the_chunk_without_its_tensors() -> None:
     assert blob.chain_hash in text and "tensor" not in text and len(text) < 300
 
 
+def test_an_async_restore_that_fails_writes_nothing_afterwards(store) -> None:
+    """The error comes once every decode has ended, so freed destinations stay as the caller left them."""
+    hs = store.get_snapshot(store.put_snapshot("s", FP, make_chain(toks(40)))).chunk_hashes
+    chunk_path(store.root, hs[0]).unlink()
+    outs = [torch.zeros(L, 2, H, C, D, dtype=torch.bfloat16) for _ in hs]
+
+    async def restore_then_free() -> None:
+        with pytest.raises(ChunkMissing):
+            await store.read_chunks_async(hs, FP, out=outs)
+        for o in outs:
+            o.zero_()
+        await asyncio.sleep(0.3)
+
+    asyncio.run(restore_then_free())
+    assert not any(o.any() for o in outs)
+
+
 def test_pool_map_keeps_order_and_raises_the_earliest_failure(store) -> None:
     """The pool's threads take indices as they go; whichever fails first in time, the caller gets
     the failure of the earliest index, as from running them one by one, and no thread takes a new

@@ -4,8 +4,11 @@ the same refusals of damaged chunks, and a restore that survives a worker's deat
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -132,3 +135,34 @@ def test_workers_leave_quietly_when_their_parent_dies(tmp_path) -> None:
     for pid in pids:  # gone, or a zombie waiting for a reaper that is not its parent
         stat = Path(f"/proc/{pid}/stat")
         assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_no_segment_outlives_a_parent_that_dies_before_its_workers_start(tmp_path) -> None:
+    """Segments are unlinked as soon as they are opened (the workers inherit the descriptors): a
+    parent gone while its workers still import leaves nothing in shared memory."""
+    script = (
+        "import os, time; from kvflash.storage import SnapshotStore; "
+        f"st = SnapshotStore({str(tmp_path)!r}, processes=2); time.sleep(0.3); "
+        "print(os.getpid(), st.decoders.n_ready, flush=True); os._exit(1)"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    pid, ready = done.stdout.split()
+    assert ready == "0"  # it died before any worker greeted
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    assert not list(shm.glob(f"kvflash-{pid}-*"))
+
+
+def test_workers_ignore_an_interrupt_their_parent_survives(tmp_path) -> None:
+    """Ctrl-C reaches the whole process group; the parent decides what it means, so the workers
+    stay and keep serving reads."""
+    blobs = make_chain(toks(6))
+    with SnapshotStore(tmp_path, workers=2, processes=2) as st:
+        hs = st.get_snapshot(st.put_snapshot("s", FP, blobs)).chunk_hashes
+        st.decoders.wait()
+        for w in st.decoders._all:
+            os.kill(w.proc.pid, signal.SIGINT)
+        time.sleep(0.5)
+        assert all(w.proc.poll() is None for w in st.decoders._all)
+        got = st.read_chunks_parallel(hs, FP)
+        assert st.decoders.decoded == len(hs) and st.decoders.ready
+        assert all(torch.equal(bits(g.kv), bits(b.kv)) for g, b in zip(got, blobs, strict=True))
