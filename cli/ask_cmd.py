@@ -78,7 +78,12 @@ def open_session(
     res = ResidencyConfig(policy=policy, cache_positions=not absolute_positions)
     engine = Engine(lm, EngineConfig(pool_tokens=budget, residency=res))
     st = None if no_store else SnapshotStore(store or snapshots_dir(), processes=decode_processes)
-    return Session(engine, documents, st, name=session, lazy=lazy)
+    try:
+        return Session(engine, documents, st, name=session, lazy=lazy)
+    except BaseException:
+        if st is not None:  # its threads and decode workers: close_session never sees this one
+            st.close()
+        raise
 
 
 def close_session(sess: Session) -> None:
