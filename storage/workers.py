@@ -118,7 +118,12 @@ class _Worker:
             self.mem = mmap.mmap(fd, segment_bytes)
             # A fresh interpreter that imports this module alone, not multiprocessing's spawn: that
             # would import the parent's __main__ (the whole CLI, Triton included) in every worker.
-            code = f"import sys; from {__name__} import serve; serve(*sys.argv[1:])"
+            # The protocol gets its own copy of stdout and fd 1 becomes stderr before any import,
+            # so nothing printed, by Python or native code, can land in the parent's pipe.
+            code = (
+                "import os, sys; out = os.dup(1); os.dup2(2, 1); "
+                f"from {__name__} import serve; serve(out, *sys.argv[1:])"
+            )
             cmd = [sys.executable, "-c", code, root, str(fd), str(segment_bytes)]
             try:
                 self.proc = subprocess.Popen(
@@ -306,13 +311,13 @@ class DecodeWorkers:
         self._all.clear()
 
 
-def serve(root: str, shm_fd: str, segment_bytes: str) -> None:
+def serve(out_fd: int, root: str, shm_fd: str, segment_bytes: str) -> None:
     """A worker's loop: map the segment (an inherited descriptor), greet, then decode runs until told
-    to stop (JSON null). Messages are length-prefixed JSON on stdin and stdout."""
+    to stop (JSON null). Messages are length-prefixed JSON on stdin and on `out_fd`, the pipe that
+    was stdout."""
     # Ctrl-C in a terminal reaches the whole process group: the parent decides; its death is EOF here.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    conn_in, conn_out = sys.stdin.buffer, sys.stdout.buffer
-    sys.stdout = sys.stderr  # a stray print must not break the protocol
+    conn_in, conn_out = sys.stdin.buffer, os.fdopen(out_fd, "wb")
     torch.set_num_threads(1)
     fd = int(shm_fd)
     try:
