@@ -257,7 +257,8 @@ class Session:
         return text, stats
 
     def save(self) -> str | None:
-        """Snapshots the sealed prefix under this session's label, replacing its older snapshot."""
+        """Snapshots the sealed prefix under this session's label, replacing its older snapshot (whose
+        hits carry over: `snapshot list` counts the session's restores)."""
         c = self.chunk_tokens
         n = self.kv.seq.n_sealed
         meta = {
@@ -268,7 +269,7 @@ class Session:
         }
         previous = [s.id for s in self.snapshots.store.list_snapshots() if s.label == self.label]
         try:
-            sid = self.snapshots.save(self.kv, self.label, meta)
+            sid = self.snapshots.save(self.kv, self.label, meta, succeeds=previous)
         except Exception as e:  # a full disk or a store error must not lose the answer
             warnings.warn(f"could not save the session snapshot: {e}", stacklevel=2)
             return None

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -59,8 +59,9 @@ class KVSnapshots:
         got = self.store.read_summaries(hashes, fp, rows)
         return StoredSummaries(list(hashes), [s.tokens for s in got], rows)
 
-    def save(self, kv: PagedKV, label: str, meta: dict | None = None) -> str:
-        """Snapshots the sealed prefix, writing only chunks the store does not already hold."""
+    def save(self, kv: PagedKV, label: str, meta: dict | None = None, succeeds: Sequence[str] = ()) -> str:
+        """Snapshots the sealed prefix, writing only chunks the store does not already hold; it takes
+        over the hits of the snapshots it `succeeds`."""
         c = kv.cfg.chunk_tokens
         n = kv.seq.n_sealed
         fp = self.approx_fp if kv.approximate else self.fp
@@ -75,7 +76,7 @@ class KVSnapshots:
                     kv.seq.summaries[i].cpu(), kv.chunk_kv(i).cpu(),
                 )
             )  # fmt: skip
-        return self.store.put_snapshot(label, fp, items, meta)
+        return self.store.put_snapshot(label, fp, items, meta, succeeds)
 
     def lookup(self, ids: list[int], chunk_tokens: int, approximate: bool) -> tuple[str, list[str]]:
         """(fingerprint, hashes) of the longest stored chunk-aligned prefix of ids, leaving one token

@@ -12,7 +12,7 @@ import os
 import socket
 import sqlite3
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -228,8 +228,10 @@ class Index:
         hashes: list[str],
         new_rows: list[ChunkRow],
         now: float,
+        succeeds: Sequence[str] = (),
     ) -> str:
-        """One transaction: the new chunk rows (files already durable), the snapshot, its members."""
+        """One transaction: the new chunk rows (files already durable), the snapshot, its members.
+        The snapshot starts with the hits of the snapshots it `succeeds` (a session's newer prefix)."""
         with self._write() as c:
             c.executemany(
                 f"INSERT INTO chunks ({_CHUNK_COLS}) VALUES ({','.join('?' * 12)}) "
@@ -246,10 +248,13 @@ class Index:
             snapshot_id = new_snapshot_id()
             while c.execute("SELECT 1 FROM snapshots WHERE id = ?", (snapshot_id,)).fetchone():
                 snapshot_id = new_snapshot_id()
+            marks = ",".join("?" * len(succeeds))
+            query = f"SELECT COALESCE(SUM(hits), 0) FROM snapshots WHERE id IN ({marks})"
+            (hits,) = c.execute(query, tuple(succeeds)).fetchone()
             c.execute(
-                "INSERT INTO snapshots (id, label, fingerprint, n_tokens, n_chunks, created, last_used, meta)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (snapshot_id, label, fingerprint, n_tokens, len(hashes), now, now, meta_json),
+                "INSERT INTO snapshots (id, label, fingerprint, n_tokens, n_chunks, created, last_used, "
+                "meta, hits) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (snapshot_id, label, fingerprint, n_tokens, len(hashes), now, now, meta_json, hits),
             )
             c.executemany(
                 "INSERT INTO snapshot_chunks (snapshot_id, position, hash) VALUES (?, ?, ?)",

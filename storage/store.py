@@ -174,8 +174,10 @@ class SnapshotStore:
         fingerprint: str,
         chunks: Iterable[ChunkBlob | str],
         meta: dict | None = None,
+        succeeds: Sequence[str] = (),
     ) -> str:
-        """Saves chunks 0..n-1 of a sequence as a new snapshot and returns its id.
+        """Saves chunks 0..n-1 of a sequence as a new snapshot and returns its id. It starts with the
+        hits of the snapshots it `succeeds` (ids; the caller removes them).
 
         Only chunks not already stored are encoded and written (in parallel). An item may be a chain
         hash instead of a blob for a chunk the caller knows is stored (`find_longest_prefix`), so a
@@ -189,7 +191,16 @@ class SnapshotStore:
             with self.lock.shared():
                 hashes, rows, n_tokens = self._write_chunks(fingerprint, chunks, written)
                 now = time.time()
-                return self.index.add_snapshot(label, fingerprint, n_tokens, meta_json, hashes, rows, now)
+                return self.index.add_snapshot(
+                    label,
+                    fingerprint,
+                    n_tokens,
+                    meta_json,
+                    hashes,
+                    rows,
+                    now,
+                    [check_snapshot_id(i) for i in succeeds],
+                )
         except BaseException:
             if written:
                 self._remove_unindexed(written)

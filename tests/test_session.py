@@ -110,6 +110,8 @@ def test_lazy_restore_with_budget_holding_the_context_equals_cold(lm, cold, tmp_
     with SnapshotStore(tmp_path) as store:
         turns(Session(engine(lm), [doc], store), [Q1])
         ((b, sb),) = turns(Session(engine(lm), [doc], store, lazy=True), [Q2])
+        (snap,) = store.list_snapshots()  # turn 2's snapshot replaced turn 1's, and took over its hit
+        assert snap.id == sb.snapshot_id and snap.hits == 1
     assert sb.source == "lazy" and sb.restored_tokens > 0
     assert sb.bytes_moved["disk"] > 0
     assert b == cold["q2_only"]

@@ -439,6 +439,21 @@ def _age(store: SnapshotStore, sid: str, seconds: float) -> None:
     store.index.conn.execute("UPDATE snapshots SET last_used = last_used - ? WHERE id = ?", (seconds, sid))
 
 
+def test_a_snapshot_that_succeeds_others_starts_with_their_hits(store) -> None:
+    blobs = make_chain(toks(3))
+    a = store.put_snapshot("s", FP, blobs[:2])
+    b = store.put_snapshot("s", FP, blobs[:1])
+    store.record_hit([blobs[0].chain_hash])  # a restore of one chunk: a and b hold it at position 0
+    store.record_hit([blobs[0].chain_hash, blobs[1].chain_hash])  # a restore of a
+    c = store.put_snapshot("s", FP, blobs, succeeds=[a, b])
+    hits = {s.id: s.hits for s in store.list_snapshots()}
+    assert hits == {a: 2, b: 1, c: 3}
+    d = store.put_snapshot("t", FP, blobs)  # succeeds nothing: starts at zero
+    assert {s.id: s.hits for s in store.list_snapshots()}[d] == 0
+    with pytest.raises(InvalidName):
+        store.put_snapshot("s", FP, blobs, succeeds=["../x"])
+
+
 def test_prune_is_lru_first_and_skips_pins_and_leases(store) -> None:
     ids = [store.put_snapshot(f"s{i}", FP, make_chain(toks(2, start=1000 * i))) for i in range(4)]
     for i, sid in enumerate(ids):
