@@ -22,7 +22,6 @@ import os
 import queue
 import secrets
 import select
-import signal
 import subprocess
 import sys
 import tempfile
@@ -118,10 +117,13 @@ class _Worker:
             self.mem = mmap.mmap(fd, segment_bytes)
             # A fresh interpreter that imports this module alone, not multiprocessing's spawn: that
             # would import the parent's __main__ (the whole CLI, Triton included) in every worker.
-            # The protocol gets its own copy of stdout and fd 1 becomes stderr before any import,
-            # so nothing printed, by Python or native code, can land in the parent's pipe.
+            # Before any import: the protocol gets its own copy of stdout and fd 1 becomes stderr,
+            # so nothing printed, by Python or native code, can land in the parent's pipe; and
+            # SIGINT is ignored, since Ctrl-C in a terminal reaches the whole process group and the
+            # parent decides what it means (its death reaches a worker as EOF).
             code = (
-                "import os, sys; out = os.dup(1); os.dup2(2, 1); "
+                "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                "out = os.dup(1); os.dup2(2, 1); "
                 f"from {__name__} import serve; serve(out, *sys.argv[1:])"
             )
             cmd = [sys.executable, "-c", code, root, str(fd), str(segment_bytes)]
@@ -315,8 +317,6 @@ def serve(out_fd: int, root: str, shm_fd: str, segment_bytes: str) -> None:
     """A worker's loop: map the segment (an inherited descriptor), greet, then decode runs until told
     to stop (JSON null). Messages are length-prefixed JSON on stdin and on `out_fd`, the pipe that
     was stdout."""
-    # Ctrl-C in a terminal reaches the whole process group: the parent decides; its death is EOF here.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn_in, conn_out = sys.stdin.buffer, os.fdopen(out_fd, "wb")
     torch.set_num_threads(1)
     fd = int(shm_fd)
