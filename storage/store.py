@@ -185,6 +185,7 @@ class SnapshotStore:
         files this call wrote are removed and nothing stored before is touched."""
         check_label(label)
         check_fingerprint(fingerprint)
+        succeeds = [check_snapshot_id(i) for i in succeeds]
         meta_json = _check_meta(meta or {})
         written: list[str] = []
         try:
@@ -192,14 +193,7 @@ class SnapshotStore:
                 hashes, rows, n_tokens = self._write_chunks(fingerprint, chunks, written)
                 now = time.time()
                 return self.index.add_snapshot(
-                    label,
-                    fingerprint,
-                    n_tokens,
-                    meta_json,
-                    hashes,
-                    rows,
-                    now,
-                    [check_snapshot_id(i) for i in succeeds],
+                    label, fingerprint, n_tokens, meta_json, hashes, rows, now, succeeds
                 )
         except BaseException:
             if written:
