@@ -36,7 +36,7 @@ test: model
 	$(PYTEST)
 
 test-slow: model
-	$(PYTEST) -m slow
+	$(PYTEST) -m slow --timeout 3600
 
 test-gpu: model
 	$(PYTEST) -m gpu

@@ -42,16 +42,32 @@ def prefix_tokens(which: int) -> list[int]:
     return list(range(which * 1000, which * 1000 + 2 * C))
 
 
-def _writer(root: str, seed: int, ready, committed) -> None:
+def _mark(path: Path) -> None:
+    """Signals the test by creating a file: a writer killed while signalling through a
+    multiprocessing Event can die holding the Event's lock, and the test then waits forever."""
+    path.touch()
+
+
+def _await(path: Path, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _writer(root: str, seed: int, ready: Path, committed: Path) -> None:
     """Saves, prunes, removes and restores (under leases) until killed."""
     rng = random.Random(seed)
     st = SnapshotStore(root, workers=2)
-    ready.set()  # kill times count from here, so a slow start on a loaded machine tests the same
+    _mark(ready)  # kill times count from here, so a slow start on a loaded machine tests the same
     for r in range(10**9):
         tail = 10**6 + 10**4 * seed + 100 * r
         tokens = prefix_tokens(rng.randrange(3)) + list(range(tail, tail + rng.randrange(1, 6) * C))
         st.put_snapshot(f"w{seed}.{r}", FP, chain(tokens))
-        committed.set()
+        if r == 0:
+            _mark(committed)
         action = rng.random()
         if action < 0.25:
             st.prune(max_bytes=rng.randrange(40_000, 120_000))
@@ -93,17 +109,17 @@ def test_writer_killed_at_random_points(tmp_path) -> None:
     rng = random.Random(1234)
     orphans = temps = commits = 0
     for k in range(KILLS):
-        ready, committed = ctx.Event(), ctx.Event()
+        ready, committed = tmp_path / f"ready{k}", tmp_path / f"committed{k}"
         p = ctx.Process(target=_writer, args=(str(root), k, ready, committed))
         p.start()
-        assert ready.wait(60), f"writer {k} did not start"
+        assert _await(ready, 60), f"writer {k} did not start"
         if k % 2:  # every other writer dies after its first commit, however loaded the machine is
-            assert committed.wait(60), f"writer {k} never committed"
+            assert _await(committed, 60), f"writer {k} never committed"
         time.sleep(rng.uniform(0.05, 0.4))
         os.kill(p.pid, signal.SIGKILL)
         p.join()
         assert p.exitcode == -signal.SIGKILL, f"writer {k} died by itself (exit {p.exitcode})"
-        commits += committed.is_set()
+        commits += committed.exists()
         o, t = check(root, base_id, base)
         orphans, temps = orphans + o, temps + t
 
