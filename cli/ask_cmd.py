@@ -34,6 +34,9 @@ AbsolutePositionsOpt = typer.Option(
 LazyOpt = typer.Option(None, "--lazy/--eager", help="Restore lazily (default: when KV exceeds the budget).")
 MaxTokOpt = typer.Option(256, "--max-tokens", "-n", min=1, help="Most tokens per answer.")
 NoStoreOpt = typer.Option(False, "--no-store", help="Neither restore from nor save to the snapshot store.")
+GraphsOpt = typer.Option(
+    False, "--cuda-graphs", help="Replay each decode step from a CUDA graph (on CUDA; not yet measured)."
+)
 ProcsOpt = typer.Option(
     0, "--decode-processes", min=0,
     help="Decode restores in N worker processes (0: the store's threads); paid off from 12 on 16 cores.",
@@ -69,14 +72,14 @@ def pool_tokens(value: str | None) -> int | str:
 def open_session(
     docs: list[Path], *, session: str | None, pool: str | None, policy: str, lazy: bool | None,
     model: Path | None, dtype: str | None, device: str | None, store: Path | None, no_store: bool,
-    absolute_positions: bool = False, decode_processes: int = 0,
+    absolute_positions: bool = False, decode_processes: int = 0, cuda_graphs: bool = False,
 ) -> Session:  # fmt: skip
     """The session `ask` and `chat` run, from their options (keywords: a dozen of them)."""
     documents = read_documents(docs)
     lm = load_model(model, dtype=dtype, device=device)
     budget = pool_tokens(pool)
     res = ResidencyConfig(policy=policy, cache_positions=not absolute_positions)
-    engine = Engine(lm, EngineConfig(pool_tokens=budget, residency=res))
+    engine = Engine(lm, EngineConfig(pool_tokens=budget, residency=res, cuda_graphs=cuda_graphs))
     st = None if no_store else SnapshotStore(store or snapshots_dir(), processes=decode_processes)
     try:
         return Session(engine, documents, st, name=session, lazy=lazy)
@@ -152,13 +155,14 @@ def ask(
     store: Path = StoreOpt,
     no_store: bool = NoStoreOpt,
     decode_processes: int = ProcsOpt,
+    cuda_graphs: bool = GraphsOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Ask QUESTION about DOCS; restores what an earlier turn stored and prints a stats line."""
     sess = open_session(
         docs, session=session, pool=pool, policy=policy, lazy=lazy, model=model, dtype=dtype,
         device=device, store=store, no_store=no_store, absolute_positions=absolute_positions,
-        decode_processes=decode_processes,
+        decode_processes=decode_processes, cuda_graphs=cuda_graphs,
     )  # fmt: skip
     console = Console(highlight=False)
     try:
@@ -184,12 +188,13 @@ def chat(
     device: str = DeviceOpt,
     store: Path = StoreOpt,
     decode_processes: int = ProcsOpt,
+    cuda_graphs: bool = GraphsOpt,
 ) -> None:
     """Interactive multi-turn chat about DOCS. Commands: /stats, /reset, /save, /quit."""
     sess = open_session(
         docs, session=session, pool=pool, policy=policy, lazy=lazy, model=model, dtype=dtype,
         device=device, store=store, no_store=False, absolute_positions=absolute_positions,
-        decode_processes=decode_processes,
+        decode_processes=decode_processes, cuda_graphs=cuda_graphs,
     )  # fmt: skip
     console = Console(highlight=False)
     last: TurnStats | None = None

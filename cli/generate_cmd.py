@@ -11,7 +11,7 @@ from rich.console import Console
 
 from kvflash import KVFlashError
 from kvflash.cli.options import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt
-from kvflash.generate import Sampler, Sampling, decode, prefill
+from kvflash.generate import Sampler, Sampling, decode, eager_step, prefill
 from kvflash.kvcache import ContiguousKV
 from kvflash.models.loader import load_model
 from kvflash.models.tokenizer import StreamDecoder
@@ -45,7 +45,7 @@ def generate(
     stream = StreamDecoder(tok)
     out: list[int] = []
     ttft = None
-    for t in decode(lm.model, logits, kv, len(ids), max_tokens, sampler, tok.eos_ids):
+    for t in decode(eager_step(lm.model, kv), logits, len(ids), max_tokens, sampler, tok.eos_ids):
         ttft = ttft or time.perf_counter() - t0
         out.append(t)
         piece = stream.push(t)

@@ -12,7 +12,8 @@ from collections.abc import Callable, Iterator
 import torch
 
 from kvflash.config import EngineConfig
-from kvflash.generate import Sampler, Sampling, decode
+from kvflash.decode_graph import DecodeGraphs
+from kvflash.generate import Sampler, Sampling, Step, decode, eager_step
 from kvflash.host_tier import HostTier
 from kvflash.models.loader import LoadedModel
 from kvflash.paged_kv import PagedKV
@@ -37,7 +38,8 @@ class Engine:
         try:
             n = 2 * kv.cfg.chunk_tokens + 1
             logits = self.prefill(kv, [0] * n)
-            list(self.generate(kv, logits, 2, Sampler(Sampling(), self.lm.device), frozenset()))
+            step = eager_step(self.lm.model, kv)  # the kernels; a graph captured here would be thrown away
+            list(decode(step, logits, len(kv.seq), 2, Sampler(Sampling(), self.lm.device)))
         finally:
             kv.free()
 
@@ -76,7 +78,16 @@ class Engine:
         assert logits is not None, "prefill needs at least one token"
         return logits
 
+    def decode_step(self, kv: PagedKV) -> Step:
+        """Replayed from CUDA graphs where the Triton kernels run (the sequence keeps its graphs for
+        later turns), else the eager forward."""
+        if not (self.cfg.cuda_graphs and kv.uses_triton and kv.pool.kv.is_cuda):
+            return eager_step(self.lm.model, kv)
+        if kv.graphs is None:
+            kv.graphs = DecodeGraphs(self.lm.model, kv)
+        return kv.graphs
+
     def generate(
         self, kv: PagedKV, first_logits: torch.Tensor, max_tokens: int, sampler: Sampler, stop: frozenset[int]
     ) -> Iterator[int]:
-        return decode(self.lm.model, first_logits, kv, len(kv.seq), max_tokens, sampler, stop)
+        return decode(self.decode_step(kv), first_logits, len(kv.seq), max_tokens, sampler, stop)

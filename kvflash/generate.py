@@ -62,17 +62,31 @@ def prefill(
     return logits
 
 
+Step = Callable[[int, int], torch.Tensor]
+"""One decode step: (token id, its position) -> the logits [V] after it."""
+
+
+def eager_step(model: LlamaForCausalLM, kv: KVCache) -> Step:
+    """A decode step that runs the model's forward on one token, over any KVCache."""
+    device = model.lm_head.weight.device
+
+    def step(token: int, position: int) -> torch.Tensor:
+        ids, pos = torch.tensor([token], device=device), torch.tensor([position], device=device)
+        return model(ids, pos, kv)[0]
+
+    return step
+
+
 def decode(
-    model: LlamaForCausalLM,
+    step: Step,
     first_logits: torch.Tensor,
-    kv: KVCache,
     position: int,
     max_tokens: int,
     sampler: Sampler,
     stop_ids: frozenset[int] = frozenset(),
 ) -> Iterator[int]:
-    """Yields up to max_tokens ids; a stop id ends the stream and is not yielded."""
-    device = model.lm_head.weight.device
+    """Yields up to max_tokens ids; a stop id ends the stream and is not yielded. `position` is the
+    first generated token's; each step's logits are sampled before the next step runs."""
     logits = first_logits
     for i in range(max_tokens):
         tok = sampler(logits)
@@ -80,6 +94,5 @@ def decode(
             return
         yield tok
         if i + 1 < max_tokens:
-            step = torch.tensor([tok], device=device)
-            logits = model(step, torch.tensor([position], device=device), kv)[0]
+            logits = step(tok, position)
             position += 1

@@ -25,6 +25,8 @@ from kvflash.sequence import Chunk, Sequence
 
 SCORE_BYTES = 64 << 20
 """Logits memory one batch of exact chunk scoring may take."""
+DECODE_FIELDS = 6
+"""`PagedKV.decode_in`: token id, position, write slot, write offset, chunks listed, valid in the last."""
 
 
 class PagedKV:
@@ -53,9 +55,15 @@ class PagedKV:
         self.step = 0
         self.chunk_nbytes = pool.kv[0].numel() * pool.kv.element_size()
         self.moved = {"disk": 0, "host_to_gpu": 0, "gpu_to_host": 0}
-        self._triton = kernels.uses_triton(pool.kv, head_dim=pool.cfg.head_dim, chunk_tokens=cfg.chunk_tokens)
-        """Triton kernels on CUDA; elsewhere SDPA over the gathered slots (the same maths)."""
         """Bytes of chunk KV moved per tier since the sequence began (for stats lines)."""
+        self.uses_triton = kernels.uses_triton(
+            pool.kv, head_dim=pool.cfg.head_dim, chunk_tokens=cfg.chunk_tokens
+        )
+        """Triton kernels on CUDA; elsewhere SDPA over the gathered slots (the same maths)."""
+        if self.uses_triton:
+            self._init_decode_buffers(budget_chunks)
+        self.graphs: object | None = None
+        """The engine's CUDA graphs of this sequence's decode step, which read its decode buffers."""
         self._since_select = 0
         self._scores: torch.Tensor | None = None
         self._queries: list[torch.Tensor] | None = None
@@ -66,6 +74,32 @@ class PagedKV:
         when no resident chunk has evicted chunks between it and the step's queries."""
         self._cand_rot: torch.Tensor | None = None
         """[candidates, 2, D/2]: where each earlier chunk is scored from (`_candidate_rotation`)."""
+
+    def _init_decode_buffers(self, budget: int) -> None:
+        """Device buffers every decode step reads, at fixed addresses and one width (the budget), so
+        that an eager step and the CUDA graph replaying it launch the same kernels on the same data."""
+        dev, i32, cuda = self.pool.kv.device, torch.int32, self.pool.kv.is_cuda
+        self._table = torch.zeros(budget, dtype=i32, device=dev)
+        """The resident slots in logical order, the first `decode_in[4]` of them valid."""
+        self._table_rot = torch.zeros(budget, 2, self.pool.cfg.head_dim // 2, device=dev)
+        """Each listed chunk's key rotation (`_cache_rotation`), read when `shifted`."""
+        self.decode_in = torch.zeros(DECODE_FIELDS, dtype=i32, device=dev)
+        self._decode_in_host = torch.zeros(DECODE_FIELDS, dtype=i32, pin_memory=cuda)
+        self._decode_in_sent = torch.cuda.Event() if cuda else None  # None: the interpreter, on CPU
+        self.shifted = False
+        """The listed chunks' keys are turned (cache positions with chunks evicted between them)."""
+
+    @property
+    def graphable(self) -> bool:
+        """This step is a decode step whose device work a CUDA graph can replay: one token through
+        the Triton kernels, recording no scoring queries."""
+        return (
+            self.uses_triton
+            and self._end - self._start == 1
+            and not self.scout
+            and self._queries is None
+            and self._scores is None
+        )
 
     @property
     def summary_shape(self) -> torch.Size:
@@ -155,9 +189,14 @@ class PagedKV:
             self._scores = None
 
     def begin(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
-        self._ids = input_ids.tolist()
-        t = positions.numel()
-        start = int(positions[0])
+        self._begin(input_ids.tolist(), int(positions[0]), positions.numel())
+
+    def begin_decode(self, token: int, position: int) -> None:
+        """`begin` for one token known on the host: reads nothing back from the device."""
+        self._begin([token], position, 1)
+
+    def _begin(self, ids: list[int], start: int, t: int) -> None:
+        self._ids = ids
         if start != len(self.seq):
             raise KVFlashError(f"positions start at {start} but the sequence holds {len(self.seq)} tokens")
         end = start + t
@@ -198,7 +237,12 @@ class PagedKV:
         self._slots = torch.tensor([self.seq.chunks[i].gpu for i in order], device=dev, dtype=i32)
         self._order = torch.tensor(order, device=dev, dtype=i32)
         self._rot = self._cache_rotation(order, first) if self.cfg.cache_positions else None
-        if not self._triton:
+        if self.uses_triton:
+            self._table[: len(order)].copy_(self._slots)
+            self.shifted = self._rot is not None
+            if self.shifted:
+                self._table_rot[: len(order)].copy_(self._rot)
+        else:
             self._key_pos = (self._order[:, None].long() * c + torch.arange(c, device=dev)).flatten()
         self._step_metadata(start, end)
 
@@ -234,19 +278,17 @@ class PagedKV:
         c, dev, i32 = self.cfg.chunk_tokens, self.pool.kv.device, torch.int32
         chunks = self.seq.chunks
         self._start, self._end = start, end
-        pos = torch.arange(start, end, device=dev)
-        slot_of = [chunks[p // c].gpu for p in range(start, end)]
-        self._w_slot = torch.tensor(slot_of, device=dev, dtype=i32)
-        self._w_off = (pos % c).to(i32)
-        if self._triton:  # decode: [slots listed, valid tokens in the last (the append head)]
-            head = (end - 1) % c + 1
-            self._decode_meta = torch.tensor([self._slots.numel(), head], dtype=i32).to(
-                dev, non_blocking=True
-            )
-        else:
-            self._mask = self._key_pos[None, :] <= pos[:, None]
-        self._n_cand = start // c
         t = end - start
+        if self.uses_triton and t == 1:
+            self._stage_decode(start)
+        else:
+            pos = torch.arange(start, end, device=dev)
+            slot_of = [chunks[p // c].gpu for p in range(start, end)]
+            self._w_slot = torch.tensor(slot_of, device=dev, dtype=i32)
+            self._w_off = (pos % c).to(i32)
+            if not self.uses_triton:
+                self._mask = self._key_pos[None, :] <= pos[:, None]
+        self._n_cand = start // c
         capture = self.cfg.policy == "qk" and (self.scout or t > 1 or self._since_select + t >= self.tau())
         self._cand_rot = None
         if capture:
@@ -255,9 +297,23 @@ class PagedKV:
         exact = capture and (self.scout or t == 1)
         self._queries = [] if exact else None
 
+    def _stage_decode(self, position: int) -> None:
+        """Sends a decode step's inputs to `decode_in` in one asynchronous copy: the slot and offset it
+        writes, the chunks listed and the valid tokens in the last (the append head holds this one)."""
+        c = self.cfg.chunk_tokens
+        fields = (self._ids[0], position, self.seq.chunks[position // c].gpu, position % c)
+        sent = self._decode_in_sent
+        if sent is not None:
+            sent.synchronize()  # the previous step's copy has read the staging buffer
+        self._decode_in_host.numpy()[:] = (*fields, self._slots.numel(), position % c + 1)
+        self.decode_in.copy_(self._decode_in_host, non_blocking=True)
+        if sent is not None:
+            sent.record()
+        self._w_slot, self._w_off = self.decode_in[2:3], self.decode_in[3:4]
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kv = self.pool.kv
-        if self._triton:
+        if self.uses_triton:
             kernels.write_tokens(kv, layer, self._w_slot, self._w_off, k, v)
         else:
             kv[:, layer, 0][self._w_slot.long(), :, self._w_off.long()] = k
@@ -266,7 +322,7 @@ class PagedKV:
             self._queries.append(q[-self.cfg.score_queries :].float())
         elif self._scores is not None and self._n_cand:
             self._score(layer, q)
-        if self._triton:
+        if self.uses_triton:
             return self._attend_triton(layer, q)
         h_kv, d = kv.shape[3], kv.shape[5]
         keys = kv[self._slots, layer, 0].transpose(0, 1)  # [Hkv, n, C, D]
@@ -279,10 +335,9 @@ class PagedKV:
     def _attend_triton(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         scale = q.shape[-1] ** -0.5
         if q.shape[0] == 1:
-            meta = self._decode_meta
-            rot = None if self._rot is None else self._rot[None]
+            ins, rot = self.decode_in, self._table_rot[None] if self.shifted else None
             return kernels.paged_decode_attention(
-                q, self.pool.kv, layer, self._slots[None], meta[:1], meta[1:], scale, rot
+                q, self.pool.kv, layer, self._table[None], ins[4:5], ins[5:6], scale, rot
             )
         return kernels.prefill_attention(
             q, self.pool.kv, layer, self._slots, self._order, self._start, scale, self._rot
@@ -385,6 +440,7 @@ class PagedKV:
         # Cleared before taking the lock: a prefetch re-takes it batch after batch (locks are not
         # fair) and would otherwise keep a closing session waiting for the whole document.
         self.fetch = None
+        self.graphs = None
         with self._fetch_lock:  # waits for the batch in flight
             pass
         for ch in self.seq.chunks:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvflash.config import EngineConfig, ResidencyConfig
+from kvflash.decode_graph import DecodeGraphs
 from kvflash.engine import Engine
 from kvflash.generate import Sampler, Sampling
 from kvflash.haystack import build_haystack
@@ -29,7 +30,7 @@ def greedy(lm, ids: list[int], pool_tokens: int, budget: int | None, n: int = 48
     kv = eng.new_sequence(budget)
     logits = eng.prefill(kv, ids)
     out = list(eng.generate(kv, logits, n, Sampler(Sampling(), lm.device), lm.tokenizer.eos_ids))
-    assert kv._triton == (eng.pool.kv.is_cuda and not _forced_reference())
+    assert kv.uses_triton == (eng.pool.kv.is_cuda and not _forced_reference())
     return out, eng
 
 
@@ -55,6 +56,28 @@ def test_greedy_tokens_through_kernels_equal_the_reference_path(lm, monkeypatch,
     assert fast == ref
     if budget is None:
         assert value in lm.tokenizer.decode(fast)
+
+
+def test_decode_graphs_replay_what_eager_steps_compute(lm) -> None:
+    """Bit for bit, through chunk boundaries (a chunk paged out each time), turned keys and decode
+    re-selections every 16 tokens (those steps record scoring queries and run eagerly)."""
+    ids, _ = _prompt(lm, 3000)
+    res = ResidencyConfig(tau=16, tau_history_div=1 << 30)
+    n, runs = 150, []
+    for graphs in (False, True):
+        eng = Engine(lm, EngineConfig(pool_tokens=8192, residency=res, cuda_graphs=graphs))
+        kv = eng.new_sequence(1024)
+        logits = eng.prefill(kv, ids)
+        step, out = eng.decode_step(kv), []
+        for pos in range(len(ids), len(ids) + n):
+            logits = step(int(logits.argmax()), pos)
+            out.append(logits.clone())
+        assert kv.shifted  # chunks evicted between resident ones: the turned-keys kernels ran
+        runs.append((torch.stack(out), step))
+        kv.free()
+    (eager, _), (replayed, step) = runs
+    assert isinstance(step, DecodeGraphs) and n - n // 16 - 2 <= step.replays < n
+    assert torch.equal(eager, replayed)
 
 
 def test_full_budget_logits_match_dense_cache(lm) -> None:

@@ -447,6 +447,39 @@ def test_interp_gather_scatter(n, layers, h_kv, d, c, dtype) -> None:
     check_gather_scatter(n, layers, h_kv, d, c, dtype, "cpu")
 
 
+@interp
+def test_interp_sequence_decodes_through_the_kernels_as_through_the_reference() -> None:
+    """A sequence larger than its budget decodes through the kernels (forced on, as on CUDA) to the
+    reference path's logits: the decode buffers (slot table padded to the budget, the step's inputs
+    sent in one copy, turned keys), chunk boundaries and re-selections every 8 tokens."""
+    from kvflash.config import EngineConfig, ResidencyConfig
+    from kvflash.engine import Engine
+    from kvflash.models.loader import LoadedModel
+    from tests.tiny import tiny_config, tiny_model
+
+    cfg = tiny_config()
+    lm = LoadedModel(tiny_model(cfg), None, cfg, Path("tiny"), torch.float32, torch.device("cpu"))
+    res = ResidencyConfig(chunk_tokens=16, tail_chunks=1, tau=8, tau_history_div=1 << 30)
+    ids = torch.randint(0, cfg.vocab_size, (160,), generator=torch.Generator().manual_seed(0)).tolist()
+    tokens: list[int] = []
+    runs = []
+    for forced in (False, True):
+        force = mock.patch.object(kernels, "uses_triton", return_value=True)
+        with force if forced else contextlib.nullcontext():
+            eng = Engine(lm, EngineConfig(pool_tokens=1024, residency=res))
+            kv = eng.new_sequence(6 * 16)
+            logits, step, out = eng.prefill(kv, ids), eng.decode_step(kv), []
+            for i, pos in enumerate(range(len(ids), len(ids) + 24)):
+                if not forced:
+                    tokens.append(int(logits.argmax()))
+                logits = step(tokens[i], pos)
+                out.append(logits)
+            assert kv.uses_triton == forced
+            assert not forced or kv.shifted  # chunks evicted between resident ones
+        runs.append(torch.stack(out))
+    torch.testing.assert_close(runs[1], runs[0], **TOL[torch.float32])
+
+
 @on_gpu
 def test_gpu_copies() -> None:
     check_write(1, 8, 128, 64, torch.bfloat16, "cuda")

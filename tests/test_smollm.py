@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from kvflash.generate import Sampler, Sampling, decode, prefill
+from kvflash.generate import Sampler, Sampling, decode, eager_step, prefill
 from kvflash.kvcache import ContiguousKV
 from kvflash.models.loader import load_model
 
@@ -33,7 +33,8 @@ def greedy(lm, prompt: str, max_tokens: int = 24) -> str:
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}]))
     kv = ContiguousKV(lm.config, len(ids) + max_tokens, lm.dtype, lm.device)
     logits = prefill(lm.model, ids, kv)
-    out = decode(lm.model, logits, kv, len(ids), max_tokens, Sampler(Sampling(), lm.device), tok.eos_ids)
+    step = eager_step(lm.model, kv)
+    out = decode(step, logits, len(ids), max_tokens, Sampler(Sampling(), lm.device), tok.eos_ids)
     return tok.decode(list(out))
 
 

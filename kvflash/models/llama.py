@@ -101,12 +101,20 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVCache, all_logits: bool = False
     ) -> torch.Tensor:
         """input_ids/positions [T] -> fp32 logits [T, V] (or [1, V] for the last token only)."""
+        kv.begin(input_ids, positions)
+        logits = self.compute(input_ids, positions, kv, all_logits)
+        kv.end()
+        return logits
+
+    @torch.inference_mode()
+    def compute(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVCache, all_logits: bool = False
+    ) -> torch.Tensor:
+        """The forward between `kv.begin` and `kv.end`: device work only, so a CUDA graph can hold it."""
         cos, sin = self.rotary.cos_sin(positions)
         x = self.model.embed_tokens(input_ids)
-        kv.begin(input_ids, positions)
         for layer in self.model.layers:
             x = layer(x, cos, sin, kv)
-        kv.end()
         if not all_logits:
             x = x[-1:]
         return self.lm_head(self.model.norm(x)).float()
