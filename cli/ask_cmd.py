@@ -19,8 +19,9 @@ from kvflash.generate import Sampling
 from kvflash.models.loader import load_model
 from kvflash.models.tokenizer import StreamDecoder
 from kvflash.paths import snapshots_dir
-from kvflash.session import Document, Session, TurnStats
+from kvflash.session import Document, Session
 from kvflash.storage import SnapshotStore
+from kvflash.turn import TurnStats
 
 DocsArg = typer.Argument(..., help="Document files (UTF-8 text).", show_default=False)
 SessionOpt = typer.Option(None, "--session", "-s", help="Name a conversation to resume it later.")

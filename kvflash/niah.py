@@ -28,9 +28,10 @@ from kvflash.engine import Engine
 from kvflash.haystack import TEMPLATES, Haystack, NeedleTemplate, build_haystack, filler_sentences
 from kvflash.models.loader import LoadedModel, load_model
 from kvflash.prompt import encode_messages
-from kvflash.session import Document, Session, TurnStats, system_message
+from kvflash.session import Document, Session, system_message
 from kvflash.storage import SnapshotStore
 from kvflash.storage.codec import CODEC_NAMES
+from kvflash.turn import TurnStats
 
 MODES = ("cold", "restore", "lazy")
 NEUTRAL_QUESTION = "Summarise the document in one sentence."

@@ -9,20 +9,21 @@ else the longest stored prefix (eagerly, or lazily when the KV is larger than th
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
 from kvflash.engine import Engine
-from kvflash.generate import Sampler, Sampling
+from kvflash.generate import Sampling
 from kvflash.paged_kv import PagedKV
 from kvflash.pool import summary_shape
+from kvflash.prefix_cache import PrefixCache
 from kvflash.prompt import content_start, encode_continuation, encode_messages
 from kvflash.snapshots import KVSnapshots, StoredSummaries
 from kvflash.storage import ChunkError, SnapshotStore, StoreError
+from kvflash.turn import TurnStats, answer
 
 SYSTEM_PROMPT = "You are a helpful assistant. Answer the user's questions using the documents below."
 
@@ -31,24 +32,6 @@ SYSTEM_PROMPT = "You are a helpful assistant. Answer the user's questions using 
 class Document:
     name: str
     text: str
-
-
-@dataclass
-class TurnStats:
-    ttft_s: float = 0.0
-    restore_s: float = 0.0
-    restored_tokens: int = 0
-    prefilled_tokens: int = 0
-    generated_tokens: int = 0
-    decode_tok_s: float = 0.0
-    source: str = "cold"
-    """cold, memory (live in this process), disk, or lazy (disk, read on demand)."""
-    bytes_moved: dict[str, int] = field(default_factory=dict)
-    resident_chunks: int = 0
-    snapshot_id: str | None = None
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def system_message(documents: list[Document], system: str = SYSTEM_PROMPT) -> dict:
@@ -69,8 +52,6 @@ class Session:
         lazy: bool | None = None,
     ):
         self.engine, self.documents, self.name = engine, documents, name
-        self.budget_tokens = budget_tokens
-        self.lazy = lazy
         lm = engine.lm
         self.tok = lm.tokenizer
         self.chunk_tokens = engine.cfg.residency.chunk_tokens
@@ -78,8 +59,7 @@ class Session:
         self.messages: list[dict] = [system_message(documents)]
         self.docs_hash = hashlib.sha256(self.messages[0]["content"].encode()).hexdigest()[:16]
         self.ids: list[int] = []
-        self.kv: PagedKV | None = None
-        self._leases = contextlib.ExitStack()
+        self.cache = PrefixCache(engine, self.snapshots, budget_tokens, lazy)
         self._snapshot_id: str | None = None
         self._resume_tail: list[int] = []
         self._doc_span: list[int] | None = None
@@ -89,6 +69,11 @@ class Session:
         """Summaries read while building this turn's prompt, for its restore."""
         if name and self.snapshots:
             self._resume()
+
+    @property
+    def kv(self) -> PagedKV | None:
+        """The live sequence of this conversation, if any."""
+        return self.cache.kv
 
     @property
     def label(self) -> str:
@@ -117,10 +102,7 @@ class Session:
         self.messages, self.ids = [system_message(self.documents)], []
 
     def close(self) -> None:
-        if self.kv is not None:
-            self.kv.free()
-            self.kv = None
-        self._leases.close()
+        self.cache.close()
 
     def _prompt_ids(self, question: str) -> list[int]:
         user = {"role": "user", "content": question}
@@ -172,37 +154,6 @@ class Session:
             *history, last = self.messages
             return encode_messages(self.tok, history, True) + self.tok.encode_plain(last["content"])
 
-    def _restore(
-        self, ids: list[int], stats: TurnStats, on_restore: Callable[[int, int], None] | None
-    ) -> None:
-        """Reuses live KV, else restores the longest stored prefix; on damage, warns and goes cold."""
-        ahead, self._ahead = self._ahead, None
-        if self.kv is not None and self.kv.seq.tokens == ids[: len(self.kv.seq)]:
-            stats.source, stats.restored_tokens = "memory", len(self.kv.seq)
-            return
-        self.close()
-        self.kv = self.engine.new_sequence(self.budget_tokens)
-        if not self.snapshots:
-            return
-        evicts = -(-len(ids) // self.chunk_tokens) > self.kv.budget
-        fp, hashes = self.snapshots.lookup(ids, self.chunk_tokens, approximate=evicts)
-        if not hashes:
-            return
-        lazy = self.lazy
-        if lazy is None:
-            lazy = len(hashes) > self.kv.budget
-        t0 = time.perf_counter()
-        try:
-            r = self.snapshots.restore(self.kv, fp, hashes, lazy, self._leases, on_restore, ahead=ahead)
-        except ChunkError as e:
-            warnings.warn(f"snapshot unusable ({e}); prefilling cold", stacklevel=2)
-            self.close()
-            self.kv = self.engine.new_sequence(self.budget_tokens)
-            return
-        stats.restore_s = time.perf_counter() - t0
-        stats.source = "lazy" if lazy else "disk"
-        stats.restored_tokens = r.tokens
-
     def ask(
         self,
         question: str,
@@ -217,40 +168,15 @@ class Session:
         stats = TurnStats()
         t0 = time.perf_counter()
         ids = self._prompt_ids(question)
-        self._restore(ids, stats, on_restore)
-        kv = self.kv
+        ahead, self._ahead = self._ahead, None
+        kv = self.cache.sequence_for(ids, stats, on_restore, ahead)
         rest = ids[len(kv.seq) :]
-        stats.prefilled_tokens = len(rest)
-        done = 0
-
-        def progress(n: int) -> None:
-            nonlocal done
-            done += n
-            if on_prefill:
-                on_prefill(done, len(rest))
-
-        logits = self.engine.prefill(kv, rest, progress)
-        sampler = Sampler(sampling, self.engine.lm.device)
-        answer: list[int] = []
-        t_first = None
-        for tok in self.engine.generate(kv, logits, max_tokens, sampler, self.tok.eos_ids):
-            if t_first is None:
-                t_first = time.perf_counter()
-                stats.ttft_s = t_first - t0
-            answer.append(tok)
-            if on_text:
-                on_text(tok)
-        t_end = time.perf_counter()
-        if t_first is None:
-            stats.ttft_s = t_end - t0
-        stats.generated_tokens = len(answer)
-        if len(answer) > 1:
-            stats.decode_tok_s = (len(answer) - 1) / (t_end - t_first)
-        text = self.tok.decode(answer)
-        self.ids = ids + answer
+        out = answer(
+            self.engine, kv, rest, max_tokens, sampling, self.tok.eos_ids, stats, t0, on_text, on_prefill
+        )
+        text = self.tok.decode(out)
+        self.ids = ids + out
         self.messages += [{"role": "user", "content": question}, {"role": "assistant", "content": text}]
-        stats.bytes_moved = dict(kv.moved)
-        stats.resident_chunks = len(kv.resident())
         if self.snapshots:
             self.snapshots.start_prefetch(kv)
             stats.snapshot_id = self.save()
