@@ -8,7 +8,7 @@ import typer
 from rich.console import Console
 
 from kvflash import KVFlashError
-from kvflash.cli import ask_cmd, generate_cmd, model_cmd, niah_cmd, snapshot_cmd
+from kvflash.cli import ask_cmd, generate_cmd, model_cmd, niah_cmd, serve_cmd, snapshot_cmd
 
 app = typer.Typer(
     name="kvflash",
@@ -21,6 +21,7 @@ app.command("generate")(generate_cmd.generate)
 app.command("ask")(ask_cmd.ask)
 app.command("chat")(ask_cmd.chat)
 app.command("niah")(niah_cmd.niah)
+app.command("serve")(serve_cmd.serve)
 app.add_typer(model_cmd.app, name="model")
 app.add_typer(snapshot_cmd.app, name="snapshot")
 

@@ -1,0 +1,49 @@
+"""`kvflash serve`: the OpenAI-compatible server (kvflash.server) on uvicorn."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from kvflash.cli.ask_cmd import GraphsOpt, PolicyOpt, PoolOpt, ProcsOpt, pool_tokens
+from kvflash.cli.options import DeviceOpt, DtypeOpt, ModelOpt, StoreOpt
+from kvflash.config import EngineConfig, ResidencyConfig
+from kvflash.engine import Engine
+from kvflash.models.loader import load_model
+from kvflash.paths import snapshots_dir
+from kvflash.server import Server, create_app
+from kvflash.snapshots import KVSnapshots
+from kvflash.storage import SnapshotStore
+
+
+def serve(
+    model: Path = ModelOpt,
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+    pool: str = PoolOpt,
+    policy: str = PolicyOpt,
+    store: Path = StoreOpt,
+    no_store: bool = typer.Option(False, "--no-store", help="Keep no KV across requests on disk."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
+    port: int = typer.Option(8000, "--port", min=1, max=65535, help="TCP port."),
+    name: str = typer.Option(None, "--served-model-name", help="Model id in requests (default: file stem)."),
+    max_tokens: int = typer.Option(512, "--max-tokens", min=1, help="Answer length if a request sets none."),
+    decode_processes: int = ProcsOpt,
+    cuda_graphs: bool = GraphsOpt,
+) -> None:
+    """Serve /v1/chat/completions and /v1/models; a conversation's next turn reuses its KV."""
+    import uvicorn
+
+    lm = load_model(model, dtype=dtype, device=device)
+    engine = Engine(lm, EngineConfig(pool_tokens=pool_tokens(pool), residency=ResidencyConfig(policy=policy),
+                                     cuda_graphs=cuda_graphs))  # fmt: skip
+    st = None if no_store else SnapshotStore(store or snapshots_dir(), processes=decode_processes)
+    snapshots = KVSnapshots(st, lm.fingerprint(engine.cfg.residency.chunk_tokens)) if st else None
+    server = Server(engine, lm.tokenizer, name or lm.path.name.split(".")[0], snapshots, max_tokens)
+    try:
+        uvicorn.run(create_app(server), host=host, port=port, log_level="info")
+    finally:
+        server.close()
+        if st is not None:
+            st.close()

@@ -1,0 +1,293 @@
+"""An OpenAI-compatible HTTP server: /v1/chat/completions (streamed or not) and /v1/models over one
+engine, with KV reused across requests.
+
+A request's prompt is the chat template over its messages. The prefix cache reuses the live sequence
+when the prompt extends the conversation served last (the client sent it back with one more
+question), else the longest prefix stored on disk; after the answer the sealed prefix is snapshotted,
+so a conversation's next turn, in this process or after a restart, restores instead of prefilling.
+`usage.prompt_tokens_details.cached_tokens` says how many prompt tokens were reused.
+
+The engine serves one request at a time: each runs in a worker thread under a lock, so the event
+loop keeps accepting and a client that goes away mid-stream only ends its answer early.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException
+
+from kvflash import KVFlashError
+from kvflash.engine import Engine
+from kvflash.generate import Sampling
+from kvflash.models.tokenizer import StreamDecoder, Tokenizer
+from kvflash.prefix_cache import PrefixCache
+from kvflash.prompt import encode_messages
+from kvflash.snapshots import KVSnapshots
+from kvflash.turn import TurnStats, answer
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+    def as_template_message(self) -> dict[str, str]:
+        """`developer` is the newer name of `system`; text parts are joined."""
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class ChatRequest(BaseModel):
+    """The fields of OpenAI's chat completion request that kvflash honours; others are ignored."""
+
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: Literal[1] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    def stop_strings(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return [s for s in stops if s]
+
+
+@dataclass
+class Completion:
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    stats: TurnStats
+
+    def usage(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.stats.restored_tokens},
+        }
+
+
+class StopText:
+    """Answer text as it streams, cut before the first stop string; what might begin one is held
+    back until the next piece shows whether it does."""
+
+    def __init__(self, stops: list[str]):
+        self.stops, self.text, self.sent, self.stopped = stops, "", 0, False
+
+    def push(self, piece: str) -> str:
+        """The text that can be sent now."""
+        self.text += piece
+        cuts = [i for s in self.stops if (i := self.text.find(s)) >= 0]
+        if cuts:
+            self.text, self.stopped = self.text[: min(cuts)], True
+            return self._release(len(self.text))
+        held = max((k for s in self.stops for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)
+        return self._release(len(self.text) - held)
+
+    def flush(self) -> str:
+        return self._release(len(self.text))
+
+    def _release(self, end: int) -> str:
+        out = self.text[self.sent : end]
+        self.sent = max(self.sent, end)
+        return out
+
+
+class Server:
+    """The engine, the tokenizer and the prefix cache behind the HTTP routes."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Tokenizer,
+        model_name: str,
+        snapshots: KVSnapshots | None,
+        default_max_tokens: int = 512,
+    ):
+        self.engine, self.tok, self.model_name = engine, tokenizer, model_name
+        self.snapshots = snapshots
+        self.default_max_tokens = default_max_tokens
+        self.cache = PrefixCache(engine, snapshots)
+        self.created = int(time.time())
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        with self._lock:
+            self.cache.close()
+
+    def prompt_ids(self, req: ChatRequest) -> list[int]:
+        return encode_messages(self.tok, [m.as_template_message() for m in req.messages])
+
+    def complete(
+        self, req: ChatRequest, ids: list[int], on_text: Callable[[str], None], gone: threading.Event
+    ) -> Completion:
+        """Answers one request (in a worker thread). on_text gets the answer's text piece by piece;
+        `gone` set (the client left) ends the answer at the next token."""
+        max_tokens = req.max_completion_tokens or req.max_tokens or self.default_max_tokens
+        sampling = Sampling(req.temperature, req.top_p, req.seed)
+        stop, decoder = StopText(req.stop_strings()), StreamDecoder(self.tok)
+
+        def on_token(tok: int) -> bool:
+            if piece := stop.push(decoder.push(tok)):
+                on_text(piece)
+            return stop.stopped or gone.is_set()
+
+        with self._lock:
+            stats, t0 = TurnStats(), time.perf_counter()
+            kv = self.cache.sequence_for(ids, stats)
+            rest = ids[len(kv.seq) :]
+            out = answer(self.engine, kv, rest, max_tokens, sampling, self.tok.eos_ids, stats, t0, on_token)
+            if not stop.stopped and (tail := stop.push(decoder.flush()) + stop.flush()):
+                on_text(tail)
+            if self.snapshots:
+                self.snapshots.start_prefetch(kv)
+                stats.snapshot_id = self._save(req.messages[0], len(ids))
+        finish = "length" if len(out) >= max_tokens and not stop.stopped else "stop"
+        return Completion(stop.text, finish, len(ids), len(out), stats)
+
+    def _save(self, first: Message, prompt_tokens: int) -> str | None:
+        """Snapshots the live sequence's sealed prefix under a label naming the conversation's first
+        message (its document, as a rule), replacing the older snapshot of that label: chunks are
+        shared, so a conversation that lost its snapshot still finds the document's. A full disk
+        only warns."""
+        first_text = json.dumps(first.as_template_message(), sort_keys=True)
+        label = "serve:" + hashlib.sha256(first_text.encode()).hexdigest()[:16]
+        previous = [s.id for s in self.snapshots.store.list_snapshots() if s.label == label]
+        try:
+            meta = {"prompt_tokens": prompt_tokens}
+            sid = self.snapshots.save(self.cache.kv, label, meta, succeeds=previous)
+        except Exception as e:
+            warnings.warn(f"could not save the snapshot: {e}", stacklevel=2)
+            return None
+        for old in previous:
+            self.snapshots.store.rm(old)
+        return sid
+
+
+def error(status: int, message: str, kind: str, param: str | None = None, code: str | None = None):
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status)
+
+
+def create_app(server: Server) -> FastAPI:
+    app = FastAPI(title="kvflash", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        if first.get("type") == "json_invalid":
+            why = first.get("ctx", {}).get("error", "")
+            return error(400, f"the body is not valid JSON ({why})", "invalid_request_error")
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        return error(400, f"{where or 'body'}: {first.get('msg')}", "invalid_request_error", where or None)
+
+    @app.exception_handler(Exception)
+    async def failed(_: Request, exc: Exception) -> JSONResponse:
+        return error(500, f"{type(exc).__name__}: {exc}", "server_error")
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        return error(exc.status_code, str(exc.detail), "invalid_request_error")
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "kvflash"}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatRequest, request: Request):
+        if req.model != server.model_name:
+            msg = f"model {req.model!r} is not served here; this server serves {server.model_name!r}"
+            return error(404, msg, "invalid_request_error", "model", "model_not_found")
+        try:
+            ids = server.prompt_ids(req)
+        except KVFlashError as e:
+            return error(400, str(e), "invalid_request_error", "messages")
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": server.model_name}
+        if req.stream:
+            events = _stream(server, req, ids, head, request)
+            return StreamingResponse(events, media_type="text/event-stream")
+        try:
+            done = await asyncio.to_thread(server.complete, req, ids, lambda _: None, threading.Event())
+        except KVFlashError as e:
+            return error(400, str(e), "invalid_request_error")
+        message = {"role": "assistant", "content": done.text}
+        choice = {"index": 0, "message": message, "finish_reason": done.finish_reason, "logprobs": None}
+        body = {**head, "object": "chat.completion", "choices": [choice], "usage": done.usage()}
+        return {**body, "kvflash": done.stats.to_dict()}
+
+    return app
+
+
+async def _stream(
+    server: Server, req: ChatRequest, ids: list[int], head: dict, request: Request
+) -> AsyncIterator[str]:
+    """Server-sent events: a role chunk, one chunk per text piece, the finish chunk, usage if asked,
+    then [DONE]. An error after the first byte can only be reported as an event. Writes to a closed
+    connection do not fail, so each piece first asks whether the client is still there."""
+    loop, pieces = asyncio.get_running_loop(), asyncio.Queue()
+    gone, end = threading.Event(), object()
+
+    def chunk(delta: dict, finish: str | None = None) -> str:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        return _event({**head, "object": "chat.completion.chunk", "choices": [choice]})
+
+    def on_text(piece: str) -> None:
+        loop.call_soon_threadsafe(pieces.put_nowait, piece)
+
+    work = asyncio.ensure_future(asyncio.to_thread(server.complete, req, ids, on_text, gone))
+    work.add_done_callback(lambda _: pieces.put_nowait(end))
+    try:
+        yield chunk({"role": "assistant", "content": ""})
+        while (piece := await pieces.get()) is not end:
+            if await request.is_disconnected():
+                return
+            yield chunk({"content": piece})
+        try:
+            done = work.result()
+        except Exception as e:  # headers are sent: the error goes in the stream
+            yield _event({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+            return
+        yield chunk({}, done.finish_reason)
+        if req.stream_options and req.stream_options.include_usage:
+            yield _event({**head, "object": "chat.completion.chunk", "choices": [], "usage": done.usage()})
+        yield "data: [DONE]\n\n"
+    finally:
+        gone.set()  # a client that left ends the answer; the engine lock stays with the worker
+
+
+def _event(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"

@@ -1,0 +1,237 @@
+"""The OpenAI-compatible server over real HTTP on 127.0.0.1, driven by the `openai` client and httpx,
+with the real default model on the CPU."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from kvflash.config import EngineConfig
+from kvflash.engine import Engine
+from kvflash.models.loader import load_model
+from kvflash.server import ChatRequest, Server, StopText, create_app
+from kvflash.snapshots import KVSnapshots
+from kvflash.storage import SnapshotStore
+
+MODEL = "SmolLM2-135M-Instruct"
+DOC = (
+    "Harbor notes. The lighthouse of Port Elden was built by Mara Quill in 1843 and painted red in "
+    "1901. The Copper Oven bakery on Tide Street is famous for its rye bread, baked before dawn. "
+    "The ferry to Gull Island leaves at nine each morning and returns at four."
+)
+JSON = "application/json"
+TURN1 = [{"role": "system", "content": DOC}, {"role": "user", "content": "Who built the lighthouse?"}]
+
+
+@pytest.fixture(scope="module")
+def lm(smollm_path):
+    return load_model(smollm_path, device="cpu")
+
+
+@contextmanager
+def serving(lm, store: Path | None, max_tokens: int = 16) -> Iterator[tuple[str, Server]]:
+    """A server on a free port of 127.0.0.1, in a thread of this process, over a new engine."""
+    engine = Engine(lm, EngineConfig(pool_tokens=4096))
+    st = SnapshotStore(store) if store else None
+    snapshots = KVSnapshots(st, lm.fingerprint(engine.cfg.residency.chunk_tokens)) if st else None
+    server = Server(engine, lm.tokenizer, MODEL, snapshots, max_tokens)
+    uv = uvicorn.Server(uvicorn.Config(create_app(server), host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not uv.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.01)
+    port = uv.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", server
+    finally:
+        uv.should_exit = True
+        thread.join(30)
+        server.close()
+        if st is not None:
+            st.close()
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def ask(url: str, messages: list[dict], **kw):
+    return client(url).chat.completions.create(model=MODEL, messages=messages, temperature=0, **kw)
+
+
+def test_a_conversation_reuses_its_kv_from_memory_and_after_a_restart_from_disk(lm, tmp_path) -> None:
+    store = tmp_path / "store"
+    with serving(lm, store) as (url, _):
+        first = ask(url, TURN1)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        reply = first.choices[0].message.content
+        assert reply and first.model == MODEL
+        turn2 = [
+            *TURN1,
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": "And the bakery?"},
+        ]
+        live = ask(url, turn2)
+    assert live.model_extra["kvflash"]["source"] == "memory"
+    assert live.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+    with serving(lm, store) as (url, _):  # a restarted server: the snapshot is all it has
+        restored = ask(url, turn2)
+    assert restored.model_extra["kvflash"]["source"] in ("disk", "lazy")
+    assert restored.usage.prompt_tokens_details.cached_tokens >= 64
+    with serving(lm, None) as (url, _):
+        cold = ask(url, turn2)
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    answers = {r.choices[0].message.content for r in (live, restored, cold)}
+    assert len(answers) == 1, answers  # reused KV answers as a cold prefill does
+    assert live.usage.prompt_tokens == restored.usage.prompt_tokens == cold.usage.prompt_tokens
+
+
+def test_streamed_deltas_make_the_whole_answer(lm) -> None:
+    with serving(lm, None, max_tokens=24) as (url, _):
+        whole = ask(url, TURN1)
+        chunks = list(ask(url, TURN1, stream=True, stream_options={"include_usage": True}))
+    deltas = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(deltas) == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [whole.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_stop_strings_end_the_answer_before_them(lm) -> None:
+    with serving(lm, None, max_tokens=24) as (url, _):
+        whole = ask(url, TURN1).choices[0].message.content
+        words = whole.split()
+        assert len(words) >= 4, whole
+        stop = " " + words[3]
+        cut = ask(url, TURN1, stop=[stop, "never appears"])
+        streamed = "".join(c.choices[0].delta.content or "" for c in ask(url, TURN1, stop=stop, stream=True))
+    assert cut.choices[0].message.content == whole[: whole.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    assert streamed == cut.choices[0].message.content
+
+
+def test_max_tokens_ends_the_answer_with_length(lm) -> None:
+    with serving(lm, None) as (url, _):
+        r = ask(url, TURN1, max_tokens=3)
+    assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+
+
+def test_stop_text_holds_back_what_may_begin_a_stop_string() -> None:
+    s = StopText(["END", "xy"])
+    assert s.push("abc E") == "abc "  # "E" may begin "END"
+    assert s.push("N") == ""
+    assert s.push("Dzzz") == "" and s.stopped and s.text == "abc "
+    s = StopText(["END"])
+    assert s.push("E") == "" and s.push("Nx") == "ENx" and not s.stopped
+    assert s.push("ab") + s.flush() == "ab"
+    s = StopText(["b", "abc"])
+    assert s.push("xabc") == "x" and s.stopped  # the stop that begins first wins
+
+
+def body(**fields) -> bytes:
+    return json.dumps({"model": MODEL, "messages": TURN1, **fields}).encode()
+
+
+IMAGE = [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]
+BAD = [
+    (b"{not json", 400, None),
+    (json.dumps({"model": MODEL}).encode(), 400, "messages"),
+    (body(messages=[]), 400, "messages"),
+    (body(n=2), 400, "n"),
+    (body(max_tokens=0), 400, "max_tokens"),
+    (body(temperature=9), 400, "temperature"),
+    (body(messages=[{"role": "tool", "content": "x"}]), 400, "messages.0"),
+    (body(messages=IMAGE), 400, "messages.0"),
+    (body(model="gpt-9"), 404, "model"),
+]
+
+
+def test_bad_requests_get_openai_errors_and_the_server_goes_on(lm) -> None:
+    with serving(lm, None, max_tokens=2) as (url, _):
+        for body, status, param in BAD:
+            r = httpx.post(
+                f"{url}/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+            )
+            assert r.status_code == status, (body, r.text)
+            err = r.json()["error"]
+            assert err["type"] == "invalid_request_error" and err["message"], r.text
+            assert param is None or (err["param"] or "").startswith(param), (param, err)
+        with pytest.raises(openai.NotFoundError, match="not served here"):
+            client(url).chat.completions.create(model="gpt-9", messages=TURN1)
+        assert httpx.get(f"{url}/v1/nothing").json()["error"]["message"] == "Not Found"
+        assert [m.id for m in client(url).models.list()] == [MODEL]
+        assert ask(url, TURN1).choices[0].message.content
+
+
+def test_concurrent_requests_get_the_answers_they_get_alone(lm, tmp_path) -> None:
+    questions = ["Who built the lighthouse?", "When does the ferry leave?", "What is the bakery famous for?"]
+    convs = [[{"role": "system", "content": DOC}, {"role": "user", "content": q}] for q in questions]
+    with serving(lm, tmp_path / "store") as (url, _):
+        alone = [ask(url, c).choices[0].message.content for c in convs]
+        with ThreadPoolExecutor(len(convs)) as pool:
+            together = list(pool.map(lambda c: ask(url, c).choices[0].message.content, convs))
+    assert together == alone
+
+
+def test_a_client_that_leaves_mid_stream_ends_its_answer(lm) -> None:
+    story = [{"role": "system", "content": DOC}, {"role": "user", "content": "Tell a long story about Mara."}]
+    body = {"model": MODEL, "messages": story, "temperature": 0, "max_tokens": 80, "stream": True}
+    with serving(lm, None) as (url, server):
+        whole = ask(url, story, max_tokens=80).usage.completion_tokens
+        assert whole > 20, "the story must be long enough to leave in the middle of"
+        prompt = len(server.prompt_ids(ChatRequest(model=MODEL, messages=story)))
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
+            assert next(r.iter_lines()).startswith("data: ")  # the role chunk: the answer has begun
+        with server._lock:  # the worker has ended its answer
+            generated = len(server.cache.kv.seq) - prompt
+        assert ask(url, TURN1, max_tokens=2).choices[0].message.content
+    assert 0 <= generated < whole - 1
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_command_answers_and_stops_cleanly(smollm_path, tmp_path) -> None:
+    port, store = free_port(), tmp_path / "store"
+    cmd = [sys.executable, "-m", "kvflash.cli.app", "serve", "--model", str(smollm_path), "--device", "cpu",
+           "--port", str(port), "--store", str(store), "--max-tokens", "4"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "kvflash serve did not come up"
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        r = ask(url, TURN1)
+        assert r.usage.completion_tokens <= 4 and r.model_extra["kvflash"]["snapshot_id"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    with SnapshotStore(store) as st:
+        assert [s.label.startswith("serve:") for s in st.list_snapshots()] == [True]
