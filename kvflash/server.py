@@ -148,17 +148,22 @@ class Server:
         return encode_messages(self.tok, [m.as_template_message() for m in req.messages])
 
     def complete(
-        self, req: ChatRequest, ids: list[int], on_text: Callable[[str], None], gone: threading.Event
-    ) -> Completion:
-        """Answers one request (in a worker thread). on_text gets the answer's text piece by piece;
-        `gone` set (the client left) ends the answer at the next token."""
+        self,
+        req: ChatRequest,
+        ids: list[int],
+        emit: Callable[[str | Completion], None],
+        gone: threading.Event,
+    ) -> None:
+        """Answers one request (in a worker thread): `emit` gets the answer's text piece by piece, then
+        the Completion; the snapshot is saved after that, so no client waits for it (the next
+        request does, for the engine). `gone` set (the client left) ends the answer at the next token."""
         max_tokens = req.max_completion_tokens or req.max_tokens or self.default_max_tokens
         sampling = Sampling(req.temperature, req.top_p, req.seed)
         stop, decoder = StopText(req.stop_strings()), StreamDecoder(self.tok)
 
         def on_token(tok: int) -> bool:
             if piece := stop.push(decoder.push(tok)):
-                on_text(piece)
+                emit(piece)
             return stop.stopped or gone.is_set()
 
         with self._lock:
@@ -167,14 +172,14 @@ class Server:
             rest = ids[len(kv.seq) :]
             out = answer(self.engine, kv, rest, max_tokens, sampling, self.tok.eos_ids, stats, t0, on_token)
             if not stop.stopped and (tail := stop.push(decoder.flush()) + stop.flush()):
-                on_text(tail)
+                emit(tail)
+            finish = "length" if len(out) >= max_tokens and not stop.stopped else "stop"
+            emit(Completion(stop.text, finish, len(ids), len(out), stats))
             if self.snapshots:
                 self.snapshots.start_prefetch(kv)
-                stats.snapshot_id = self._save(req.messages[0], len(ids))
-        finish = "length" if len(out) >= max_tokens and not stop.stopped else "stop"
-        return Completion(stop.text, finish, len(ids), len(out), stats)
+                self._save(req.messages[0], len(ids))
 
-    def _save(self, first: Message, prompt_tokens: int) -> str | None:
+    def _save(self, first: Message, prompt_tokens: int) -> None:
         """Snapshots the live sequence's sealed prefix under a label naming the conversation's first
         message (its document, as a rule), replacing the older snapshot of that label: chunks are
         shared, so a conversation that lost its snapshot still finds the document's. A full disk
@@ -184,13 +189,12 @@ class Server:
         previous = [s.id for s in self.snapshots.store.list_snapshots() if s.label == label]
         try:
             meta = {"prompt_tokens": prompt_tokens}
-            sid = self.snapshots.save(self.cache.kv, label, meta, succeeds=previous)
+            self.snapshots.save(self.cache.kv, label, meta, succeeds=previous)
         except Exception as e:
             warnings.warn(f"could not save the snapshot: {e}", stacklevel=2)
-            return None
+            return
         for old in previous:
             self.snapshots.store.rm(old)
-        return sid
 
 
 def error(status: int, message: str, kind: str, param: str | None = None, code: str | None = None):
@@ -228,7 +232,7 @@ def create_app(server: Server) -> FastAPI:
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatRequest, request: Request):
+    async def chat(req: ChatRequest):
         if req.model != server.model_name:
             msg = f"model {req.model!r} is not served here; this server serves {server.model_name!r}"
             return error(404, msg, "invalid_request_error", "model", "model_not_found")
@@ -238,12 +242,15 @@ def create_app(server: Server) -> FastAPI:
             return error(400, str(e), "invalid_request_error", "messages")
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": server.model_name}
         if req.stream:
-            events = _stream(server, req, ids, head, request)
+            events = _stream(server, req, ids, head)
             return StreamingResponse(events, media_type="text/event-stream")
-        try:
-            done = await asyncio.to_thread(server.complete, req, ids, lambda _: None, threading.Event())
-        except KVFlashError as e:
-            return error(400, str(e), "invalid_request_error")
+        items, work = _start(server, req, ids, threading.Event())
+        while not isinstance(done := await items.get(), Completion):
+            if done is _END:
+                try:
+                    work.result()
+                except KVFlashError as e:
+                    return error(400, str(e), "invalid_request_error")
         message = {"role": "assistant", "content": done.text}
         choice = {"index": 0, "message": message, "finish_reason": done.finish_reason, "logprobs": None}
         body = {**head, "object": "chat.completion", "choices": [choice], "usage": done.usage()}
@@ -252,41 +259,54 @@ def create_app(server: Server) -> FastAPI:
     return app
 
 
-async def _stream(
-    server: Server, req: ChatRequest, ids: list[int], head: dict, request: Request
-) -> AsyncIterator[str]:
+async def _stream(server: Server, req: ChatRequest, ids: list[int], head: dict) -> AsyncIterator[str]:
     """Server-sent events: a role chunk, one chunk per text piece, the finish chunk, usage if asked,
-    then [DONE]. An error after the first byte can only be reported as an event. Writes to a closed
-    connection do not fail, so each piece first asks whether the client is still there."""
-    loop, pieces = asyncio.get_running_loop(), asyncio.Queue()
-    gone, end = threading.Event(), object()
+    then [DONE]. An error after the first byte can only be reported as an event. A client that
+    disconnects cancels this generator (Starlette listens for it), which ends the answer."""
+    gone = threading.Event()
 
     def chunk(delta: dict, finish: str | None = None) -> str:
         choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
         return _event({**head, "object": "chat.completion.chunk", "choices": [choice]})
 
-    def on_text(piece: str) -> None:
-        loop.call_soon_threadsafe(pieces.put_nowait, piece)
-
-    work = asyncio.ensure_future(asyncio.to_thread(server.complete, req, ids, on_text, gone))
-    work.add_done_callback(lambda _: pieces.put_nowait(end))
+    items, work = _start(server, req, ids, gone)
     try:
         yield chunk({"role": "assistant", "content": ""})
-        while (piece := await pieces.get()) is not end:
-            if await request.is_disconnected():
-                return
+        while isinstance(piece := await items.get(), str):
             yield chunk({"content": piece})
-        try:
-            done = work.result()
-        except Exception as e:  # headers are sent: the error goes in the stream
-            yield _event({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+        if piece is _END:
+            try:
+                work.result()
+            except Exception as e:  # headers are sent: the error goes in the stream
+                kind = "invalid_request_error" if isinstance(e, KVFlashError) else "server_error"
+                yield _event({"error": {"message": str(e), "type": kind, "param": None, "code": None}})
             return
+        done = piece
         yield chunk({}, done.finish_reason)
         if req.stream_options and req.stream_options.include_usage:
             yield _event({**head, "object": "chat.completion.chunk", "choices": [], "usage": done.usage()})
         yield "data: [DONE]\n\n"
     finally:
         gone.set()  # a client that left ends the answer; the engine lock stays with the worker
+
+
+_END = object()
+"""Put on a request's queue when its worker returns or raises."""
+
+
+def _start(
+    server: Server, req: ChatRequest, ids: list[int], gone: threading.Event
+) -> tuple[asyncio.Queue, asyncio.Future]:
+    """Runs `server.complete` in a worker thread; its text pieces, its Completion and then _END
+    arrive on the queue, in that order."""
+    loop, items = asyncio.get_running_loop(), asyncio.Queue()
+
+    def emit(item: str | Completion) -> None:
+        loop.call_soon_threadsafe(items.put_nowait, item)
+
+    work = asyncio.ensure_future(asyncio.to_thread(server.complete, req, ids, emit, gone))
+    work.add_done_callback(lambda _: items.put_nowait(_END))
+    return items, work
 
 
 def _event(obj: dict) -> str:

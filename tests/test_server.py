@@ -196,11 +196,18 @@ def test_a_client_that_leaves_mid_stream_ends_its_answer(lm) -> None:
     with serving(lm, None) as (url, server):
         whole = ask(url, story, max_tokens=80).usage.completion_tokens
         assert whole > 20, "the story must be long enough to leave in the middle of"
-        prompt = len(server.prompt_ids(ChatRequest(model=MODEL, messages=story)))
+        ask(url, TURN1, max_tokens=1)  # the live sequence is another conversation's now
+        ids = server.prompt_ids(ChatRequest(model=MODEL, messages=story))
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
             assert next(r.iter_lines()).startswith("data: ")  # the role chunk: the answer has begun
-        with server._lock:  # the worker has ended its answer
-            generated = len(server.cache.kv.seq) - prompt
+        deadline = time.monotonic() + 60
+        while True:  # until the story's worker has run: it holds the lock until its answer ends
+            with server._lock:
+                if server.cache.kv.seq.tokens[: len(ids)] == ids:
+                    generated = len(server.cache.kv.seq) - len(ids)
+                    break
+            assert time.monotonic() < deadline, "the streamed request never ran"
+            time.sleep(0.05)
         assert ask(url, TURN1, max_tokens=2).choices[0].message.content
     assert 0 <= generated < whole - 1
 
@@ -228,7 +235,7 @@ def test_serve_command_answers_and_stops_cleanly(smollm_path, tmp_path) -> None:
             except httpx.TransportError:
                 time.sleep(0.2)
         r = ask(url, TURN1)
-        assert r.usage.completion_tokens <= 4 and r.model_extra["kvflash"]["snapshot_id"]
+        assert 1 <= r.usage.completion_tokens <= 4
     finally:
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
