@@ -21,6 +21,7 @@ import time
 import uuid
 import warnings
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal
 
@@ -36,7 +37,7 @@ from kvflash.generate import Sampling
 from kvflash.models.tokenizer import StreamDecoder, Tokenizer
 from kvflash.prefix_cache import PrefixCache
 from kvflash.prompt import encode_messages
-from kvflash.snapshots import KVSnapshots
+from kvflash.snapshots import KVSnapshots, StagedSnapshot
 from kvflash.turn import TurnStats, answer
 
 
@@ -139,10 +140,14 @@ class Server:
         self.cache = PrefixCache(engine, snapshots)
         self.created = int(time.time())
         self._lock = threading.Lock()
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvflash-save")
+        """Writes staged snapshots in order, off the engine lock."""
 
     def close(self) -> None:
+        """Waits for the request in flight and the snapshots still being written."""
         with self._lock:
             self.cache.close()
+        self._saver.shutdown()
 
     def prompt_ids(self, req: ChatRequest) -> list[int]:
         return encode_messages(self.tok, [m.as_template_message() for m in req.messages])
@@ -155,8 +160,9 @@ class Server:
         gone: threading.Event,
     ) -> None:
         """Answers one request (in a worker thread): `emit` gets the answer's text piece by piece, then
-        the Completion; the snapshot is saved after that, so no client waits for it (the next
-        request does, for the engine). `gone` set (the client left) ends the answer at the next token."""
+        the Completion. The sealed prefix is then staged (its new chunks copied) and written by the
+        saver thread, so neither this client nor the next request waits for the disk. `gone` set
+        (the client left) ends the answer at the next token."""
         max_tokens = req.max_completion_tokens or req.max_tokens or self.default_max_tokens
         sampling = Sampling(req.temperature, req.top_p, req.seed)
         stop, decoder = StopText(req.stop_strings()), StreamDecoder(self.tok)
@@ -177,19 +183,23 @@ class Server:
             emit(Completion(stop.text, finish, len(ids), len(out), stats))
             if self.snapshots:
                 self.snapshots.start_prefetch(kv)
-                self._save(req.messages[0], len(ids))
+                try:
+                    staged = self.snapshots.stage(kv)
+                except Exception as e:  # the answer is out; a store error only costs the reuse
+                    warnings.warn(f"could not stage the snapshot: {e}", stacklevel=2)
+                else:
+                    self._saver.submit(self._save, staged, req.messages[0], len(ids))
 
-    def _save(self, first: Message, prompt_tokens: int) -> None:
-        """Snapshots the live sequence's sealed prefix under a label naming the conversation's first
-        message (its document, as a rule), replacing the older snapshot of that label: chunks are
-        shared, so a conversation that lost its snapshot still finds the document's. A full disk
-        only warns."""
+    def _save(self, staged: StagedSnapshot, first: Message, prompt_tokens: int) -> None:
+        """Writes a staged snapshot under a label naming the conversation's first message (its
+        document, as a rule), replacing the older snapshot of that label: chunks are shared, so a
+        conversation that lost its snapshot still finds the document's. A full disk only warns."""
         first_text = json.dumps(first.as_template_message(), sort_keys=True)
         label = "serve:" + hashlib.sha256(first_text.encode()).hexdigest()[:16]
         previous = [s.id for s in self.snapshots.store.list_snapshots() if s.label == label]
         try:
             meta = {"prompt_tokens": prompt_tokens}
-            self.snapshots.save(self.cache.kv, label, meta, succeeds=previous)
+            self.snapshots.put(staged, label, meta, succeeds=previous)
         except Exception as e:
             warnings.warn(f"could not save the snapshot: {e}", stacklevel=2)
             return

@@ -46,6 +46,15 @@ class StoredSummaries:
         return StoredSummaries(self.hashes[:n], self.tokens[:n], self.rows[:n])
 
 
+@dataclass
+class StagedSnapshot:
+    """A sealed prefix ready to write: its fingerprint and, in chain order, the hash of each chunk the
+    store holds or a blob (with its own copy of the KV) of each it lacks."""
+
+    fp: str
+    items: list[ChunkBlob | str]
+
+
 class KVSnapshots:
     """Saves and restores one model's sequences through a SnapshotStore, under two fingerprints:
     the model's for exact KV, the model's + APPROX_SUFFIX for KV computed under eviction."""
@@ -62,6 +71,11 @@ class KVSnapshots:
     def save(self, kv: PagedKV, label: str, meta: dict | None = None, succeeds: Sequence[str] = ()) -> str:
         """Snapshots the sealed prefix, writing only chunks the store does not already hold; it takes
         over the hits of the snapshots it `succeeds`."""
+        return self.put(self.stage(kv), label, meta, succeeds)
+
+    def stage(self, kv: PagedKV) -> StagedSnapshot:
+        """The sealed prefix's chain, with a copy of the KV of every chunk the store lacks: `put`
+        may then run while the sequence goes on (and its slots are reused)."""
         c = kv.cfg.chunk_tokens
         n = kv.seq.n_sealed
         fp = self.approx_fp if kv.approximate else self.fp
@@ -73,10 +87,16 @@ class KVSnapshots:
             items.append(
                 ChunkBlob(
                     fp, i, hashes[i], parent, kv.seq.chunk_tokens_of(i),
-                    kv.seq.summaries[i].cpu(), kv.chunk_kv(i).cpu(),
+                    kv.seq.summaries[i].to("cpu", copy=True), kv.chunk_kv(i).to("cpu", copy=True),
                 )
             )  # fmt: skip
-        return self.store.put_snapshot(label, fp, items, meta, succeeds)
+        return StagedSnapshot(fp, items)
+
+    def put(
+        self, staged: StagedSnapshot, label: str, meta: dict | None = None, succeeds: Sequence[str] = ()
+    ) -> str:
+        """Writes a staged snapshot (compressing its new chunks); returns its id."""
+        return self.store.put_snapshot(label, staged.fp, staged.items, meta, succeeds)
 
     def lookup(self, ids: list[int], chunk_tokens: int, approximate: bool) -> tuple[str, list[str]]:
         """(fingerprint, hashes) of the longest stored chunk-aligned prefix of ids, leaving one token

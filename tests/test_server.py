@@ -102,6 +102,31 @@ def test_a_conversation_reuses_its_kv_from_memory_and_after_a_restart_from_disk(
     assert live.usage.prompt_tokens == restored.usage.prompt_tokens == cold.usage.prompt_tokens
 
 
+def test_the_next_request_does_not_wait_for_the_last_ones_snapshot(lm, tmp_path, monkeypatch) -> None:
+    """Snapshots are written by the saver thread: with the store's writes held back, the next turn
+    is still answered (from the live sequence; were the write in its way, it would wait the minute
+    the write is held and time out), and both snapshots land once the writes go on."""
+    release, real = threading.Event(), SnapshotStore.put_snapshot
+
+    def held(self, *args, **kw):
+        assert release.wait(60), "the write was never let go"
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(SnapshotStore, "put_snapshot", held)
+    with serving(lm, tmp_path / "store") as (url, server):
+        try:
+            reply = ask(url, TURN1).choices[0].message.content
+            more = [{"role": "assistant", "content": reply}, {"role": "user", "content": "And the ferry?"}]
+            second = ask(url, TURN1 + more, timeout=20)
+            assert second.usage.prompt_tokens_details.cached_tokens > 0
+            assert not server.snapshots.store.list_snapshots()  # both writes still held
+        finally:
+            release.set()
+    with SnapshotStore(tmp_path / "store") as st:
+        (snap,) = st.list_snapshots()  # the second replaced the first
+        assert snap.meta["prompt_tokens"] == second.usage.prompt_tokens
+
+
 def test_streamed_deltas_make_the_whole_answer(lm) -> None:
     with serving(lm, None, max_tokens=24) as (url, _):
         whole = ask(url, TURN1)
