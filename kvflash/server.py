@@ -198,13 +198,11 @@ class Server:
         label = "serve:" + hashlib.sha256(first_text.encode()).hexdigest()[:16]
         previous = [s.id for s in self.snapshots.store.list_snapshots() if s.label == label]
         try:
-            meta = {"prompt_tokens": prompt_tokens}
-            self.snapshots.put(staged, label, meta, succeeds=previous)
-        except Exception as e:
+            self.snapshots.put(staged, label, {"prompt_tokens": prompt_tokens}, succeeds=previous)
+            for old in previous:
+                self.snapshots.store.rm(old)
+        except Exception as e:  # on the saver thread: nobody else would hear of it
             warnings.warn(f"could not save the snapshot: {e}", stacklevel=2)
-            return
-        for old in previous:
-            self.snapshots.store.rm(old)
 
 
 def error(status: int, message: str, kind: str, param: str | None = None, code: str | None = None):
