@@ -43,6 +43,9 @@ from kvflash.storage.format import MAX_FILE_BYTES, decode_chunk, parse_header
 SEGMENT_BYTES = 32 << 20
 """Shared memory per worker: a run of ~20 SmolLM2 chunks or 3 of an 8B Llama's; a chunk larger than
 this is decoded by the parent's threads."""
+REPLY_TIMEOUT_S = 60.0
+"""A run of chunks is a segment's worth (32 MiB), decoded in well under a second: a worker silent
+this long is hung, and is killed so that the read goes to the threads instead of waiting forever."""
 MIN_CORES = 8
 """Below this many cores threads are not GIL-bound (2-core VM: two threads decode 1.8x one), and
 starting processes (each imports torch) costs more than it saves."""
@@ -141,6 +144,9 @@ class _Worker:
         """Decodes a prefix of `hashes` (at least one chunk, unless the first fails or does not fit)."""
         try:
             _send(self.proc.stdin, {"hashes": list(hashes), "fp": fp})
+            if not select.select([self.proc.stdout], [], [], REPLY_TIMEOUT_S)[0]:
+                self.proc.kill()  # hung (stopped, or stuck in I/O): it is of no use any more
+                raise WorkerFailed(f"decode worker: no reply in {REPLY_TIMEOUT_S} s")
             reply = _recv(self.proc.stdout)
             done = [
                 _Decoded(

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvflash.storage import ChunkCorrupt, ChunkMismatch, SnapshotStore
+from kvflash.storage import ChunkCorrupt, ChunkMismatch, SnapshotStore, workers
 from kvflash.storage.workers import DecodeWorkers
 from tests.test_storage import FP, C, D, H, L, _flip, bits, chunk_path, make_chain, toks
 
@@ -102,6 +102,22 @@ def test_reads_never_wait_for_workers_and_survive_their_death(tmp_path) -> None:
         procs = [w.proc for w in st.decoders._all]
     assert all(p.poll() is not None for p in procs), "close stops every worker"
     assert Path("/dev/shm").is_dir() and _segments() == set()
+
+
+def test_a_hung_worker_is_killed_and_its_read_goes_to_the_threads(tmp_path, monkeypatch) -> None:
+    """A worker that never replies (stopped here with SIGSTOP) would block its read, and `close`,
+    forever: after REPLY_TIMEOUT_S it is killed, the threads read the chunks, and close returns."""
+    monkeypatch.setattr(workers, "REPLY_TIMEOUT_S", 0.5)
+    blobs = make_chain(toks(4))
+    with SnapshotStore(tmp_path, processes=1) as st:
+        hashes = st.get_snapshot(st.put_snapshot("s", FP, blobs)).chunk_hashes
+        st.decoders.wait()
+        hung = st.decoders._all[0].proc
+        os.kill(hung.pid, signal.SIGSTOP)
+        got = st.read_chunks_parallel(hashes, FP)
+        assert hung.wait(10) == -signal.SIGKILL and not st.decoders.ready
+        assert all(torch.equal(bits(g.kv), bits(b.kv)) for g, b in zip(got, blobs, strict=True))
+        assert st.decoders.decoded == 0
 
 
 def test_runs_larger_than_a_segment_go_in_parts_and_oversize_chunks_to_threads(tmp_path) -> None:
