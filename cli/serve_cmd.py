@@ -29,6 +29,9 @@ def serve(
     port: int = typer.Option(8000, "--port", min=1, max=65535, help="TCP port."),
     name: str = typer.Option(None, "--served-model-name", help="Model id in requests (default: file stem)."),
     max_tokens: int = typer.Option(512, "--max-tokens", min=1, help="Answer length if a request sets none."),
+    max_batch: int = typer.Option(
+        4, "--max-batch", min=1, help="Requests decoded together (each gets pool/N)."
+    ),
     decode_processes: int = ProcsOpt,
     cuda_graphs: bool = GraphsOpt,
 ) -> None:
@@ -40,7 +43,8 @@ def serve(
                                      cuda_graphs=cuda_graphs))  # fmt: skip
     st = None if no_store else SnapshotStore(store or snapshots_dir(), processes=decode_processes)
     snapshots = KVSnapshots(st, lm.fingerprint(engine.cfg.residency.chunk_tokens)) if st else None
-    server = Server(engine, lm.tokenizer, name or lm.path.name.split(".")[0], snapshots, max_tokens)
+    model_name = name or lm.path.name.split(".")[0]
+    server = Server(engine, lm.tokenizer, model_name, snapshots, max_tokens, max_batch)
     try:
         uvicorn.run(create_app(server), host=host, port=port, log_level="info")
     finally:

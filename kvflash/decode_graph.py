@@ -25,6 +25,7 @@ class DecodeGraphs:
         self.replays = 0
         """Steps replayed from a graph (the rest ran eagerly)."""
 
+    @torch.inference_mode()  # as the model's forward: `end` writes summaries into inference tensors
     def __call__(self, token: int, position: int) -> torch.Tensor:
         kv = self.kv
         kv.begin_decode(token, position)

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from kvflash.batch_kv import BatchKV
 from kvflash.config import EngineConfig
 from kvflash.decode_graph import DecodeGraphs
 from kvflash.generate import Sampler, Sampling, Step, decode, eager_step
@@ -86,6 +87,18 @@ class Engine:
         if kv.graphs is None:
             kv.graphs = DecodeGraphs(self.lm.model, kv)
         return kv.graphs
+
+    @torch.inference_mode()
+    def decode_batch(self, seqs: list[PagedKV], tokens: list[int]) -> torch.Tensor:
+        """One decode step of each sequence in one forward: tokens[i] goes next in seqs[i]; returns
+        the logits [B, V] after each."""
+        batch, dev = BatchKV(seqs), self.lm.device
+        positions = [len(kv.seq) for kv in seqs]
+        batch.begin_decode(tokens, positions)
+        ids, pos = torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev)
+        logits = self.lm.model.compute(ids, pos, batch, all_logits=True)
+        batch.end()
+        return logits
 
     def generate(
         self, kv: PagedKV, first_logits: torch.Tensor, max_tokens: int, sampler: Sampler, stop: frozenset[int]

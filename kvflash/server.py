@@ -1,14 +1,15 @@
 """An OpenAI-compatible HTTP server: /v1/chat/completions (streamed or not) and /v1/models over one
 engine, with KV reused across requests.
 
-A request's prompt is the chat template over its messages. The prefix cache reuses the live sequence
-when the prompt extends the conversation served last (the client sent it back with one more
+A request's prompt is the chat template over its messages. The prefix cache reuses a live sequence
+when the prompt extends a conversation served before (the client sent it back with one more
 question), else the longest prefix stored on disk; after the answer the sealed prefix is snapshotted,
 so a conversation's next turn, in this process or after a restart, restores instead of prefilling.
 `usage.prompt_tokens_details.cached_tokens` says how many prompt tokens were reused.
 
-The engine serves one request at a time: each runs in a worker thread under a lock, so the event
-loop keeps accepting and a client that goes away mid-stream only ends its answer early.
+Requests go to the scheduler (`kvflash/scheduler.py`), whose thread decodes up to `max_batch` of them
+together; the event loop only renders prompts and relays text, and a client that goes away
+mid-stream ends its answer at the next step.
 """
 
 from __future__ import annotations
@@ -35,10 +36,11 @@ from kvflash import KVFlashError
 from kvflash.engine import Engine
 from kvflash.generate import Sampling
 from kvflash.models.tokenizer import StreamDecoder, Tokenizer
-from kvflash.prefix_cache import PrefixCache
+from kvflash.paged_kv import PagedKV
 from kvflash.prompt import encode_messages
+from kvflash.scheduler import Job, Scheduler
 from kvflash.snapshots import KVSnapshots, StagedSnapshot
-from kvflash.turn import TurnStats, answer
+from kvflash.turn import TurnStats
 
 
 class TextPart(BaseModel):
@@ -124,7 +126,7 @@ class StopText:
 
 
 class Server:
-    """The engine, the tokenizer and the prefix cache behind the HTTP routes."""
+    """The scheduler over the engine, the tokenizer and the snapshot store behind the HTTP routes."""
 
     def __init__(
         self,
@@ -133,38 +135,36 @@ class Server:
         model_name: str,
         snapshots: KVSnapshots | None,
         default_max_tokens: int = 512,
+        max_batch: int = 4,
     ):
-        self.engine, self.tok, self.model_name = engine, tokenizer, model_name
-        self.snapshots = snapshots
+        self.tok, self.model_name, self.snapshots = tokenizer, model_name, snapshots
         self.default_max_tokens = default_max_tokens
-        self.cache = PrefixCache(engine, snapshots)
+        self.scheduler = Scheduler(engine, snapshots, tokenizer.eos_ids, max_batch)
         self.created = int(time.time())
-        self._lock = threading.Lock()
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvflash-save")
-        """Writes staged snapshots in order, off the engine lock."""
+        """Writes staged snapshots in order, off the scheduler's thread."""
 
     def close(self) -> None:
-        """Waits for the request in flight and the snapshots still being written."""
-        with self._lock:
-            self.cache.close()
+        """Answers the requests in flight, then waits for the snapshots still being written."""
+        self.scheduler.close()
         self._saver.shutdown()
 
     def prompt_ids(self, req: ChatRequest) -> list[int]:
         return encode_messages(self.tok, [m.as_template_message() for m in req.messages])
 
-    def complete(
+    def submit(
         self,
         req: ChatRequest,
         ids: list[int],
-        emit: Callable[[str | Completion], None],
+        emit: Callable[[str | Completion | BaseException], None],
         gone: threading.Event,
     ) -> None:
-        """Answers one request (in a worker thread): `emit` gets the answer's text piece by piece, then
-        the Completion. The sealed prefix is then staged (its new chunks copied) and written by the
-        saver thread, so neither this client nor the next request waits for the disk. `gone` set
-        (the client left) ends the answer at the next token."""
+        """Queues one request: `emit` gets the answer's text piece by piece, then the Completion (or
+        the error). The sealed prefix is then staged (its new chunks copied) and written by the
+        saver thread, so neither this client nor the requests decoding beside it wait for the disk.
+        `gone` set (the client left) ends the answer at the next token. Callbacks run on the
+        scheduler's thread."""
         max_tokens = req.max_completion_tokens or req.max_tokens or self.default_max_tokens
-        sampling = Sampling(req.temperature, req.top_p, req.seed)
         stop, decoder = StopText(req.stop_strings()), StreamDecoder(self.tok)
 
         def on_token(tok: int) -> bool:
@@ -172,23 +172,18 @@ class Server:
                 emit(piece)
             return stop.stopped or gone.is_set()
 
-        with self._lock:
-            stats, t0 = TurnStats(), time.perf_counter()
-            kv = self.cache.sequence_for(ids, stats)
-            rest = ids[len(kv.seq) :]
-            out = answer(self.engine, kv, rest, max_tokens, sampling, self.tok.eos_ids, stats, t0, on_token)
+        def on_done(out: list[int], stats: TurnStats, kv: PagedKV) -> None:
             if not stop.stopped and (tail := stop.push(decoder.flush()) + stop.flush()):
                 emit(tail)
             finish = "length" if len(out) >= max_tokens and not stop.stopped else "stop"
             emit(Completion(stop.text, finish, len(ids), len(out), stats))
             if self.snapshots:
                 self.snapshots.start_prefetch(kv)
-                try:
-                    staged = self.snapshots.stage(kv)
-                except Exception as e:  # the answer is out; a store error only costs the reuse
-                    warnings.warn(f"could not stage the snapshot: {e}", stacklevel=2)
-                else:
-                    self._saver.submit(self._save, staged, req.messages[0], len(ids))
+                staged = self.snapshots.stage(kv)  # a store error here only costs the reuse
+                self._saver.submit(self._save, staged, req.messages[0], len(ids))
+
+        sampling = Sampling(req.temperature, req.top_p, req.seed)
+        self.scheduler.submit(Job(ids, max_tokens, sampling, on_token, on_done, emit))
 
     def _save(self, staged: StagedSnapshot, first: Message, prompt_tokens: int) -> None:
         """Writes a staged snapshot under a label naming the conversation's first message (its
@@ -252,13 +247,13 @@ def create_app(server: Server) -> FastAPI:
         if req.stream:
             events = _stream(server, req, ids, head)
             return StreamingResponse(events, media_type="text/event-stream")
-        items, work = _start(server, req, ids, threading.Event())
-        while not isinstance(done := await items.get(), Completion):
-            if done is _END:
-                try:
-                    work.result()
-                except KVFlashError as e:
-                    return error(400, str(e), "invalid_request_error")
+        items = _submit(server, req, ids, threading.Event())
+        while isinstance(done := await items.get(), str):
+            pass
+        if isinstance(done, KVFlashError):
+            return error(400, str(done), "invalid_request_error")
+        if isinstance(done, BaseException):
+            raise done
         message = {"role": "assistant", "content": done.text}
         choice = {"index": 0, "message": message, "finish_reason": done.finish_reason, "logprobs": None}
         body = {**head, "object": "chat.completion", "choices": [choice], "usage": done.usage()}
@@ -277,17 +272,14 @@ async def _stream(server: Server, req: ChatRequest, ids: list[int], head: dict) 
         choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
         return _event({**head, "object": "chat.completion.chunk", "choices": [choice]})
 
-    items, work = _start(server, req, ids, gone)
+    items = _submit(server, req, ids, gone)
     try:
         yield chunk({"role": "assistant", "content": ""})
         while isinstance(piece := await items.get(), str):
             yield chunk({"content": piece})
-        if piece is _END:
-            try:
-                work.result()
-            except Exception as e:  # headers are sent: the error goes in the stream
-                kind = "invalid_request_error" if isinstance(e, KVFlashError) else "server_error"
-                yield _event({"error": {"message": str(e), "type": kind, "param": None, "code": None}})
+        if isinstance(piece, BaseException):  # headers are sent: the error goes in the stream
+            kind = "invalid_request_error" if isinstance(piece, KVFlashError) else "server_error"
+            yield _event({"error": {"message": str(piece), "type": kind, "param": None, "code": None}})
             return
         done = piece
         yield chunk({}, done.finish_reason)
@@ -295,26 +287,18 @@ async def _stream(server: Server, req: ChatRequest, ids: list[int], head: dict) 
             yield _event({**head, "object": "chat.completion.chunk", "choices": [], "usage": done.usage()})
         yield "data: [DONE]\n\n"
     finally:
-        gone.set()  # a client that left ends the answer; the engine lock stays with the worker
+        gone.set()  # a client that left ends the answer at the scheduler's next step
 
 
-_END = object()
-"""Put on a request's queue when its worker returns or raises."""
-
-
-def _start(
-    server: Server, req: ChatRequest, ids: list[int], gone: threading.Event
-) -> tuple[asyncio.Queue, asyncio.Future]:
-    """Runs `server.complete` in a worker thread; its text pieces, its Completion and then _END
-    arrive on the queue, in that order."""
+def _submit(server: Server, req: ChatRequest, ids: list[int], gone: threading.Event) -> asyncio.Queue:
+    """Queues the request; its text pieces, then its Completion or error, arrive on the queue."""
     loop, items = asyncio.get_running_loop(), asyncio.Queue()
 
-    def emit(item: str | Completion) -> None:
+    def emit(item: str | Completion | BaseException) -> None:
         loop.call_soon_threadsafe(items.put_nowait, item)
 
-    work = asyncio.ensure_future(asyncio.to_thread(server.complete, req, ids, emit, gone))
-    work.add_done_callback(lambda _: items.put_nowait(_END))
-    return items, work
+    server.submit(req, ids, emit, gone)
+    return items
 
 
 def _event(obj: dict) -> str:

@@ -73,7 +73,7 @@ class Session:
     @property
     def kv(self) -> PagedKV | None:
         """The live sequence of this conversation, if any."""
-        return self.cache.kv
+        return self.cache.latest
 
     @property
     def label(self) -> str:
@@ -169,11 +169,15 @@ class Session:
         t0 = time.perf_counter()
         ids = self._prompt_ids(question)
         ahead, self._ahead = self._ahead, None
-        kv = self.cache.sequence_for(ids, stats, on_restore, ahead)
-        rest = ids[len(kv.seq) :]
-        out = answer(
-            self.engine, kv, rest, max_tokens, sampling, self.tok.eos_ids, stats, t0, on_text, on_prefill
-        )
+        kv = self.cache.take(ids, stats, on_restore, ahead)
+        try:
+            rest = ids[len(kv.seq) :]
+            eos = self.tok.eos_ids
+            out = answer(self.engine, kv, rest, max_tokens, sampling, eos, stats, t0, on_text, on_prefill)
+        except BaseException:
+            self.cache.drop(kv)
+            raise
+        self.cache.keep(kv)
         text = self.tok.decode(out)
         self.ids = ids + out
         self.messages += [{"role": "user", "content": question}, {"role": "assistant", "content": text}]

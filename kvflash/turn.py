@@ -6,6 +6,8 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
+import torch
+
 from kvflash.engine import Engine
 from kvflash.generate import Sampler, Sampling
 from kvflash.paged_kv import PagedKV
@@ -29,6 +31,69 @@ class TurnStats:
         return asdict(self)
 
 
+class Generation:
+    """One answer, a token at a time: samples each step's logits, ends at a stop id, at max_tokens
+    or when `on_token` returns True (a stop string, a client gone), and times it into `stats`."""
+
+    def __init__(
+        self,
+        max_tokens: int,
+        sampler: Sampler,
+        stop_ids: frozenset[int],
+        stats: TurnStats,
+        t0: float,
+        on_token: Callable[[int], bool | None] | None = None,
+    ):
+        self.max_tokens, self.sampler, self.stop_ids = max_tokens, sampler, stop_ids
+        self.stats, self.t0, self.on_token = stats, t0, on_token
+        self.out: list[int] = []
+        self._t_first: float | None = None
+
+    def push(self, logits: torch.Tensor) -> int | None:
+        """The token to feed next, or None: the answer has ended (a stop id is not kept)."""
+        tok = self.sampler(logits)
+        if tok in self.stop_ids:
+            return None
+        if self._t_first is None:
+            self._t_first = time.perf_counter()
+            self.stats.ttft_s = self._t_first - self.t0
+        self.out.append(tok)
+        if (self.on_token and self.on_token(tok)) or len(self.out) >= self.max_tokens:
+            return None
+        return tok
+
+    def finish(self, kv: PagedKV) -> list[int]:
+        t_end = time.perf_counter()
+        if self._t_first is None:
+            self.stats.ttft_s = t_end - self.t0
+        self.stats.generated_tokens = len(self.out)
+        if len(self.out) > 1:
+            self.stats.decode_tok_s = (len(self.out) - 1) / (t_end - self._t_first)
+        self.stats.bytes_moved = dict(kv.moved)
+        self.stats.resident_chunks = len(kv.resident())
+        return self.out
+
+
+def prefill_rest(
+    engine: Engine,
+    kv: PagedKV,
+    rest: list[int],
+    stats: TurnStats,
+    on_prefill: Callable[[int, int], None] | None = None,
+) -> torch.Tensor:
+    """Appends the prompt's `rest` to kv; the logits after its last token."""
+    stats.prefilled_tokens = len(rest)
+    done = 0
+
+    def progress(n: int) -> None:
+        nonlocal done
+        done += n
+        if on_prefill:
+            on_prefill(done, len(rest))
+
+    return engine.prefill(kv, rest, progress)
+
+
 def answer(
     engine: Engine,
     kv: PagedKV,
@@ -41,35 +106,12 @@ def answer(
     on_token: Callable[[int], bool | None] | None = None,
     on_prefill: Callable[[int, int], None] | None = None,
 ) -> list[int]:
-    """Appends `rest` to kv, then generates up to max_tokens ids (a stop id ends and is not kept).
-    `on_token` sees each id as it comes and ends the answer by returning True (a stop string, a
-    client gone). Fills stats' prefill, timing and traffic fields; t0 is when the turn began."""
-    stats.prefilled_tokens = len(rest)
-    done = 0
-
-    def progress(n: int) -> None:
-        nonlocal done
-        done += n
-        if on_prefill:
-            on_prefill(done, len(rest))
-
-    logits = engine.prefill(kv, rest, progress)
-    sampler = Sampler(sampling, engine.lm.device)
-    out: list[int] = []
-    t_first = None
-    for tok in engine.generate(kv, logits, max_tokens, sampler, stop_ids):
-        if t_first is None:
-            t_first = time.perf_counter()
-            stats.ttft_s = t_first - t0
-        out.append(tok)
-        if on_token and on_token(tok):
-            break
-    t_end = time.perf_counter()
-    if t_first is None:
-        stats.ttft_s = t_end - t0
-    stats.generated_tokens = len(out)
-    if len(out) > 1:
-        stats.decode_tok_s = (len(out) - 1) / (t_end - t_first)
-    stats.bytes_moved = dict(kv.moved)
-    stats.resident_chunks = len(kv.resident())
-    return out
+    """Appends `rest` to kv, then generates up to max_tokens ids (`Generation`). Fills stats'
+    prefill, timing and traffic fields; t0 is when the turn began."""
+    logits = prefill_rest(engine, kv, rest, stats, on_prefill)
+    gen = Generation(max_tokens, Sampler(sampling, engine.lm.device), stop_ids, stats, t0, on_token)
+    step, position = engine.decode_step(kv), len(kv.seq)
+    while (tok := gen.push(logits)) is not None:
+        logits = step(tok, position)
+        position += 1
+    return gen.finish(kv)

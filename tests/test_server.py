@@ -44,7 +44,8 @@ def lm(smollm_path):
 
 @contextmanager
 def serving(lm, store: Path | None, max_tokens: int = 16) -> Iterator[tuple[str, Server]]:
-    """A server on a free port of 127.0.0.1, in a thread of this process, over a new engine."""
+    """A server on a free port of 127.0.0.1, in a thread of this process, over a new engine whose
+    pool (4,096 tokens) gives each of the 4 requests that may decode together 1,024."""
     engine = Engine(lm, EngineConfig(pool_tokens=4096))
     st = SnapshotStore(store) if store else None
     snapshots = KVSnapshots(st, lm.fingerprint(engine.cfg.residency.chunk_tokens)) if st else None
@@ -223,16 +224,16 @@ def test_a_client_that_leaves_mid_stream_ends_its_answer(lm) -> None:
         assert whole > 20, "the story must be long enough to leave in the middle of"
         ask(url, TURN1, max_tokens=1)  # the live sequence is another conversation's now
         ids = server.prompt_ids(ChatRequest(model=MODEL, messages=story))
+        idle = server.scheduler.cache.idle
+        kept = len(idle)  # the two conversations so far, live
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
             assert next(r.iter_lines()).startswith("data: ")  # the role chunk: the answer has begun
         deadline = time.monotonic() + 60
-        while True:  # until the story's worker has run: it holds the lock until its answer ends
-            with server._lock:
-                if server.cache.kv.seq.tokens[: len(ids)] == ids:
-                    generated = len(server.cache.kv.seq) - len(ids)
-                    break
-            assert time.monotonic() < deadline, "the streamed request never ran"
+        while len(idle) == kept:  # the streamed answer ends and its sequence is kept, last
+            assert time.monotonic() < deadline, "the streamed request never ended"
             time.sleep(0.05)
+        assert idle[-1].seq.tokens[: len(ids)] == ids
+        generated = len(idle[-1].seq) - len(ids)
         assert ask(url, TURN1, max_tokens=2).choices[0].message.content
     assert 0 <= generated < whole - 1
 

@@ -1,0 +1,118 @@
+"""Batched decode and the scheduler, on a tiny random-weight model: a sequence decoded beside others
+computes what it computes alone, and the scheduler's answers are the ones each request gets alone."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvflash import KVFlashError
+from kvflash.config import EngineConfig, ResidencyConfig
+from kvflash.engine import Engine
+from kvflash.generate import Sampling
+from kvflash.models.loader import LoadedModel
+from kvflash.scheduler import Job, Scheduler
+from kvflash.turn import TurnStats, answer
+from tests.tiny import tiny_config, tiny_model
+
+CFG = tiny_config()
+RES = ResidencyConfig(chunk_tokens=16, tail_chunks=1, tau=8, tau_history_div=1 << 30)
+
+
+@pytest.fixture(scope="module")
+def lm() -> LoadedModel:
+    return LoadedModel(tiny_model(CFG), None, CFG, Path("tiny"), torch.float32, torch.device("cpu"))
+
+
+def engine(lm, pool_tokens: int = 512) -> Engine:
+    return Engine(lm, EngineConfig(pool_tokens=pool_tokens, residency=RES))
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, CFG.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_a_sequence_decoded_beside_others_computes_what_it_computes_alone(lm) -> None:
+    """Three sequences of different lengths, two of them beyond their budget (evicting, turned keys,
+    re-selecting every 8 tokens), teacher-forced for 24 steps: batched logits equal each one's own."""
+    lengths = [40, 150, 230]
+    runs = []
+    for batched in (False, True):
+        eng = engine(lm)
+        seqs = [eng.new_sequence(96) for _ in lengths]
+        firsts = [eng.prefill(kv, prompt(n, i)) for i, (kv, n) in enumerate(zip(seqs, lengths, strict=True))]
+        tokens = [int(f.argmax()) for f in firsts]
+        steps = []
+        for t in range(24):
+            if batched:
+                logits = eng.decode_batch(seqs, tokens)
+            else:
+                pairs = zip(seqs, tokens, strict=True)
+                logits = torch.stack([eng.decode_batch([kv], [tok])[0] for kv, tok in pairs])
+            steps.append(logits)
+            tokens = [(7 * t + 3 * i) % CFG.vocab_size for i in range(len(seqs))]
+        runs.append(torch.stack(steps))
+        assert any(kv.approximate for kv in seqs)  # some of them evicted: the hard case ran
+    torch.testing.assert_close(runs[1], runs[0], rtol=1e-5, atol=1e-5)
+
+
+def run_jobs(sched: Scheduler, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    results: list[list[int] | BaseException | None] = [None] * len(prompts)
+    done = threading.Semaphore(0)
+
+    def job(i: int) -> Job:
+        def finished(out, stats, kv) -> None:
+            results[i] = out
+            done.release()
+
+        def failed(e: BaseException) -> None:
+            results[i] = e
+            done.release()
+
+        return Job(prompts[i], max_tokens, Sampling(), lambda tok: False, finished, failed)
+
+    for i in range(len(prompts)):
+        sched.submit(job(i))
+    for _ in prompts:
+        assert done.acquire(timeout=120)
+    assert not any(isinstance(r, BaseException) for r in results), results
+    return results
+
+
+def test_the_scheduler_answers_each_request_as_it_is_answered_alone(lm) -> None:
+    prompts = [prompt(n, 10 + n) for n in (30, 70, 120, 45, 200)]
+    alone = []
+    eng = engine(lm)
+    for ids in prompts:
+        kv = eng.new_sequence(128)
+        alone.append(answer(eng, kv, ids, 12, Sampling(), frozenset(), TurnStats(), 0.0))
+        kv.free()
+    sched = Scheduler(engine(lm), None, frozenset(), max_batch=4)
+    try:
+        got = run_jobs(sched, prompts, 12)
+        assert sched.batched > sched.steps, "no step decoded more than one request"
+        assert len(sched.cache.idle) <= 4  # at most max_batch sequences hold slots
+    finally:
+        sched.close()
+    assert got == alone
+    assert sched.engine.pool.n_free == sched.engine.pool.n_slots  # close freed every sequence
+
+
+def test_a_conversation_continued_takes_its_live_sequence(lm) -> None:
+    sched = Scheduler(engine(lm), None, frozenset(), max_batch=2)
+    try:
+        first = prompt(50, 1)
+        (out,) = run_jobs(sched, [first], 6)
+        kept = sched.cache.latest
+        run_jobs(sched, [first + out + [5, 6, 7]], 4)
+        assert sched.cache.latest is kept and len(kept.seq) >= len(first) + len(out) + 3
+    finally:
+        sched.close()
+
+
+def test_a_pool_too_small_for_the_batch_is_refused(lm) -> None:
+    with pytest.raises(KVFlashError, match="max_batch"):
+        Scheduler(engine(lm, pool_tokens=256), None, frozenset(), max_batch=8)
