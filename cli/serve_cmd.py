@@ -30,7 +30,7 @@ def serve(
     name: str = typer.Option(None, "--served-model-name", help="Model id in requests (default: file stem)."),
     max_tokens: int = typer.Option(512, "--max-tokens", min=1, help="Answer length if a request sets none."),
     max_batch: int = typer.Option(
-        4, "--max-batch", min=1, help="Requests decoded together (each gets pool/N)."
+        1, "--max-batch", min=1, help="Requests decoded together; each gets pool/N (default: all of it)."
     ),
     decode_processes: int = ProcsOpt,
     cuda_graphs: bool = GraphsOpt,

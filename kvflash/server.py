@@ -135,7 +135,7 @@ class Server:
         model_name: str,
         snapshots: KVSnapshots | None,
         default_max_tokens: int = 512,
-        max_batch: int = 4,
+        max_batch: int = 1,
     ):
         self.tok, self.model_name, self.snapshots = tokenizer, model_name, snapshots
         self.default_max_tokens = default_max_tokens

@@ -49,7 +49,7 @@ def serving(lm, store: Path | None, max_tokens: int = 16) -> Iterator[tuple[str,
     engine = Engine(lm, EngineConfig(pool_tokens=4096))
     st = SnapshotStore(store) if store else None
     snapshots = KVSnapshots(st, lm.fingerprint(engine.cfg.residency.chunk_tokens)) if st else None
-    server = Server(engine, lm.tokenizer, MODEL, snapshots, max_tokens)
+    server = Server(engine, lm.tokenizer, MODEL, snapshots, max_tokens, max_batch=4)
     uv = uvicorn.Server(uvicorn.Config(create_app(server), host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()
