@@ -118,7 +118,13 @@ class Scheduler:
         return [j for j, row in zip(running, logits, strict=True) if self._advance(j, row)]
 
     def _advance(self, job: Job, logits) -> bool:
-        tok = job.gen.push(logits)
+        """Samples the job's next token; whether it goes on. Nothing a job's callbacks raise may
+        end this thread: every other request waits on it."""
+        try:
+            tok = job.gen.push(logits)
+        except Exception as e:
+            self._fail(job, e)
+            return False
         if tok is not None:
             job.next = tok
             return True
@@ -133,4 +139,8 @@ class Scheduler:
     def _fail(self, job: Job, e: BaseException) -> None:
         if job.kv is not None:
             self.cache.drop(job.kv)
-        job.on_error(e)
+            job.kv = None
+        try:
+            job.on_error(e)
+        except Exception as again:
+            warnings.warn(f"request error callback failed: {again} (on {e})", stacklevel=2)

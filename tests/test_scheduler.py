@@ -113,6 +113,33 @@ def test_a_conversation_continued_takes_its_live_sequence(lm) -> None:
         sched.close()
 
 
+def test_a_request_whose_consumer_fails_leaves_the_others_and_the_scheduler_running(lm) -> None:
+    sched = Scheduler(engine(lm), None, frozenset(), max_batch=2)
+    errors: list[BaseException] = []
+    failed = threading.Event()
+
+    seen: list[int] = []
+
+    def broken(tok: int) -> bool:  # fails at a decode step, not at the prefill's token
+        seen.append(tok)
+        if len(seen) == 3:
+            raise RuntimeError("the client's queue is gone")
+        return False
+
+    def on_error(e: BaseException) -> None:
+        errors.append(e)
+        failed.set()
+
+    try:
+        sched.submit(Job(prompt(40, 3), 8, Sampling(), broken, lambda *a: None, on_error))
+        (out,) = run_jobs(sched, [prompt(60, 4)], 8)
+        assert failed.wait(60) and "queue is gone" in str(errors[0])
+        assert len(out) == 8 and run_jobs(sched, [prompt(30, 5)], 3)[0]  # still serving
+        assert len(sched.cache._made) == 2  # the failed request's sequence was freed
+    finally:
+        sched.close()
+
+
 def test_a_pool_too_small_for_the_batch_is_refused(lm) -> None:
     with pytest.raises(KVFlashError, match="max_batch"):
         Scheduler(engine(lm, pool_tokens=256), None, frozenset(), max_batch=8)
