@@ -7,7 +7,7 @@ prompt chooses which chunks of the document it attends to.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 
 import torch
 
@@ -59,6 +59,18 @@ class Engine:
         self, kv: PagedKV, ids: list[int], on_progress: Callable[[int], None] | None = None
     ) -> torch.Tensor:
         """Appends ids to the sequence; returns the logits [V] after the last one."""
+        pieces = self.prefill_pieces(kv, ids, on_progress)
+        while True:
+            try:
+                next(pieces)
+            except StopIteration as done:
+                return done.value
+
+    def prefill_pieces(
+        self, kv: PagedKV, ids: list[int], on_progress: Callable[[int], None] | None = None
+    ) -> Generator[None, None, torch.Tensor]:
+        """`prefill` one step at a time: yields after each piece (so a scheduler can decode other
+        sequences between them) and returns the logits [V] after the last id."""
         model, dev = self.lm.model, self.lm.device
         c = kv.cfg.chunk_tokens
         pos, done, logits = len(kv.seq), 0, None
@@ -76,6 +88,8 @@ class Engine:
             pos, done = pos + n, done + n
             if on_progress:
                 on_progress(n)
+            if done < len(ids):
+                yield
         assert logits is not None, "prefill needs at least one token"
         return logits
 

@@ -2,11 +2,12 @@
 
 One thread owns the engine. It admits waiting requests while fewer than `max_batch` run: each takes a
 sequence from the prefix cache (live, restored from disk, or empty) and prefills the rest of its
-prompt; meanwhile the running requests wait, since one prefill runs at a time. Then every running
-request advances one token per batched forward (`Engine.decode_batch`), and a request that joins
-does so between two steps. A request ends at a stop id, at max_tokens or when its consumer says so;
-its sequence goes back to the prefix cache, live. Each sequence's budget is the pool divided by
-`max_batch`, and the prefix cache holds at most `max_batch` sequences, so the pool never runs out.
+prompt, one piece (`prefill_step_tokens`) per round, so the running requests go on decoding between
+the pieces; one request prefills at a time. Each round, every running request advances one token in
+one batched forward (`Engine.decode_batch`). A request ends at a stop id, at max_tokens or when its
+consumer says so; its sequence goes back to the prefix cache, live. Each sequence's budget is the
+pool divided by `max_batch`, and the prefix cache holds at most `max_batch` sequences, so the pool
+never runs out.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import queue
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
+
+import torch
 
 from kvflash import KVFlashError
 from kvflash.engine import Engine
@@ -24,7 +27,10 @@ from kvflash.generate import Sampler, Sampling
 from kvflash.paged_kv import PagedKV
 from kvflash.prefix_cache import PrefixCache
 from kvflash.snapshots import KVSnapshots
-from kvflash.turn import Generation, TurnStats, prefill_rest
+from kvflash.turn import Generation, TurnStats
+
+FILLING, DECODING, ENDED = range(3)
+"""Where a job stands after a round of its prefill (`Scheduler._fill`)."""
 
 
 @dataclass
@@ -42,6 +48,8 @@ class Job:
     stats: TurnStats = field(default_factory=TurnStats)
     t0: float = field(default_factory=time.perf_counter)
     kv: PagedKV | None = None
+    pieces: Generator[None, None, torch.Tensor] | None = None
+    """Its prefill, a piece per round (`Engine.prefill_pieces`)."""
     gen: Generation | None = None
     next: int = 0
     """The token to feed at the next step."""
@@ -79,32 +87,55 @@ class Scheduler:
 
     def _loop(self) -> None:
         running: list[Job] = []
+        filling: Job | None = None
         closing = False
-        while running or not closing:
-            while not closing and len(running) < self.max_batch:
-                try:
+        while running or filling or not closing:
+            if filling is None and not closing and len(running) < self.max_batch:
+                try:  # waits only when there is nothing else to do
                     job = self._queue.get(block=not running)
                 except queue.Empty:
-                    break
-                if job is None:
-                    closing = True
-                elif self._start(job):
-                    running.append(job)
+                    pass
+                else:
+                    if job is None:
+                        closing = True
+                    elif self._start(job):
+                        filling = job
+            if filling is not None:
+                state = self._fill(filling)
+                if state != FILLING:
+                    if state == DECODING:
+                        running.append(filling)
+                    filling = None
             if running:
                 running = self._step(running)
         self.cache.close()
 
     def _start(self, job: Job) -> bool:
-        """Takes a sequence and prefills; whether the job goes on decoding."""
+        """Takes a sequence for the job and sets up its prefill; False if that failed."""
         try:
             job.kv = self.cache.take(job.ids, job.stats)
-            logits = prefill_rest(self.engine, job.kv, job.ids[len(job.kv.seq) :], job.stats)
-            sampler = Sampler(job.sampling, self.engine.lm.device)
-            job.gen = Generation(job.max_tokens, sampler, self.stop_ids, job.stats, job.t0, job.on_token)
-            return self._advance(job, logits)
+            rest = job.ids[len(job.kv.seq) :]
+            job.stats.prefilled_tokens = len(rest)
+            job.pieces = self.engine.prefill_pieces(job.kv, rest)
+            return True
         except Exception as e:
             self._fail(job, e)
             return False
+
+    def _fill(self, job: Job) -> int:
+        """Runs one piece of the job's prefill: FILLING while pieces remain. After the last the first
+        token is sampled: DECODING, or ENDED (the answer ended there, or the job failed)."""
+        try:
+            next(job.pieces)
+            return FILLING
+        except StopIteration as last:
+            logits = last.value
+        except Exception as e:
+            self._fail(job, e)
+            return ENDED
+        sampler = Sampler(job.sampling, self.engine.lm.device)
+        job.gen = Generation(job.max_tokens, sampler, self.stop_ids, job.stats, job.t0, job.on_token)
+        return DECODING if self._advance(job, logits) else ENDED
 
     def _step(self, running: list[Job]) -> list[Job]:
         try:

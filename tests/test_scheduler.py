@@ -101,6 +101,43 @@ def test_the_scheduler_answers_each_request_as_it_is_answered_alone(lm) -> None:
     assert sched.engine.pool.n_free == sched.engine.pool.n_slots  # close freed every sequence
 
 
+def test_running_requests_decode_between_the_pieces_of_a_long_prefill(lm) -> None:
+    """A request decoding when a long prompt arrives finishes before that prompt's first token: the
+    long prefill goes one 32-token piece per round (8 of them), the short answer one token a round."""
+    eng = Engine(lm, EngineConfig(pool_tokens=512, residency=RES, prefill_step_tokens=32))
+    sched = Scheduler(eng, None, frozenset(), max_batch=2)
+    events: list[str] = []
+    started, submitted, finished = threading.Event(), threading.Event(), threading.Event()
+
+    def short_token(tok: int) -> bool:
+        if not started.is_set():  # hold the scheduler until the long request is queued
+            started.set()
+            assert submitted.wait(30)
+        return False
+
+    def long_token(tok: int) -> bool:
+        events.append("long: token")
+        return False
+
+    def done(name: str):
+        def on_done(out, stats, kv) -> None:
+            events.append(f"{name}: done")
+            if name == "long":
+                finished.set()
+
+        return on_done
+
+    try:
+        sched.submit(Job(prompt(20, 1), 6, Sampling(), short_token, done("short"), events.append))
+        assert started.wait(30)
+        sched.submit(Job(prompt(250, 2), 2, Sampling(), long_token, done("long"), events.append))
+        submitted.set()
+        assert finished.wait(60)
+    finally:
+        sched.close()
+    assert events[:2] == ["short: done", "long: token"], events
+
+
 def test_a_conversation_continued_takes_its_live_sequence(lm) -> None:
     sched = Scheduler(engine(lm), None, frozenset(), max_batch=2)
     try:
