@@ -74,26 +74,6 @@ class Generation:
         return self.out
 
 
-def prefill_rest(
-    engine: Engine,
-    kv: PagedKV,
-    rest: list[int],
-    stats: TurnStats,
-    on_prefill: Callable[[int, int], None] | None = None,
-) -> torch.Tensor:
-    """Appends the prompt's `rest` to kv; the logits after its last token."""
-    stats.prefilled_tokens = len(rest)
-    done = 0
-
-    def progress(n: int) -> None:
-        nonlocal done
-        done += n
-        if on_prefill:
-            on_prefill(done, len(rest))
-
-    return engine.prefill(kv, rest, progress)
-
-
 def answer(
     engine: Engine,
     kv: PagedKV,
@@ -108,7 +88,16 @@ def answer(
 ) -> list[int]:
     """Appends `rest` to kv, then generates up to max_tokens ids (`Generation`). Fills stats'
     prefill, timing and traffic fields; t0 is when the turn began."""
-    logits = prefill_rest(engine, kv, rest, stats, on_prefill)
+    stats.prefilled_tokens = len(rest)
+    done = 0
+
+    def progress(n: int) -> None:
+        nonlocal done
+        done += n
+        if on_prefill:
+            on_prefill(done, len(rest))
+
+    logits = engine.prefill(kv, rest, progress)
     gen = Generation(max_tokens, Sampler(sampling, engine.lm.device), stop_ids, stats, t0, on_token)
     step, position = engine.decode_step(kv), len(kv.seq)
     while (tok := gen.push(logits)) is not None:
