@@ -107,9 +107,11 @@ class StopText:
         self.stops, self.text, self.sent, self.stopped = stops, "", 0, False
 
     def push(self, piece: str) -> str:
-        """The text that can be sent now."""
+        """The text that can be sent now. A stop string found now ends in the new piece, so the
+        search starts just before it (a long answer is not rescanned at every token)."""
+        start = len(self.text)
         self.text += piece
-        cuts = [i for s in self.stops if (i := self.text.find(s)) >= 0]
+        cuts = [i for s in self.stops if (i := self.text.find(s, max(0, start - len(s) + 1))) >= 0]
         if cuts:
             self.text, self.stopped = self.text[: min(cuts)], True
             return self._release(len(self.text))
