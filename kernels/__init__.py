@@ -24,7 +24,10 @@ __all__ = [
     "gather_chunks",
     "paged_decode_attention",
     "prefill_attention",
+    "rms_norm",
+    "rotary_qk",
     "scatter_chunks",
+    "silu_mul",
     "topk_chunks",
     "uses_triton",
     "write_tokens",
@@ -37,6 +40,9 @@ _MODULE = {
     "write_tokens": "triton_copy",
     "gather_chunks": "triton_copy",
     "scatter_chunks": "triton_copy",
+    "rms_norm": "triton_pointwise",
+    "rotary_qk": "triton_pointwise",
+    "silu_mul": "triton_pointwise",
 }
 
 
@@ -49,23 +55,29 @@ def _have_triton() -> bool:
     return True
 
 
-def uses_triton(*tensors: torch.Tensor, head_dim: int, chunk_tokens: int = 1) -> bool:
-    """Whether a call on these tensors runs the Triton kernel (True) or the reference twin."""
+def _triton_ok(*tensors: torch.Tensor) -> bool:
     return (
         os.environ.get("KVFLASH_KERNELS", "").lower() != "torch"
         and all(t.is_cuda for t in tensors)
-        and pow2(head_dim)
-        and head_dim >= 16
-        and pow2(chunk_tokens)
         and _have_triton()
     )
 
 
+def uses_triton(*tensors: torch.Tensor, head_dim: int, chunk_tokens: int = 1) -> bool:
+    """Whether a call on these tensors runs the Triton kernel (True) or the reference twin."""
+    return pow2(head_dim) and head_dim >= 16 and pow2(chunk_tokens) and _triton_ok(*tensors)
+
+
 def _pick(name: str, pool: torch.Tensor, *tensors: torch.Tensor) -> Callable:
     """The implementation of `name` for a call on this (contiguous) pool and these tensors."""
-    if pool.is_contiguous() and uses_triton(
+    triton = pool.is_contiguous() and uses_triton(
         pool, *tensors, head_dim=pool.shape[5], chunk_tokens=pool.shape[4]
-    ):
+    )
+    return _impl(name, triton)
+
+
+def _impl(name: str, triton: bool) -> Callable:
+    if triton:
         return getattr(importlib.import_module(f"kvflash.kernels.{_MODULE[name]}"), name)
     return getattr(reference, name)
 
@@ -145,3 +157,26 @@ def gather_chunks(kv_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 def scatter_chunks(staging: torch.Tensor, kv_pool: torch.Tensor, slots: torch.Tensor) -> None:
     """Writes staging[i] into slot slots[i] of the pool."""
     _pick("scatter_chunks", kv_pool, staging, slots)(staging, kv_pool, slots)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, N] -> (RMSNorm(x + residual) * weight, x + residual): the residual add and the norm
+    after it in one pass (residual None: x alone)."""
+    extra = () if residual is None else (residual,)
+    return _impl("rms_norm", _triton_ok(x, weight, *extra))(x, weight, eps, residual)
+
+
+def rotary_qk(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE on q [T, Hq, D] and k [T, Hkv, D] at cos/sin [T, D] fp32 (Rotary.cos_sin). The Triton
+    kernel turns them in place; the twin returns new tensors."""
+    triton = uses_triton(q, k, cos, sin, head_dim=q.shape[-1])
+    return _impl("rotary_qk", triton)(q, k, cos, sin)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate | up) -> SiLU(gate) * up [T, I]."""
+    return _impl("silu_mul", _triton_ok(gate_up))(gate_up)

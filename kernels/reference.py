@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvflash.models.rope import apply_rotary
+
 
 def _attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
@@ -131,3 +133,28 @@ def gather_chunks(kv_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 def scatter_chunks(staging: torch.Tensor, kv_pool: torch.Tensor, slots: torch.Tensor) -> None:
     """Copies staging[i] into slot slots[i] of the pool, in place."""
     kv_pool[slots.long()] = staging
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, N] -> (RMSNorm(x + residual) * weight, x + residual), both in x's dtype. The sum is
+    rounded to x's dtype before it is normalised, as the residual stream is kept in it."""
+    if residual is not None:
+        x = x + residual
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(x.dtype), x
+
+
+def rotary_qk(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE on q [T, Hq, D] and k [T, Hkv, D] with cos/sin [T, D] fp32 (rope.apply_rotary)."""
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate | up) -> SiLU(gate) * up [T, I] in the input's dtype."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -488,6 +488,81 @@ def test_gpu_copies() -> None:
     check_gather_scatter(7, 32, 8, 128, 64, torch.float16, "cuda")
 
 
+# -- a layer's small ops --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Layer:
+    t: int
+    hidden: int
+    hq: int
+    h_kv: int
+    d: int
+    inter: int
+    dtype: torch.dtype
+
+
+def check_layer_ops(case: Layer, device: str) -> None:
+    g = torch.Generator().manual_seed(case.t + case.hidden)
+    pw, dt = triton_impl("triton_pointwise"), case.dtype
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(dt).to(device)
+
+    x, res, w = rand(case.t, case.hidden), rand(case.t, case.hidden), 1 + 0.1 * rand(case.hidden)
+    for residual in (None, res):
+        with poisoned_outputs():
+            out, summed = pw.rms_norm(x, w, 1e-5, residual)
+        want, want_sum = ref.rms_norm(x, w, 1e-5, residual)
+        close(out, want, dt)
+        close(summed, want_sum, dt)
+        # one rounding of an fp32 sum on both paths (the interpreter truncates to bf16 instead)
+        assert device != "cuda" or torch.equal(summed, want_sum)
+
+    sizes = [case.hq * case.d, case.h_kv * case.d, case.h_kv * case.d]
+    qkv = rand(case.t, sum(sizes))
+    before = qkv.clone()
+    q, k, _ = (p.view(case.t, -1, case.d) for p in qkv.split(sizes, dim=-1))
+    inv = 1.0 / 10000 ** (torch.arange(0, case.d, 2) / case.d)
+    ang = torch.randint(0, 1 << 17, (case.t,), generator=g)[:, None] * inv
+    cos, sin = (f(torch.cat([ang, ang], -1)).to(device) for f in (torch.cos, torch.sin))
+    want_q, want_k = ref.rotary_qk(q, k, cos, sin)
+    assert pw.rotary_qk(q, k, cos, sin)[0] is q, "turned in place"
+    close(q, want_q, dt)
+    close(k, want_k, dt)
+    assert torch.equal(qkv[:, sizes[0] + sizes[1] :], before[:, sizes[0] + sizes[1] :]), "v untouched"
+
+    gate_up = rand(case.t, 2 * case.inter)
+    with poisoned_outputs():
+        act = pw.silu_mul(gate_up)
+    close(act, ref.silu_mul(gate_up), dt)
+
+
+@interp
+@pytest.mark.parametrize(
+    "case",
+    [Layer(1, 576, 9, 3, 64, 1536, torch.float32), Layer(5, 64, 4, 1, 16, 40, torch.bfloat16)],
+    ids=str,
+)
+def test_interp_layer_ops(case: Layer) -> None:
+    check_layer_ops(case, "cpu")
+
+
+@on_gpu
+@pytest.mark.parametrize(
+    "case",
+    [
+        Layer(1, 576, 9, 3, 64, 1536, torch.bfloat16),
+        Layer(300, 576, 9, 3, 64, 1536, torch.bfloat16),
+        Layer(1, 4096, 32, 8, 128, 14336, torch.bfloat16),
+        Layer(77, 4096, 32, 8, 128, 14336, torch.float16),
+    ],
+    ids=str,
+)
+def test_gpu_layer_ops(case: Layer) -> None:
+    check_layer_ops(case, "cuda")
+
+
 # -- the twins against plain SDPA, and dispatch ---------------------------------------------------
 
 

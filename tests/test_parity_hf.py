@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvflash.kvcache import ContiguousKV
-from kvflash.models.llama import LlamaForCausalLM
+from kvflash.models.llama import LlamaForCausalLM, pack_weights
 from kvflash.models.loader import load_model
 from kvflash.models.safetensors_loader import config_from_hf
 
@@ -72,7 +72,7 @@ def test_logits_match_transformers(name: str) -> None:
     cfg = config_from_hf(hf_cfg.to_dict())
     assert cfg.arch == hf_cfg.model_type
     ours = LlamaForCausalLM(cfg)
-    ours.load_state_dict(hf.state_dict(), strict=True)
+    ours.load_state_dict(pack_weights(hf.state_dict()), strict=True)
 
     ids = torch.randint(0, cfg.vocab_size, (PREFILL + DECODE,))
     with torch.no_grad():

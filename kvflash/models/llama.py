@@ -1,18 +1,40 @@
 """Llama-family decoder in plain PyTorch (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2).
 
-Parameter names follow HuggingFace so a safetensors state dict loads as is. Tokens are flattened
-([T], one sequence per forward); attention goes through a `KVCache`, which owns where KV lives.
+Parameter names follow HuggingFace but for two packed projections (nano-vllm's and vLLM's):
+`qkv_proj` holds q, k and v stacked, `gate_up_proj` gate and up, so each is one matrix multiply;
+`pack_weights` turns a HuggingFace state dict into this one. Tokens are flattened ([T], one sequence
+per forward); attention goes through a `KVCache`, which owns where KV lives. The small ops (RMSNorm
+with the residual add, RoPE, SiLU * up) go through `kernels`: one Triton launch each on CUDA.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from kvflash import kernels
 from kvflash.config import ModelConfig
 from kvflash.kvcache import KVCache
-from kvflash.models.rope import Rotary, apply_rotary
+from kvflash.models.rope import Rotary
+
+PACKED = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "mlp.gate_up_proj": ("gate_proj", "up_proj")}
+"""Packed projection -> the HuggingFace projections stacked in it (rows, in this order)."""
+
+
+def pack_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A HuggingFace-named state dict with each layer's q/k/v and gate/up stacked into the packed
+    projections; other tensors pass through."""
+    out = dict(weights)
+    for name in weights:
+        for packed, parts in PACKED.items():
+            module, first = packed.split(".")[0], parts[0]
+            head, sep, kind = name.partition(f".{module}.{first}.")
+            if not sep:
+                continue
+            names = [f"{head}.{module}.{p}.{kind}" for p in parts]
+            if all(n in out for n in names):
+                out[f"{head}.{packed}.{kind}"] = torch.cat([out.pop(n) for n in names])
+    return out
 
 
 class RMSNorm(nn.Module):
@@ -21,10 +43,16 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual add fused with the norm after it."""
+        shape = x.shape
+        out, res = kernels.rms_norm(
+            x.reshape(-1, shape[-1]), self.weight, self.eps,
+            None if residual is None else residual.reshape(-1, shape[-1]),
+        )  # fmt: skip
+        return out.view(shape), res.view(shape)
 
 
 class Attention(nn.Module):
@@ -33,9 +61,8 @@ class Attention(nn.Module):
         self.layer = layer
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         h, d = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(h, cfg.n_heads * d, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(h, cfg.n_kv_heads * d, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(h, cfg.n_kv_heads * d, bias=cfg.qkv_bias)
+        self.sizes = [cfg.n_heads * d, cfg.n_kv_heads * d, cfg.n_kv_heads * d]
+        self.qkv_proj = nn.Linear(h, sum(self.sizes), bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_heads * d, h, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_eps)
@@ -44,12 +71,13 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.n_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q = q.view(t, self.n_heads, self.head_dim)
+        k = k.view(t, self.n_kv_heads, self.head_dim)
+        v = v.view(t, self.n_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = self.q_norm(q)[0], self.k_norm(k)[0]
+        q, k = kernels.rotary_qk(q, k, cos, sin)
         out = kv.attend(self.layer, q, k, v)
         return self.o_proj(out.reshape(t, self.n_heads * self.head_dim))
 
@@ -57,12 +85,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(kernels.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -73,9 +100,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it): the caller's next norm adds the two."""
+        h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, cos, sin, kv), residual)
+        return self.mlp(h), residual
 
 
 class Decoder(nn.Module):
@@ -112,9 +143,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """The forward between `kv.begin` and `kv.end`: device work only, so a CUDA graph can hold it."""
         cos, sin = self.rotary.cos_sin(positions)
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, kv)
+            x, residual = layer(x, residual, cos, sin, kv)
         if not all_logits:
-            x = x[-1:]
-        return self.lm_head(self.model.norm(x)).float()
+            x, residual = x[-1:], residual[-1:]
+        return self.lm_head(self.model.norm(x, residual)[0]).float()

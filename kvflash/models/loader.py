@@ -12,7 +12,7 @@ import torch
 from kvflash import KVFlashError
 from kvflash.config import DTYPES, ModelConfig
 from kvflash.models.fingerprint import model_fingerprint
-from kvflash.models.llama import LlamaForCausalLM
+from kvflash.models.llama import LlamaForCausalLM, pack_weights
 from kvflash.models.rope import Rotary
 from kvflash.models.tokenizer import Tokenizer
 
@@ -56,7 +56,7 @@ def build_model(
     """Builds without random init (meta device), then adopts the given tensors."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    weights = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
+    weights = {k: v.to(device=device, dtype=dtype) for k, v in pack_weights(weights).items()}
     if cfg.tie_embeddings:
         weights.pop("lm_head.weight", None)
     expected = set(model.state_dict()) - ({"lm_head.weight"} if cfg.tie_embeddings else set())
