@@ -36,7 +36,7 @@ LazyOpt = typer.Option(None, "--lazy/--eager", help="Restore lazily (default: wh
 MaxTokOpt = typer.Option(256, "--max-tokens", "-n", min=1, help="Most tokens per answer.")
 NoStoreOpt = typer.Option(False, "--no-store", help="Neither restore from nor save to the snapshot store.")
 GraphsOpt = typer.Option(
-    False, "--cuda-graphs", help="Replay each decode step from a CUDA graph (on CUDA; not yet measured)."
+    True, "--cuda-graphs/--no-cuda-graphs", help="Replay each decode step from a CUDA graph (on CUDA)."
 )
 ProcsOpt = typer.Option(
     0, "--decode-processes", min=0,
@@ -73,7 +73,7 @@ def pool_tokens(value: str | None) -> int | str:
 def open_session(
     docs: list[Path], *, session: str | None, pool: str | None, policy: str, lazy: bool | None,
     model: Path | None, dtype: str | None, device: str | None, store: Path | None, no_store: bool,
-    absolute_positions: bool = False, decode_processes: int = 0, cuda_graphs: bool = False,
+    absolute_positions: bool = False, decode_processes: int = 0, cuda_graphs: bool = True,
 ) -> Session:  # fmt: skip
     """The session `ask` and `chat` run, from their options (keywords: a dozen of them)."""
     documents = read_documents(docs)

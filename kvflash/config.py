@@ -121,6 +121,6 @@ class EngineConfig:
     host_bytes: int = 8 << 30
     residency: ResidencyConfig = field(default_factory=ResidencyConfig)
     prefill_step_tokens: int = 512
-    cuda_graphs: bool = False
-    """Decode steps replay a CUDA graph on CUDA (`decode_graph`). Off until it has been measured and
-    tested on the GPU (bench/decode.py, tests/test_gpu.py); written in a session without one."""
+    cuda_graphs: bool = True
+    """Decode steps replay a CUDA graph on CUDA (`decode_graph`): a step launches a few hundred small
+    kernels, and eager launches from Python cost more than the kernels (docs/BENCHMARKS.md, Decode)."""

@@ -9,6 +9,8 @@ queries for a re-selection run eagerly over the same buffers.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kvflash.models.llama import LlamaForCausalLM
@@ -45,7 +47,7 @@ class DecodeGraphs:
     def _capture(self) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Captures this step's work. The warm-up on a side stream (as torch's graph docs ask) and the
         replay that follows both write this step's K/V to its slot: the same values twice."""
-        side = torch.cuda.Stream()
+        side = _warm_up_stream(torch.cuda.current_device())
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             self._compute()
@@ -55,3 +57,10 @@ class DecodeGraphs:
             logits = self._compute()
         self._graphs[self.kv.shifted] = graph, logits
         return graph, logits
+
+
+@functools.cache
+def _warm_up_stream(device: int) -> torch.cuda.Stream:
+    """One warm-up stream per device: cuBLAS keeps a workspace (32 MiB on the H200) for every stream
+    it has run on, so a new stream per capture would hold 32 MiB more each time."""
+    return torch.cuda.Stream(device)
