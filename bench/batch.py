@@ -2,8 +2,9 @@
 one at a time, side by side, alternating.
 
 B sequences, each prefilled with --prompt-tokens random ids, decode --steps steps teacher-forced:
-once as B single-sequence forwards per step, once as one forward of B. Tokens per second of each, per
-B; rounds alternate the two. Prints one table, writes JSON and a PNG.
+as B single-sequence forwards per step (eager), on CUDA also as B single-sequence steps replayed from
+each sequence's CUDA graphs (`Engine.decode_step`, what a lone request gets), and as one forward of B.
+Tokens per second of each, per B; rounds alternate them. Prints one table, writes JSON and a PNG.
 
   python bench/batch.py --batches 1 2 4 8 --out out/batch
 """
@@ -27,17 +28,23 @@ from kvflash.engine import Engine
 from kvflash.models.loader import load_model
 
 
-def rate(eng: Engine, seqs, steps: int, together: bool) -> float:
-    tokens = [1] * len(seqs)
+MODES = {"alone": "one at a time", "graphs": "one at a time, graphs", "together": "batched"}
+
+
+def rate(eng: Engine, seqs, steps: int, mode: str) -> float:
     sync = torch.cuda.synchronize if eng.lm.device.type == "cuda" else (lambda: None)
+    graphs = [eng.decode_step(kv) for kv in seqs] if mode == "graphs" else []
     sync()
     t0 = time.perf_counter()
     for _ in range(steps):
-        if together:
-            eng.decode_batch(seqs, tokens)
+        if mode == "together":
+            eng.decode_batch(seqs, [1] * len(seqs))
+        elif mode == "graphs":
+            for kv, step in zip(seqs, graphs, strict=True):
+                step(1, len(kv.seq))
         else:
-            for kv, tok in zip(seqs, tokens, strict=True):
-                eng.decode_batch([kv], [tok])
+            for kv in seqs:
+                eng.decode_batch([kv], [1])
     sync()
     return steps * len(seqs) / (time.perf_counter() - t0)
 
@@ -57,6 +64,7 @@ def main() -> None:
     lm = load_model(args.model, device=args.device)
     per_seq = args.prompt_tokens + 2 * args.rounds * args.steps + 64
     eng = Engine(lm, EngineConfig(pool_tokens=max(args.batches) * (per_seq + 64)))
+    modes = [m for m in MODES if m != "graphs" or (lm.device.type == "cuda" and eng.cfg.cuda_graphs)]
     rows = []
     with Progress() as progress:
         task = progress.add_task("batches", total=len(args.batches))
@@ -67,22 +75,22 @@ def main() -> None:
                 eng.prefill(
                     kv, torch.randint(0, lm.config.vocab_size, (args.prompt_tokens,), generator=gen).tolist()
                 )
-            alone, together = [], []
+            runs: dict[str, list[float]] = {m: [] for m in modes}
             for _ in range(args.rounds):
-                alone.append(rate(eng, seqs, args.steps, together=False))
-                together.append(rate(eng, seqs, args.steps, together=True))
-            med = statistics.median
-            rows.append({"batch": b, "alone_tok_s": med(alone), "together_tok_s": med(together),
-                         "alone_runs": alone, "together_runs": together})  # fmt: skip
+                for m in modes:
+                    runs[m].append(rate(eng, seqs, args.steps, m))
+            row = {"batch": b} | {f"{m}_tok_s": statistics.median(r) for m, r in runs.items()}
+            rows.append(row | {f"{m}_runs": r for m, r in runs.items()})
             for kv in seqs:
                 kv.free()
             progress.advance(task)
     table = Table(title=f"decode tokens / s on {lm.device}, {args.prompt_tokens}-token prompts")
-    for col in ("batch", "one at a time", "batched", "batched / one at a time"):
+    best_alone = "graphs" if "graphs" in modes else "alone"
+    for col in ("batch", *(MODES[m] for m in modes), f"batched / {MODES[best_alone]}"):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(str(r["batch"]), f"{r['alone_tok_s']:.1f}", f"{r['together_tok_s']:.1f}",
-                      f"{r['together_tok_s'] / r['alone_tok_s']:.2f}x")  # fmt: skip
+        rates = [f"{r[f'{m}_tok_s']:.1f}" for m in modes]
+        table.add_row(str(r["batch"]), *rates, f"{r['together_tok_s'] / r[f'{best_alone}_tok_s']:.2f}x")
     Console().print(table)
     meta = {"date": time.strftime("%Y-%m-%d"), "device": str(lm.device), "torch": torch.__version__,
             "python": platform.python_version(), "args": vars(args)}  # fmt: skip
@@ -98,8 +106,9 @@ def plot(rows: list[dict], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(5, 3.5))
     xs = [r["batch"] for r in rows]
-    ax.plot(xs, [r["alone_tok_s"] for r in rows], "o-", label="one at a time")
-    ax.plot(xs, [r["together_tok_s"] for r in rows], "o-", label="batched")
+    for m, label in MODES.items():
+        if f"{m}_tok_s" in rows[0]:
+            ax.plot(xs, [r[f"{m}_tok_s"] for r in rows], "o-", label=label)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("sequences")
     ax.set_ylabel("decode tokens / s")

@@ -88,6 +88,7 @@ class PagedKV:
         self._decode_in_sent = torch.cuda.Event() if cuda else None  # None: the interpreter, on CPU
         self.shifted = False
         """The listed chunks' keys are turned (cache positions with chunks evicted between them)."""
+        self._no_rot: torch.Tensor | None = None
 
     @property
     def graphable(self) -> bool:
@@ -100,6 +101,20 @@ class PagedKV:
             and self._queries is None
             and self._scores is None
         )
+
+    def decode_table(self) -> torch.Tensor:
+        """[budget] int32: the slot table this decode step reads (`decode_in[4]` of it valid)."""
+        return self._table
+
+    def decode_rotation(self) -> torch.Tensor:
+        """[budget, 2, D/2]: each listed chunk's key rotation this decode step, the identity (cos 1,
+        sin 0) when no key is turned, so that a batch mixing both can run as one kernel call."""
+        if self.shifted:
+            return self._table_rot
+        if self._no_rot is None:
+            self._no_rot = torch.zeros_like(self._table_rot)
+            self._no_rot[:, 0] = 1.0
+        return self._no_rot
 
     @property
     def summary_shape(self) -> torch.Size:

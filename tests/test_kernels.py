@@ -480,6 +480,30 @@ def test_interp_sequence_decodes_through_the_kernels_as_through_the_reference() 
     torch.testing.assert_close(runs[1], runs[0], **TOL[torch.float32])
 
 
+@interp
+def test_interp_batched_decode_attends_in_one_call_as_each_sequence_alone() -> None:
+    """The scheduler's batched decode on the kernels (forced on, as on CUDA): each layer attends for
+    the whole batch in one call, over stacked slot tables mixing turned and unturned keys, and every
+    sequence's logits equal its own decode step's."""
+    from tests.test_scheduler import CFG, batched_against_alone
+    from tests.tiny import tiny_model
+    from kvflash.models.loader import LoadedModel
+
+    lm = LoadedModel(tiny_model(CFG), None, CFG, Path("tiny"), torch.float32, torch.device("cpu"))
+    batches, real = [], kernels.paged_decode_attention
+
+    def spy(q: torch.Tensor, *args, **kw) -> torch.Tensor:
+        batches.append(q.shape[0])
+        return real(q, *args, **kw)
+
+    with (
+        mock.patch.object(kernels, "uses_triton", return_value=True),
+        mock.patch.object(kernels, "paged_decode_attention", spy),
+    ):
+        batched_against_alone(lm)
+    assert 3 in batches, "some steps attended for the batch of three in one call"
+
+
 @on_gpu
 def test_gpu_copies() -> None:
     check_write(1, 8, 128, 64, torch.bfloat16, "cuda")

@@ -38,6 +38,10 @@ def prompt(n: int, seed: int) -> list[int]:
 def test_a_sequence_decoded_beside_others_computes_what_it_computes_alone(lm) -> None:
     """Three sequences of different lengths, two of them beyond their budget (evicting, turned keys,
     re-selecting every 8 tokens), teacher-forced for 24 steps: batched logits equal each one's own."""
+    batched_against_alone(lm)
+
+
+def batched_against_alone(lm: LoadedModel) -> None:
     lengths = [40, 150, 230]
     runs = []
     for batched in (False, True):
