@@ -3,7 +3,8 @@ one at a time, side by side, alternating.
 
 B sequences, each prefilled with --prompt-tokens random ids, decode --steps steps teacher-forced:
 as B single-sequence forwards per step (eager), on CUDA also as B single-sequence steps replayed from
-each sequence's CUDA graphs (`Engine.decode_step`, what a lone request gets), and as one forward of B.
+each sequence's CUDA graphs (`Engine.decode_step`, what a lone request gets), and as one forward of B
+(at B = 1 that is the graph step again).
 Tokens per second of each, per B; rounds alternate them. Prints one table, writes JSON and a PNG.
 
   python bench/batch.py --batches 1 2 4 8 --out out/batch
@@ -16,6 +17,7 @@ import json
 import platform
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -25,26 +27,27 @@ from rich.table import Table
 
 from kvflash.config import EngineConfig
 from kvflash.engine import Engine
+from kvflash.generate import eager_step
 from kvflash.models.loader import load_model
-
 
 MODES = {"alone": "one at a time", "graphs": "one at a time, graphs", "together": "batched"}
 
 
 def rate(eng: Engine, seqs, steps: int, mode: str) -> float:
+    """Tokens per second over `steps` steps, after one untimed step (a sequence's first graph step
+    captures its graph)."""
     sync = torch.cuda.synchronize if eng.lm.device.type == "cuda" else (lambda: None)
-    graphs = [eng.decode_step(kv) for kv in seqs] if mode == "graphs" else []
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(steps):
+    steps_of = {"alone": partial(eager_step, eng.lm.model), "graphs": eng.decode_step}
+    one = [steps_of[mode](kv) for kv in seqs] if mode in steps_of else []
+    for i in range(steps + 1):
+        if i == 1:
+            sync()
+            t0 = time.perf_counter()
         if mode == "together":
             eng.decode_batch(seqs, [1] * len(seqs))
-        elif mode == "graphs":
-            for kv, step in zip(seqs, graphs, strict=True):
-                step(1, len(kv.seq))
         else:
-            for kv in seqs:
-                eng.decode_batch([kv], [1])
+            for kv, step in zip(seqs, one, strict=True):
+                step(1, len(kv.seq))
     sync()
     return steps * len(seqs) / (time.perf_counter() - t0)
 

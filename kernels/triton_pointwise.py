@@ -113,5 +113,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     n = n2 // 2
     out = torch.empty((t, n), dtype=gate_up.dtype, device=gate_up.device)
     block = min(SILU_BLOCK, next_pow2(n))
-    _silu_mul_kernel[(t, triton.cdiv(n, block))](gate_up, out, n, gate_up.stride(0), out.stride(0), BLOCK=block)
+    _silu_mul_kernel[(t, triton.cdiv(n, block))](
+        gate_up, out, n, gate_up.stride(0), out.stride(0), BLOCK=block
+    )
     return out

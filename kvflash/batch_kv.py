@@ -42,7 +42,9 @@ class BatchKV:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if not self.joint:
-            outs = [kv.attend(layer, q[i : i + 1], k[i : i + 1], v[i : i + 1]) for i, kv in enumerate(self.seqs)]
+            outs = [
+                kv.attend(layer, q[i : i + 1], k[i : i + 1], v[i : i + 1]) for i, kv in enumerate(self.seqs)
+            ]
             return torch.cat(outs)
         pool = self.seqs[0].pool.kv
         kernels.write_tokens(pool, layer, self._slot, self._off, k, v)

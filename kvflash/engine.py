@@ -105,7 +105,9 @@ class Engine:
     @torch.inference_mode()
     def decode_batch(self, seqs: list[PagedKV], tokens: list[int]) -> torch.Tensor:
         """One decode step of each sequence in one forward: tokens[i] goes next in seqs[i]; returns
-        the logits [B, V] after each."""
+        the logits [B, V] after each. A lone sequence takes its own step, replayed from its graphs."""
+        if len(seqs) == 1:
+            return self.decode_step(seqs[0])(tokens[0], len(seqs[0].seq))[None]
         batch, dev = BatchKV(seqs), self.lm.device
         positions = [len(kv.seq) for kv in seqs]
         batch.begin_decode(tokens, positions)

@@ -485,9 +485,9 @@ def test_interp_batched_decode_attends_in_one_call_as_each_sequence_alone() -> N
     """The scheduler's batched decode on the kernels (forced on, as on CUDA): each layer attends for
     the whole batch in one call, over stacked slot tables mixing turned and unturned keys, and every
     sequence's logits equal its own decode step's."""
+    from kvflash.models.loader import LoadedModel
     from tests.test_scheduler import CFG, batched_against_alone
     from tests.tiny import tiny_model
-    from kvflash.models.loader import LoadedModel
 
     lm = LoadedModel(tiny_model(CFG), None, CFG, Path("tiny"), torch.float32, torch.device("cpu"))
     batches, real = [], kernels.paged_decode_attention
