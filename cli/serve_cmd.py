@@ -12,7 +12,6 @@ from kvflash.config import EngineConfig, ResidencyConfig
 from kvflash.engine import Engine
 from kvflash.models.loader import load_model
 from kvflash.paths import snapshots_dir
-from kvflash.server import Server, create_app
 from kvflash.snapshots import KVSnapshots
 from kvflash.storage import SnapshotStore
 
@@ -37,6 +36,8 @@ def serve(
 ) -> None:
     """Serve /v1/chat/completions and /v1/models; a conversation's next turn reuses its KV."""
     import uvicorn
+
+    from kvflash.server import Server, create_app  # FastAPI loads only for `serve`
 
     lm = load_model(model, dtype=dtype, device=device)
     engine = Engine(lm, EngineConfig(pool_tokens=pool_tokens(pool), residency=ResidencyConfig(policy=policy),
