@@ -3,8 +3,9 @@ one at a time, side by side, alternating.
 
 B sequences, each prefilled with --prompt-tokens random ids, decode --steps steps teacher-forced:
 as B single-sequence forwards per step (eager), on CUDA also as B single-sequence steps replayed from
-each sequence's CUDA graphs (`Engine.decode_step`, what a lone request gets), and as one forward of B
-(at B = 1 that is the graph step again).
+each sequence's CUDA graphs (`Engine.decode_step`, what a lone request gets), and as
+`Engine.decode_batch` (one forward of B; up to `GRAPH_STEPS_UP_TO` sequences with graphs it takes
+the graph steps again).
 Tokens per second of each, per B; rounds alternate them. Prints one table, writes JSON and a PNG.
 
   python bench/batch.py --batches 1 2 4 8 --out out/batch

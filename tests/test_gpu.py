@@ -130,7 +130,8 @@ def test_batched_decode_attends_in_one_call_as_each_sequence_alone(lm, monkeypat
     monkeypatch.setattr(kernels, "paged_decode_attention", spy)
     runs = []
     for batched in (False, True):
-        eng = Engine(lm, EngineConfig(pool_tokens=8192, residency=ResidencyConfig(tau=16)))
+        cfg = EngineConfig(pool_tokens=8192, residency=ResidencyConfig(tau=16), cuda_graphs=False)
+        eng = Engine(lm, cfg)  # without graphs: three sequences would take three graph steps
         seqs = [eng.new_sequence(1024) for _ in prompts]
         firsts = [eng.prefill(kv, ids) for kv, ids in zip(seqs, prompts, strict=True)]
         tokens = [int(f.argmax()) for f in firsts]
