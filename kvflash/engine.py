@@ -97,10 +97,14 @@ class Engine:
         assert logits is not None, "prefill needs at least one token"
         return logits
 
+    def replays(self, kv: PagedKV) -> bool:
+        """Whether this sequence's decode steps replay CUDA graphs: where the Triton kernels run."""
+        return self.cfg.cuda_graphs and kv.uses_triton and kv.pool.kv.is_cuda
+
     def decode_step(self, kv: PagedKV) -> Step:
-        """Replayed from CUDA graphs where the Triton kernels run (the sequence keeps its graphs for
-        later turns), else the eager forward."""
-        if not (self.cfg.cuda_graphs and kv.uses_triton and kv.pool.kv.is_cuda):
+        """Replayed from CUDA graphs where `replays` (the sequence keeps its graphs for later turns),
+        else the eager forward."""
+        if not self.replays(kv):
             return eager_step(self.lm.model, kv)
         if kv.graphs is None:
             kv.graphs = DecodeGraphs(self.lm.model, kv)
@@ -111,8 +115,7 @@ class Engine:
         """One decode step of each sequence in one forward: tokens[i] goes next in seqs[i]; returns
         the logits [B, V] after each. Up to GRAPH_STEPS_UP_TO sequences with CUDA graphs take their own
         steps, replayed from their graphs."""
-        graphs = self.cfg.cuda_graphs and self.lm.device.type == "cuda"
-        if len(seqs) == 1 or (graphs and len(seqs) <= GRAPH_STEPS_UP_TO):
+        if len(seqs) == 1 or (len(seqs) <= GRAPH_STEPS_UP_TO and all(map(self.replays, seqs))):
             pairs = zip(seqs, tokens, strict=True)
             return torch.stack([self.decode_step(kv)(tok, len(kv.seq)) for kv, tok in pairs])
         batch, dev = BatchKV(seqs), self.lm.device
