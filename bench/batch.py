@@ -3,9 +3,9 @@ one at a time, side by side, alternating.
 
 B sequences, each prefilled with --prompt-tokens random ids, decode --steps steps teacher-forced:
 as B single-sequence forwards per step (eager), on CUDA also as B single-sequence steps replayed from
-each sequence's CUDA graphs (`Engine.decode_step`, what a lone request gets), and as
-`Engine.decode_batch` (one forward of B; up to `GRAPH_STEPS_UP_TO` sequences with graphs it takes
-the graph steps again).
+each sequence's CUDA graphs (`Engine.decode_step`, what a lone request gets) and as one forward of B
+launched eagerly (`Engine.decode_batch_eager`), and as `Engine.decode_batch` (one forward of B,
+replayed from the batch's CUDA graph on CUDA).
 Tokens per second of each, per B; rounds alternate them. Prints one table, writes JSON and a PNG.
 
   python bench/batch.py --batches 1 2 4 8 --out out/batch
@@ -31,7 +31,14 @@ from kvflash.engine import Engine
 from kvflash.generate import eager_step
 from kvflash.models.loader import load_model
 
-MODES = {"alone": "one at a time", "graphs": "one at a time, graphs", "together": "batched"}
+MODES = {
+    "alone": "one at a time",
+    "graphs": "one at a time, graphs",
+    "together_eager": "batched, eager",
+    "together": "batched",
+}
+CUDA_ONLY = ("graphs", "together_eager")
+"""Modes that differ from another only where CUDA graphs replay."""
 
 
 def rate(eng: Engine, seqs, steps: int, mode: str) -> float:
@@ -46,6 +53,8 @@ def rate(eng: Engine, seqs, steps: int, mode: str) -> float:
             t0 = time.perf_counter()
         if mode == "together":
             eng.decode_batch(seqs, [1] * len(seqs))
+        elif mode == "together_eager":
+            eng.decode_batch_eager(seqs, [1] * len(seqs))
         else:
             for kv, step in zip(seqs, one, strict=True):
                 step(1, len(kv.seq))
@@ -58,6 +67,7 @@ def main() -> None:
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 2, 4, 8])
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--model", default=None)
     ap.add_argument("--device", default=None)
@@ -66,9 +76,10 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     lm = load_model(args.model, device=args.device)
-    per_seq = args.prompt_tokens + 2 * args.rounds * args.steps + 64
+    per_seq = args.prompt_tokens + (args.rounds + 1) * len(args.modes) * (args.steps + 1) + 64
     eng = Engine(lm, EngineConfig(pool_tokens=max(args.batches) * (per_seq + 64)))
-    modes = [m for m in MODES if m != "graphs" or (lm.device.type == "cuda" and eng.cfg.cuda_graphs)]
+    graphs = lm.device.type == "cuda" and eng.cfg.cuda_graphs
+    modes = [m for m in args.modes if m not in CUDA_ONLY or graphs]
     rows = []
     with Progress() as progress:
         task = progress.add_task("batches", total=len(args.batches))
@@ -80,6 +91,8 @@ def main() -> None:
                     kv, torch.randint(0, lm.config.vocab_size, (args.prompt_tokens,), generator=gen).tolist()
                 )
             runs: dict[str, list[float]] = {m: [] for m in modes}
+            for m in modes:  # untimed: captures every graph the timed rounds replay
+                rate(eng, seqs, args.steps, m)
             for _ in range(args.rounds):
                 for m in modes:
                     runs[m].append(rate(eng, seqs, args.steps, m))
@@ -89,12 +102,15 @@ def main() -> None:
                 kv.free()
             progress.advance(task)
     table = Table(title=f"decode tokens / s on {lm.device}, {args.prompt_tokens}-token prompts")
-    best_alone = "graphs" if "graphs" in modes else "alone"
-    for col in ("batch", *(MODES[m] for m in modes), f"batched / {MODES[best_alone]}"):
+    alone = next((m for m in ("graphs", "alone") if m in modes), None)
+    ratio = alone is not None and "together" in modes
+    for col in ("batch", *(MODES[m] for m in modes), *([f"batched / {MODES[alone]}"] if ratio else [])):
         table.add_column(col, justify="right")
     for r in rows:
         rates = [f"{r[f'{m}_tok_s']:.1f}" for m in modes]
-        table.add_row(str(r["batch"]), *rates, f"{r['together_tok_s'] / r[f'{best_alone}_tok_s']:.2f}x")
+        table.add_row(
+            str(r["batch"]), *rates, *([f"{r['together_tok_s'] / r[f'{alone}_tok_s']:.2f}x"] if ratio else [])
+        )
     Console().print(table)
     meta = {"date": time.strftime("%Y-%m-%d"), "device": str(lm.device), "torch": torch.__version__,
             "python": platform.python_version(), "args": vars(args)}  # fmt: skip

@@ -4,8 +4,9 @@ The dense layers (projections, MLP, head) run on the whole batch, which reads ev
 all of them. On the Triton path attention is one call for the batch too: each layer writes the batch's
 new K/V in one launch and attends with one paged-decode call over the sequences' slot tables stacked
 (the kernel takes a table per sequence); a sequence's table, valid lengths and key rotations are the
-ones its own decode step reads, so batching changes no sequence's residency or attention. Steps where
-a sequence records scoring queries (a re-selection), and the reference path, attend per sequence.
+ones its own decode step reads, so batching changes no sequence's residency or attention. On a
+re-selection step the batch keeps each layer's queries and hands each re-selecting sequence its row.
+The reference path attends per sequence.
 """
 
 from __future__ import annotations
@@ -17,28 +18,49 @@ from kvflash.paged_kv import PagedKV
 
 
 class BatchKV:
-    """The KVCache of a batched decode step; `begin_decode` replaces `begin`."""
+    """The KVCache of a batched decode step; `begin_decode` replaces `begin`. Its stacked buffers keep
+    their addresses from step to step while the batch's shape does (a CUDA graph reads them)."""
 
     def __init__(self, seqs: list[PagedKV]):
         self.seqs = seqs
         self.joint = False
         """This step attends with one kernel call for the whole batch."""
+        self.queries: list[torch.Tensor] | None = None
+        """Each layer's queries [B, Hq, D] fp32, on steps where a sequence re-selects."""
+        self._ins: torch.Tensor | None = None
+        self._table: torch.Tensor | None = None
+        self._rot: torch.Tensor | None = None
+        self._host_inputs: tuple[list[int], list[int]] = ([], [])
 
     def begin_decode(self, tokens: list[int], positions: list[int]) -> None:
         for kv, tok, pos in zip(self.seqs, tokens, positions, strict=True):
             kv.begin_decode(tok, pos)
-        seqs = self.seqs
-        self.joint = all(kv.graphable for kv in seqs) and len({kv.budget for kv in seqs}) == 1
-        if not self.joint:
-            return
-        ins = torch.stack([kv.decode_in for kv in seqs])  # [B, DECODE_FIELDS]
-        self._slot, self._off, self._n, self._last = (ins[:, i].contiguous() for i in range(2, 6))
-        self._table = torch.stack([kv.decode_table() for kv in seqs])
-        turned = any(kv.shifted for kv in seqs)
-        self._rot = torch.stack([kv.decode_rotation() for kv in seqs]) if turned else None
+        self._host_inputs = tokens, positions
+        self.stage()
 
     def begin(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
         self.begin_decode(input_ids.tolist(), positions.tolist())
+
+    def stage(self) -> None:
+        """After each sequence's `begin_decode`: stacks their decode inputs, where one call can attend."""
+        seqs = self.seqs
+        self.joint = all(kv.graphable for kv in seqs) and len({kv.budget for kv in seqs}) == 1
+        self.queries = [] if self.joint and any(kv.recording for kv in seqs) else None
+        if not self.joint:
+            return
+        # [DECODE_FIELDS, B]: token ids, positions, write slots and offsets, chunks listed, valid in last
+        self._ins = _stack([kv.decode_in for kv in seqs], self._ins, dim=1)
+        self._table = _stack([kv.decode_table() for kv in seqs], self._table)
+        turned = any(kv.shifted for kv in seqs)
+        self._rot = _stack([kv.decode_rotation() for kv in seqs], self._rot) if turned else None
+
+    def inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's token ids and positions [B] on the device."""
+        if self.joint:
+            return self._ins[0], self._ins[1]
+        dev = self.seqs[0].pool.kv.device
+        tokens, positions = self._host_inputs
+        return torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if not self.joint:
@@ -46,12 +68,21 @@ class BatchKV:
                 kv.attend(layer, q[i : i + 1], k[i : i + 1], v[i : i + 1]) for i, kv in enumerate(self.seqs)
             ]
             return torch.cat(outs)
-        pool = self.seqs[0].pool.kv
-        kernels.write_tokens(pool, layer, self._slot, self._off, k, v)
+        if self.queries is not None:
+            self.queries.append(q.float())
+        pool, ins = self.seqs[0].pool.kv, self._ins
+        kernels.write_tokens(pool, layer, ins[2], ins[3], k, v)
         return kernels.paged_decode_attention(
-            q, pool, layer, self._table, self._n, self._last, q.shape[-1] ** -0.5, self._rot
+            q, pool, layer, self._table, ins[4], ins[5], q.shape[-1] ** -0.5, self._rot
         )
 
     def end(self) -> None:
-        for kv in self.seqs:
+        for i, kv in enumerate(self.seqs):
+            if self.queries is not None and kv.recording:
+                kv.queries = [q[i : i + 1] for q in self.queries]
             kv.end()
+
+
+def _stack(rows: list[torch.Tensor], out: torch.Tensor | None, dim: int = 0) -> torch.Tensor:
+    """torch.stack, into `out` when it is given (same shape)."""
+    return torch.stack(rows, dim) if out is None else torch.stack(rows, dim, out=out)

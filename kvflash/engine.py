@@ -13,16 +13,12 @@ import torch
 
 from kvflash.batch_kv import BatchKV
 from kvflash.config import EngineConfig
-from kvflash.decode_graph import DecodeGraphs
+from kvflash.decode_graph import BatchGraphs, DecodeGraphs
 from kvflash.generate import Sampler, Sampling, Step, decode, eager_step
 from kvflash.host_tier import HostTier
 from kvflash.models.loader import LoadedModel
 from kvflash.paged_kv import PagedKV
 from kvflash.pool import ChunkPool, slots_for
-
-GRAPH_STEPS_UP_TO = 4
-"""Batches up to this size decode as one graph replay per sequence: a batched step runs eagerly, and
-on the H200 four SmolLM2 replays beat it (415 vs 195 tok/s); at 16 the batch won (682 vs 509)."""
 
 
 class Engine:
@@ -32,6 +28,7 @@ class Engine:
         n = slots_for(lm.config, cfg.pool_tokens, c, lm.dtype, lm.device)
         self.pool = ChunkPool(lm.config, n, c, lm.dtype, lm.device)
         self.host = HostTier(self.pool, cfg.host_bytes)
+        self.batch_graphs = BatchGraphs(lm.model)
         if lm.device.type == "cuda":
             self.warm_up()
 
@@ -113,16 +110,20 @@ class Engine:
     @torch.inference_mode()
     def decode_batch(self, seqs: list[PagedKV], tokens: list[int]) -> torch.Tensor:
         """One decode step of each sequence in one forward: tokens[i] goes next in seqs[i]; returns
-        the logits [B, V] after each. Up to GRAPH_STEPS_UP_TO sequences with CUDA graphs take their own
-        steps, replayed from their graphs."""
-        if len(seqs) == 1 or (len(seqs) <= GRAPH_STEPS_UP_TO and all(map(self.replays, seqs))):
-            pairs = zip(seqs, tokens, strict=True)
-            return torch.stack([self.decode_step(kv)(tok, len(kv.seq)) for kv, tok in pairs])
-        batch, dev = BatchKV(seqs), self.lm.device
-        positions = [len(kv.seq) for kv in seqs]
-        batch.begin_decode(tokens, positions)
-        ids, pos = torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev)
-        logits = self.lm.model.compute(ids, pos, batch, all_logits=True)
+        the logits [B, V] after each. Replayed from a CUDA graph of the batch where every sequence
+        `replays` and all have one budget; a lone sequence takes its own `decode_step`."""
+        if len(seqs) == 1:
+            return self.decode_step(seqs[0])(tokens[0], len(seqs[0].seq))[None]
+        if all(map(self.replays, seqs)) and len({kv.budget for kv in seqs}) == 1:
+            return self.batch_graphs(seqs, tokens)
+        return self.decode_batch_eager(seqs, tokens)
+
+    @torch.inference_mode()
+    def decode_batch_eager(self, seqs: list[PagedKV], tokens: list[int]) -> torch.Tensor:
+        """`decode_batch` without graphs: the forward launched from Python."""
+        batch = BatchKV(seqs)
+        batch.begin_decode(tokens, [len(kv.seq) for kv in seqs])
+        logits = self.lm.model.compute(*batch.inputs(), batch, all_logits=True)
         batch.end()
         return logits
 

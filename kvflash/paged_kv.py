@@ -66,8 +66,9 @@ class PagedKV:
         """The engine's CUDA graphs of this sequence's decode step, which read its decode buffers."""
         self._since_select = 0
         self._scores: torch.Tensor | None = None
-        self._queries: list[torch.Tensor] | None = None
-        """Each layer's scoring queries, on steps scored from exact keys (scouts, decode re-selection)."""
+        self.queries: list[torch.Tensor] | None = None
+        """Each layer's scoring queries, on steps scored from exact keys (scouts, decode re-selection);
+        a CUDA graph that replays such a step hands in the queries it recorded."""
         self._inv_freq = inv_frequencies(pool.cfg).to(pool.kv.device)
         self._rot: torch.Tensor | None = None
         """[resident, 2, D/2] cos/sin moving each resident chunk's keys to its cache position, or None
@@ -93,14 +94,13 @@ class PagedKV:
     @property
     def graphable(self) -> bool:
         """This step is a decode step whose device work a CUDA graph can replay: one token through
-        the Triton kernels, recording no scoring queries."""
-        return (
-            self.uses_triton
-            and self._end - self._start == 1
-            and not self.scout
-            and self._queries is None
-            and self._scores is None
-        )
+        the Triton kernels (a re-selection step too: its graph records the queries, `recording`)."""
+        return self.uses_triton and self._end - self._start == 1 and not self.scout
+
+    @property
+    def recording(self) -> bool:
+        """This step records each layer's query, to score the chunks from exact keys at `end`."""
+        return self.queries is not None and self._n_cand > 0
 
     def decode_table(self) -> torch.Tensor:
         """[budget] int32: the slot table this decode step reads (`decode_in[4]` of it valid)."""
@@ -310,7 +310,7 @@ class PagedKV:
             self._scores = torch.zeros(self._n_cand, device=dev)
             self._cand_rot = self._candidate_rotation(start // c)
         exact = capture and (self.scout or t == 1)
-        self._queries = [] if exact else None
+        self.queries = [] if exact else None
 
     def _stage_decode(self, position: int) -> None:
         """Sends a decode step's inputs to `decode_in` in one asynchronous copy: the slot and offset it
@@ -333,8 +333,8 @@ class PagedKV:
         else:
             kv[:, layer, 0][self._w_slot.long(), :, self._w_off.long()] = k
             kv[:, layer, 1][self._w_slot.long(), :, self._w_off.long()] = v
-        if self._queries is not None and self._n_cand:
-            self._queries.append(q[-self.cfg.score_queries :].float())
+        if self.queries is not None and self._n_cand:
+            self.queries.append(q[-self.cfg.score_queries :].float())
         elif self._scores is not None and self._n_cand:
             self._score(layer, q)
         if self.uses_triton:
@@ -394,7 +394,7 @@ class PagedKV:
         read in place, host-tier chunks streamed to the device in batches (`from_host`), disk-only
         chunks (a lazy restore) at their summaries' estimate. Decode re-selection reads only the GPU.
         """
-        qs = torch.stack(self._queries)  # [L, t, Hq, D]
+        qs = torch.stack(self.queries)  # [L, t, Hq, D]
         n_layers, t, hq, d = qs.shape
         dev, h_kv = qs.device, self.pool.kv.shape[3]
         lse = torch.empty(n_layers, t, hq, self._n_cand, device=dev)
@@ -430,9 +430,9 @@ class PagedKV:
     def end(self) -> None:
         self.step += 1
         self._scouted = self.scout
-        if self._queries:
+        if self.queries:
             self._scores = self._exact_scores(from_host=self.scout)
-        self._queries = None
+        self.queries = None
         if self.scout:
             return
         self.seq.tokens.extend(self._ids)

@@ -60,7 +60,7 @@ def test_greedy_tokens_through_kernels_equal_the_reference_path(lm, monkeypatch,
 
 def test_decode_graphs_replay_what_eager_steps_compute(lm) -> None:
     """Bit for bit, through chunk boundaries (a chunk paged out each time), turned keys and decode
-    re-selections every 16 tokens (those steps record scoring queries and run eagerly)."""
+    re-selections every 16 tokens (their graphs record the queries that score the chunks)."""
     ids, _ = _prompt(lm, 3000)
     res = ResidencyConfig(tau=16, tau_history_div=1 << 30)
     n, runs = 150, []
@@ -76,7 +76,7 @@ def test_decode_graphs_replay_what_eager_steps_compute(lm) -> None:
         runs.append((torch.stack(out), step))
         kv.free()
     (eager, _), (replayed, step) = runs
-    assert isinstance(step, DecodeGraphs) and n - n // 16 - 2 <= step.replays < n
+    assert isinstance(step, DecodeGraphs) and step.replays == n
     assert torch.equal(eager, replayed)
 
 
@@ -113,10 +113,12 @@ def test_engine_warms_up_on_cuda_and_gives_every_slot_back(lm) -> None:
     assert eng.pool.n_free == eng.pool.n_slots and torch.cuda.memory_allocated() <= n + (1 << 20)
 
 
-def test_batched_decode_attends_in_one_call_as_each_sequence_alone(lm, monkeypatch) -> None:
+@pytest.mark.parametrize("graphs", [False, True])
+def test_batched_decode_attends_in_one_call_as_each_sequence_alone(lm, monkeypatch, graphs) -> None:
     """Three sequences over one pool, two beyond their budget (turned keys beside unturned ones), 40
-    teacher-forced steps: the batch's one attention call per layer gives each sequence the logits of
-    its own eager step (bf16: the batch's launch splits the KV differently, so close, not equal)."""
+    teacher-forced steps with re-selections: the batch's one attention call per layer, eager or
+    replayed from the batch's CUDA graphs, gives each sequence the logits of its own eager step
+    (bf16: the batch's launch splits the KV differently, so close, not equal)."""
     from kvflash import kernels
     from kvflash.generate import eager_step
 
@@ -130,8 +132,8 @@ def test_batched_decode_attends_in_one_call_as_each_sequence_alone(lm, monkeypat
     monkeypatch.setattr(kernels, "paged_decode_attention", spy)
     runs = []
     for batched in (False, True):
-        cfg = EngineConfig(pool_tokens=8192, residency=ResidencyConfig(tau=16), cuda_graphs=False)
-        eng = Engine(lm, cfg)  # without graphs: three sequences would take three graph steps
+        cfg = EngineConfig(pool_tokens=8192, residency=ResidencyConfig(tau=16), cuda_graphs=graphs)
+        eng = Engine(lm, cfg)
         seqs = [eng.new_sequence(1024) for _ in prompts]
         firsts = [eng.prefill(kv, ids) for kv, ids in zip(seqs, prompts, strict=True)]
         tokens = [int(f.argmax()) for f in firsts]
@@ -150,6 +152,7 @@ def test_batched_decode_attends_in_one_call_as_each_sequence_alone(lm, monkeypat
         for kv in seqs:
             kv.free()
     assert 3 in batches
+    assert eng.batch_graphs.replays == (40 if graphs else 0)
     alone, together = runs
     cos = torch.nn.functional.cosine_similarity(alone.flatten(0, 1), together.flatten(0, 1), dim=-1)
     assert cos.min() > 0.999

@@ -482,11 +482,12 @@ def test_interp_sequence_decodes_through_the_kernels_as_through_the_reference() 
 
 @interp
 def test_interp_batched_decode_attends_in_one_call_as_each_sequence_alone() -> None:
-    """The scheduler's batched decode on the kernels (forced on, as on CUDA): each layer attends for
-    the whole batch in one call, over stacked slot tables mixing turned and unturned keys, and every
-    sequence's logits equal its own decode step's."""
+    """The scheduler's batched decode on the kernels (forced on, as on CUDA): each layer of every step,
+    re-selections (every 8 tokens) included, attends for the whole batch in one call, over stacked
+    slot tables mixing turned and unturned keys, and every sequence's logits equal its own decode
+    step's: the re-selecting sequences score from the batch's queries what they score alone."""
     from kvflash.models.loader import LoadedModel
-    from tests.test_scheduler import CFG, batched_against_alone
+    from tests.test_scheduler import BATCH_STEPS, CFG, batched_against_alone
     from tests.tiny import tiny_model
 
     lm = LoadedModel(tiny_model(CFG), None, CFG, Path("tiny"), torch.float32, torch.device("cpu"))
@@ -501,7 +502,7 @@ def test_interp_batched_decode_attends_in_one_call_as_each_sequence_alone() -> N
         mock.patch.object(kernels, "paged_decode_attention", spy),
     ):
         batched_against_alone(lm)
-    assert 3 in batches, "some steps attended for the batch of three in one call"
+    assert batches.count(3) == BATCH_STEPS * CFG.n_layers, "every batched step attended in one call a layer"
 
 
 @on_gpu

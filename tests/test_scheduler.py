@@ -41,7 +41,11 @@ def test_a_sequence_decoded_beside_others_computes_what_it_computes_alone(lm) ->
     batched_against_alone(lm)
 
 
+BATCH_STEPS = 24
+
+
 def batched_against_alone(lm: LoadedModel) -> None:
+    """Three sequences decoded BATCH_STEPS steps together and each alone, to the same logits."""
     lengths = [40, 150, 230]
     runs = []
     for batched in (False, True):
@@ -50,7 +54,7 @@ def batched_against_alone(lm: LoadedModel) -> None:
         firsts = [eng.prefill(kv, prompt(n, i)) for i, (kv, n) in enumerate(zip(seqs, lengths, strict=True))]
         tokens = [int(f.argmax()) for f in firsts]
         steps = []
-        for t in range(24):
+        for t in range(BATCH_STEPS):
             if batched:
                 logits = eng.decode_batch(seqs, tokens)
             else:
