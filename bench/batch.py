@@ -1,7 +1,8 @@
 """Batched decode (`Engine.decode_batch`, what the scheduler runs) against the same sequences decoded
 one at a time, side by side, alternating.
 
-B sequences, each prefilled with --prompt-tokens random ids, decode --steps steps teacher-forced:
+B sequences, each prefilled with --prompt-tokens random ids (over a pool budget of --budget-tokens
+each, by default all they hold), decode --steps steps teacher-forced:
 as B single-sequence forwards per step (eager), on CUDA also as B single-sequence steps replayed from
 each sequence's CUDA graphs (`Engine.decode_step`, what a lone request gets) and as one forward of B
 launched eagerly (`Engine.decode_batch_eager`), and as `Engine.decode_batch` (one forward of B,
@@ -66,6 +67,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 2, 4, 8])
     ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument(
+        "--budget-tokens", type=int, default=None, help="each sequence's pool budget (default: all it holds)"
+    )
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     ap.add_argument("--rounds", type=int, default=2)
@@ -76,15 +80,16 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     lm = load_model(args.model, device=args.device)
-    per_seq = args.prompt_tokens + (args.rounds + 1) * len(args.modes) * (args.steps + 1) + 64
-    eng = Engine(lm, EngineConfig(pool_tokens=max(args.batches) * (per_seq + 64)))
+    per_seq = args.prompt_tokens + (args.rounds + 1) * len(args.modes) * (args.steps + 1) + 128
+    budget = args.budget_tokens or per_seq
+    eng = Engine(lm, EngineConfig(pool_tokens=max(args.batches) * budget))
     graphs = lm.device.type == "cuda" and eng.cfg.cuda_graphs
     modes = [m for m in args.modes if m not in CUDA_ONLY or graphs]
     rows = []
     with Progress() as progress:
         task = progress.add_task("batches", total=len(args.batches))
         for b in args.batches:
-            seqs = [eng.new_sequence(per_seq + 64) for _ in range(b)]
+            seqs = [eng.new_sequence(budget) for _ in range(b)]
             for i, kv in enumerate(seqs):
                 gen = torch.Generator().manual_seed(i)
                 eng.prefill(
@@ -101,7 +106,9 @@ def main() -> None:
             for kv in seqs:
                 kv.free()
             progress.advance(task)
-    table = Table(title=f"decode tokens / s on {lm.device}, {args.prompt_tokens}-token prompts")
+    table = Table(
+        title=f"decode tokens / s on {lm.device}, {args.prompt_tokens}-token prompts, budget {budget}"
+    )
     alone = next((m for m in ("graphs", "alone") if m in modes), None)
     ratio = alone is not None and "together" in modes
     for col in ("batch", *(MODES[m] for m in modes), *([f"batched / {MODES[alone]}"] if ratio else [])):

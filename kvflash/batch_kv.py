@@ -4,9 +4,9 @@ The dense layers (projections, MLP, head) run on the whole batch, which reads ev
 all of them. On the Triton path attention is one call for the batch too: each layer writes the batch's
 new K/V in one launch and attends with one paged-decode call over the sequences' slot tables stacked
 (the kernel takes a table per sequence); a sequence's table, valid lengths and key rotations are the
-ones its own decode step reads, so batching changes no sequence's residency or attention. On a
-re-selection step the batch keeps each layer's queries and hands each re-selecting sequence its row.
-The reference path attends per sequence.
+ones its own decode step reads, so batching changes no sequence's residency or attention. The step's
+inputs go to the device in one copy for the batch. On a re-selection step the batch keeps each
+layer's queries and hands each re-selecting sequence its row. The reference path attends per sequence.
 """
 
 from __future__ import annotations
@@ -14,50 +14,59 @@ from __future__ import annotations
 import torch
 
 from kvflash import kernels
-from kvflash.paged_kv import PagedKV
+from kvflash.paged_kv import DECODE_FIELDS, PagedKV, Staged
 
 
 class BatchKV:
-    """The KVCache of a batched decode step; `begin_decode` replaces `begin`. Its stacked buffers keep
-    their addresses from step to step while the batch's shape does (a CUDA graph reads them)."""
+    """The KVCache of a batched decode step; `begin_decode` replaces `begin`. Its buffers keep their
+    addresses from step to step while the batch's size and budget do (a CUDA graph reads them)."""
 
     def __init__(self, seqs: list[PagedKV]):
         self.seqs = seqs
         self.joint = False
         """This step attends with one kernel call for the whole batch."""
+        self.turned = False
+        """Some sequence's keys are turned: the call reads every sequence's rotations."""
+        self.recording = False
+        """Some sequence records its queries for a re-selection."""
         self.queries: list[torch.Tensor] | None = None
-        """Each layer's queries [B, Hq, D] fp32, on steps where a sequence re-selects."""
-        self._ins: torch.Tensor | None = None
+        """Each layer's queries [B, Hq, D] fp32, on joint steps that record."""
+        self._ins: Staged | None = None
         self._table: torch.Tensor | None = None
         self._rot: torch.Tensor | None = None
         self._host_inputs: tuple[list[int], list[int]] = ([], [])
 
     def begin_decode(self, tokens: list[int], positions: list[int]) -> None:
-        for kv, tok, pos in zip(self.seqs, tokens, positions, strict=True):
-            kv.begin_decode(tok, pos)
+        seqs = self.seqs
+        self.joint = (
+            all(kv.uses_triton and not kv.scout for kv in seqs) and len({kv.budget for kv in seqs}) == 1
+        )
+        for kv, tok, pos in zip(seqs, tokens, positions, strict=True):
+            kv.begin_decode(tok, pos, send=not self.joint)
         self._host_inputs = tokens, positions
-        self.stage()
+        self.recording = any(kv.recording for kv in seqs)
+        self.queries = [] if self.joint and self.recording else None
+        if self.joint:
+            self._stage()
 
     def begin(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
         self.begin_decode(input_ids.tolist(), positions.tolist())
 
-    def stage(self) -> None:
-        """After each sequence's `begin_decode`: stacks their decode inputs, where one call can attend."""
+    def _stage(self) -> None:
+        """The sequences' decode inputs into the batch's buffers: fields in one copy, tables stacked."""
         seqs = self.seqs
-        self.joint = all(kv.graphable for kv in seqs) and len({kv.budget for kv in seqs}) == 1
-        self.queries = [] if self.joint and any(kv.recording for kv in seqs) else None
-        if not self.joint:
-            return
-        # [DECODE_FIELDS, B]: token ids, positions, write slots and offsets, chunks listed, valid in last
-        self._ins = _stack([kv.decode_in for kv in seqs], self._ins, dim=1)
+        if self._ins is None:
+            self._ins = Staged((DECODE_FIELDS, len(seqs)), seqs[0].pool.kv.device)
+        self._ins.send(list(zip(*(kv.decode_fields for kv in seqs), strict=True)))  # [F, B]
         self._table = _stack([kv.decode_table() for kv in seqs], self._table)
-        turned = any(kv.shifted for kv in seqs)
-        self._rot = _stack([kv.decode_rotation() for kv in seqs], self._rot) if turned else None
+        self.turned = any(kv.shifted for kv in seqs)
+        if self.turned:
+            self._rot = _stack([kv.decode_rotation() for kv in seqs], self._rot)
 
     def inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's token ids and positions [B] on the device."""
         if self.joint:
-            return self._ins[0], self._ins[1]
+            return self._ins.device[0], self._ins.device[1]
         dev = self.seqs[0].pool.kv.device
         tokens, positions = self._host_inputs
         return torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev)
@@ -70,10 +79,11 @@ class BatchKV:
             return torch.cat(outs)
         if self.queries is not None:
             self.queries.append(q.float())
-        pool, ins = self.seqs[0].pool.kv, self._ins
+        pool, ins = self.seqs[0].pool.kv, self._ins.device
         kernels.write_tokens(pool, layer, ins[2], ins[3], k, v)
+        rot = self._rot if self.turned else None
         return kernels.paged_decode_attention(
-            q, pool, layer, self._table, ins[4], ins[5], q.shape[-1] ** -0.5, self._rot
+            q, pool, layer, self._table, ins[4], ins[5], q.shape[-1] ** -0.5, rot
         )
 
     def end(self) -> None:
@@ -83,6 +93,6 @@ class BatchKV:
             kv.end()
 
 
-def _stack(rows: list[torch.Tensor], out: torch.Tensor | None, dim: int = 0) -> torch.Tensor:
+def _stack(rows: list[torch.Tensor], out: torch.Tensor | None) -> torch.Tensor:
     """torch.stack, into `out` when it is given (same shape)."""
-    return torch.stack(rows, dim) if out is None else torch.stack(rows, dim, out=out)
+    return torch.stack(rows) if out is None else torch.stack(rows, out=out)

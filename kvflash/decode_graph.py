@@ -82,33 +82,30 @@ class DecodeGraphs:
 
 class BatchGraphs:
     """Batched decode steps, captured on first use per (batch size, budget, turned keys, recording
-    queries). Each holds a BatchKV whose stacked buffers the step's sequences are copied into; the
-    graphs share one memory pool, since only one runs at a time."""
+    queries). The sequences of a step are staged into the BatchKV of their size and budget, whose
+    buffers its graphs read; the graphs share one memory pool, since only one runs at a time."""
 
     def __init__(self, model: LlamaForCausalLM):
         self.model = model
-        self._graphs: dict[tuple[int, int, bool, bool], tuple[BatchKV, Captured]] = {}
+        self._batches: dict[tuple[int, int], BatchKV] = {}
+        self._graphs: dict[tuple[int, int, bool, bool], Captured] = {}
         self._pool = None
         self.replays = 0
 
     @torch.inference_mode()
     def __call__(self, seqs: list[PagedKV], tokens: list[int]) -> torch.Tensor:
-        """One decode step of each sequence (all `graphable`, one budget): logits [B, V]."""
-        for kv, tok in zip(seqs, tokens, strict=True):
-            kv.begin_decode(tok, len(kv.seq))
-        key = (len(seqs), seqs[0].budget, any(kv.shifted for kv in seqs), any(kv.recording for kv in seqs))
-        if key in self._graphs:
-            batch, run = self._graphs[key]
-            batch.seqs = seqs
-            batch.stage()
-        else:
-            batch = BatchKV(seqs)
-            batch.stage()
-            assert batch.joint, "a batch graph needs graphable sequences of one budget"
+        """One decode step of each sequence (Triton kernels, one budget): logits [B, V]."""
+        shape = len(seqs), seqs[0].budget
+        batch = self._batches.get(shape) or self._batches.setdefault(shape, BatchKV(seqs))
+        batch.seqs = seqs
+        batch.begin_decode(tokens, [len(kv.seq) for kv in seqs])
+        assert batch.joint, "a batch graph needs sequences on the Triton kernels with one budget"
+        key = (*shape, batch.turned, batch.recording)
+        if key not in self._graphs:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
-            run = capture(lambda: self._compute(batch), lambda: batch.queries, self._pool)
-            self._graphs[key] = batch, run
+            self._graphs[key] = capture(lambda: self._compute(batch), lambda: batch.queries, self._pool)
+        run = self._graphs[key]
         run.graph.replay()
         batch.queries = run.queries
         batch.end()

@@ -29,6 +29,26 @@ DECODE_FIELDS = 6
 """`PagedKV.decode_in`: token id, position, write slot, write offset, chunks listed, valid in the last."""
 
 
+class Staged:
+    """A small int32 device buffer written from pinned host memory in one asynchronous copy: a decode
+    step's inputs reach the device without the host waiting on it."""
+
+    def __init__(self, shape: tuple[int, ...], device: torch.device):
+        cuda = device.type == "cuda"
+        self.device = torch.zeros(shape, dtype=torch.int32, device=device)
+        self._host = torch.zeros(shape, dtype=torch.int32, pin_memory=cuda)
+        self._sent = torch.cuda.Event() if cuda else None
+
+    def send(self, values) -> None:
+        """values: anything numpy assigns to the buffer's shape (a [B, F] buffer takes B rows)."""
+        if self._sent is not None:
+            self._sent.synchronize()  # the previous copy has read the host buffer
+        self._host.numpy()[:] = values
+        self.device.copy_(self._host, non_blocking=True)
+        if self._sent is not None:
+            self._sent.record()
+
+
 class PagedKV:
     def __init__(self, pool: ChunkPool, host: HostTier, cfg: ResidencyConfig, budget_chunks: int):
         if cfg.chunk_tokens != pool.chunk_tokens:
@@ -79,14 +99,17 @@ class PagedKV:
     def _init_decode_buffers(self, budget: int) -> None:
         """Device buffers every decode step reads, at fixed addresses and one width (the budget), so
         that an eager step and the CUDA graph replaying it launch the same kernels on the same data."""
-        dev, i32, cuda = self.pool.kv.device, torch.int32, self.pool.kv.is_cuda
-        self._table = torch.zeros(budget, dtype=i32, device=dev)
+        dev = self.pool.kv.device
+        self._table = torch.zeros(budget, dtype=torch.int32, device=dev)
         """The resident slots in logical order, the first `decode_in[4]` of them valid."""
         self._table_rot = torch.zeros(budget, 2, self.pool.cfg.head_dim // 2, device=dev)
         """Each listed chunk's key rotation (`_cache_rotation`), read when `shifted`."""
-        self.decode_in = torch.zeros(DECODE_FIELDS, dtype=i32, device=dev)
-        self._decode_in_host = torch.zeros(DECODE_FIELDS, dtype=i32, pin_memory=cuda)
-        self._decode_in_sent = torch.cuda.Event() if cuda else None  # None: the interpreter, on CPU
+        self._staged = Staged((DECODE_FIELDS,), dev)
+        self.decode_in = self._staged.device
+        self._decode_write = self.decode_in[2:3], self.decode_in[3:4]
+        """The slot and offset a decode step writes, as views of `decode_in`."""
+        self.decode_fields: tuple[int, ...] = ()
+        """This decode step's `decode_in` values, on the host (a batch sends several together)."""
         self.shifted = False
         """The listed chunks' keys are turned (cache positions with chunks evicted between them)."""
         self._no_rot: torch.Tensor | None = None
@@ -158,6 +181,11 @@ class PagedKV:
     def tau(self) -> int:
         return max(self.cfg.tau, len(self.seq) // self.cfg.tau_history_div)
 
+    def _roomy(self) -> bool:
+        """Every chunk has stayed resident and the budget holds one more: a decode re-selection (and
+        the scoring before it) could not change what is resident, so none is due until this ends."""
+        return not self.approximate and len(self.seq.chunks) < self.budget
+
     def _evict(self, ch: Chunk) -> None:
         assert ch.sealed, f"chunk {ch.index} is not sealed and cannot leave the GPU"
         if ch.host is None:
@@ -206,11 +234,12 @@ class PagedKV:
     def begin(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
         self._begin(input_ids.tolist(), int(positions[0]), positions.numel())
 
-    def begin_decode(self, token: int, position: int) -> None:
-        """`begin` for one token known on the host: reads nothing back from the device."""
-        self._begin([token], position, 1)
+    def begin_decode(self, token: int, position: int, send: bool = True) -> None:
+        """`begin` for one token known on the host: reads nothing back from the device. Without `send`
+        the step's inputs stay in `decode_fields`, for a batch that sends its sequences' together."""
+        self._begin([token], position, 1, send)
 
-    def _begin(self, ids: list[int], start: int, t: int) -> None:
+    def _begin(self, ids: list[int], start: int, t: int, send: bool = True) -> None:
         self._ids = ids
         if start != len(self.seq):
             raise KVFlashError(f"positions start at {start} but the sequence holds {len(self.seq)} tokens")
@@ -223,10 +252,10 @@ class PagedKV:
         # pins, its own chunks), whatever happens to be resident, so that a restored sequence scouts
         # exactly as a cold one does. A later scout selects with the previous one's scores.
         first_scout = self.scout and not self._scouted
-        due = (t > 1 or self._since_select >= self.tau()) and not first_scout
+        due = (t > 1 or (self._since_select >= self.tau() and not self._roomy())) and not first_scout
         fast = not (due or first_scout or self._dirty)
         if fast and first == last and self.seq.chunks[first].gpu is not None:
-            self._step_metadata(start, end)  # decode inside the resident append head: nothing moves
+            self._step_metadata(start, end, send)  # decode inside the resident append head: nothing moves
             return
         if first_scout:
             want = required_chunks(self.seq, self.cfg, first, last)
@@ -249,6 +278,7 @@ class PagedKV:
         self.host.fence()
         self._dirty = False
         dev, i32 = self.pool.kv.device, torch.int32
+        self._order_host = order
         self._slots = torch.tensor([self.seq.chunks[i].gpu for i in order], device=dev, dtype=i32)
         self._order = torch.tensor(order, device=dev, dtype=i32)
         self._rot = self._cache_rotation(order, first) if self.cfg.cache_positions else None
@@ -259,7 +289,7 @@ class PagedKV:
                 self._table_rot[: len(order)].copy_(self._rot)
         else:
             self._key_pos = (self._order[:, None].long() * c + torch.arange(c, device=dev)).flatten()
-        self._step_metadata(start, end)
+        self._step_metadata(start, end, send)
 
     def _cache_rotation(self, order: list[int], first: int) -> torch.Tensor | None:
         """Each resident chunk moves forward by the evicted chunks between it and the step's first
@@ -287,7 +317,7 @@ class PagedKV:
         ang = shift.float()[:, None] * self._inv_freq
         return torch.stack([ang.cos(), ang.sin()], 1)
 
-    def _step_metadata(self, start: int, end: int) -> None:
+    def _step_metadata(self, start: int, end: int, send: bool) -> None:
         """Where the step's tokens are written and which keys each query sees; the slot list is kept
         from the last selection (it changes only when residency does)."""
         c, dev, i32 = self.cfg.chunk_tokens, self.pool.kv.device, torch.int32
@@ -295,7 +325,7 @@ class PagedKV:
         self._start, self._end = start, end
         t = end - start
         if self.uses_triton and t == 1:
-            self._stage_decode(start)
+            self._stage_decode(start, send)
         else:
             pos = torch.arange(start, end, device=dev)
             slot_of = [chunks[p // c].gpu for p in range(start, end)]
@@ -304,7 +334,8 @@ class PagedKV:
             if not self.uses_triton:
                 self._mask = self._key_pos[None, :] <= pos[:, None]
         self._n_cand = start // c
-        capture = self.cfg.policy == "qk" and (self.scout or t > 1 or self._since_select + t >= self.tau())
+        due_next = self._since_select + t >= self.tau() and not self._roomy()
+        capture = self.cfg.policy == "qk" and (self.scout or t > 1 or due_next)
         self._cand_rot = None
         if capture:
             self._scores = torch.zeros(self._n_cand, device=dev)
@@ -312,19 +343,15 @@ class PagedKV:
         exact = capture and (self.scout or t == 1)
         self.queries = [] if exact else None
 
-    def _stage_decode(self, position: int) -> None:
-        """Sends a decode step's inputs to `decode_in` in one asynchronous copy: the slot and offset it
-        writes, the chunks listed and the valid tokens in the last (the append head holds this one)."""
+    def _stage_decode(self, position: int, send: bool) -> None:
+        """A decode step's inputs: the slot and offset it writes, the chunks listed and the valid tokens
+        in the last (the append head holds this one), sent to `decode_in` in one copy if `send`."""
         c = self.cfg.chunk_tokens
-        fields = (self._ids[0], position, self.seq.chunks[position // c].gpu, position % c)
-        sent = self._decode_in_sent
-        if sent is not None:
-            sent.synchronize()  # the previous step's copy has read the staging buffer
-        self._decode_in_host.numpy()[:] = (*fields, self._slots.numel(), position % c + 1)
-        self.decode_in.copy_(self._decode_in_host, non_blocking=True)
-        if sent is not None:
-            sent.record()
-        self._w_slot, self._w_off = self.decode_in[2:3], self.decode_in[3:4]
+        slot, off = self.seq.chunks[position // c].gpu, position % c
+        self.decode_fields = (self._ids[0], position, slot, off, len(self._order_host), off + 1)
+        if send:
+            self._staged.send(self.decode_fields)
+        self._w_slot, self._w_off = self._decode_write
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kv = self.pool.kv

@@ -46,6 +46,29 @@ def test_full_budget_equals_dense_reference_prefill_and_64_decode_steps() -> Non
         tok = int(a.argmax())
 
 
+def test_decode_scores_and_reselects_only_once_the_budget_is_nearly_full(monkeypatch) -> None:
+    """While every chunk is resident with room for one more, a re-selection could change nothing: no
+    decode step scores chunks. From the step the sequence fills its budget, every tau-th one does."""
+    cfg = tiny_config()
+    model = tiny_model(cfg)
+    kv = make_kv(cfg, n_slots=16, budget=8, tau=4, tau_history_div=1 << 30)
+    scored: list[int] = []
+    real = kv._exact_scores
+
+    def spy(from_host: bool) -> torch.Tensor:
+        scored.append(len(kv.seq.chunks))
+        return real(from_host)
+
+    monkeypatch.setattr(kv, "_exact_scores", spy)
+    model(torch.randint(0, cfg.vocab_size, (40,)), torch.arange(40), kv)
+    tok = 1
+    for pos in range(40, 200):
+        tok = int(model(torch.tensor([tok]), torch.tensor([pos]), kv)[0].argmax())
+    assert scored and min(scored) == kv.budget  # none while 3..7 chunks filled the budget of 8
+    full_steps = 200 - (kv.budget - 1) * 16  # from the step that opens the 8th chunk
+    assert kv.approximate and abs(len(scored) - full_steps // 4) <= 1  # then every tau = 4 steps
+
+
 @pytest.mark.parametrize("policy", ["qk", "lru", "sink"])
 def test_budget_below_context_keeps_pool_memory_constant(policy: str) -> None:
     cfg = tiny_config()
