@@ -6,7 +6,8 @@ each, by default all they hold), decode --steps steps teacher-forced:
 as B single-sequence forwards per step (eager), on CUDA also as B single-sequence steps replayed from
 each sequence's CUDA graphs (`Engine.decode_step`, what a lone request gets) and as one forward of B
 launched eagerly (`Engine.decode_batch_eager`), and as `Engine.decode_batch` (one forward of B,
-replayed from the batch's CUDA graph on CUDA).
+replayed from the batch's CUDA graph on CUDA); `served` runs the same prompts as B requests through
+the scheduler (`serve`'s engine loop, sampling and callbacks included; not over HTTP).
 Tokens per second of each, per B; rounds alternate them. Prints one table, writes JSON and a PNG.
 
   python bench/batch.py --batches 1 2 4 8 --out out/batch
@@ -18,6 +19,7 @@ import argparse
 import json
 import platform
 import statistics
+import threading
 import time
 from functools import partial
 from pathlib import Path
@@ -29,14 +31,16 @@ from rich.table import Table
 
 from kvflash.config import EngineConfig
 from kvflash.engine import Engine
-from kvflash.generate import eager_step
+from kvflash.generate import Sampling, eager_step
 from kvflash.models.loader import load_model
+from kvflash.scheduler import Job, Scheduler
 
 MODES = {
     "alone": "one at a time",
     "graphs": "one at a time, graphs",
     "together_eager": "batched, eager",
     "together": "batched",
+    "served": "served",
 }
 CUDA_ONLY = ("graphs", "together_eager")
 """Modes that differ from another only where CUDA graphs replay."""
@@ -61,6 +65,41 @@ def rate(eng: Engine, seqs, steps: int, mode: str) -> float:
                 step(1, len(kv.seq))
     sync()
     return steps * len(seqs) / (time.perf_counter() - t0)
+
+
+def served(eng: Engine, prompts: list[list[int]], steps: int) -> float:
+    """Tokens per second of the scheduler (what `serve` runs, sampling included) over a request per
+    prompt, counted while all of them decode: each request ends `steps` tokens after the last one
+    began, and the count runs from then to the first end. Each request's budget is the pool over
+    their number."""
+    stamps: list[list[float]] = [[] for _ in prompts]
+    errors: list[BaseException] = []
+    done = threading.Semaphore(0)
+
+    def job(i: int) -> Job:
+        def on_token(tok: int) -> bool:  # on the scheduler's thread, one call at a time
+            stamps[i].append(time.perf_counter())
+            if not all(stamps):
+                return False
+            lo = max(s[0] for s in stamps)
+            return sum(t > lo for t in stamps[i]) >= steps
+
+        def failed(e: BaseException) -> None:
+            errors.append(e)
+            done.release()
+
+        return Job(prompts[i], 1 << 20, Sampling(), on_token, lambda *_: done.release(), failed)
+
+    sched = Scheduler(eng, None, frozenset(), max_batch=len(prompts))
+    for i in range(len(prompts)):
+        sched.submit(job(i))
+    for _ in prompts:
+        done.acquire()
+    sched.close()
+    if errors:
+        raise errors[0]
+    lo, hi = max(s[0] for s in stamps), min(s[-1] for s in stamps)
+    return sum(lo < t <= hi for s in stamps for t in s) / (hi - lo)
 
 
 def main() -> None:
@@ -89,22 +128,29 @@ def main() -> None:
     with Progress() as progress:
         task = progress.add_task("batches", total=len(args.batches))
         for b in args.batches:
+            gens = [torch.Generator().manual_seed(i) for i in range(b)]
+            prompts = [
+                torch.randint(0, lm.config.vocab_size, (args.prompt_tokens,), generator=g).tolist()
+                for g in gens
+            ]
             seqs = [eng.new_sequence(budget) for _ in range(b)]
-            for i, kv in enumerate(seqs):
-                gen = torch.Generator().manual_seed(i)
-                eng.prefill(
-                    kv, torch.randint(0, lm.config.vocab_size, (args.prompt_tokens,), generator=gen).tolist()
-                )
+            for kv, ids in zip(seqs, prompts, strict=True):
+                eng.prefill(kv, ids)
             runs: dict[str, list[float]] = {m: [] for m in modes}
-            for m in modes:  # untimed: captures every graph the timed rounds replay
+            seq_modes = [m for m in modes if m != "served"]
+            for m in seq_modes:  # untimed: captures every graph the timed rounds replay
                 rate(eng, seqs, args.steps, m)
             for _ in range(args.rounds):
-                for m in modes:
+                for m in seq_modes:
                     runs[m].append(rate(eng, seqs, args.steps, m))
-            row = {"batch": b} | {f"{m}_tok_s": statistics.median(r) for m, r in runs.items()}
-            rows.append(row | {f"{m}_runs": r for m, r in runs.items()})
             for kv in seqs:
                 kv.free()
+            for r in range(args.rounds + 1 if "served" in modes else 0):  # the first run is untimed
+                rate_served = served(eng, prompts, args.steps)
+                if r:
+                    runs["served"].append(rate_served)
+            row = {"batch": b} | {f"{m}_tok_s": statistics.median(r) for m, r in runs.items()}
+            rows.append(row | {f"{m}_runs": r for m, r in runs.items()})
             progress.advance(task)
     table = Table(
         title=f"decode tokens / s on {lm.device}, {args.prompt_tokens}-token prompts, budget {budget}"

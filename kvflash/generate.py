@@ -29,9 +29,13 @@ class Sampler:
         else:
             self.gen.seed()
 
+    @property
+    def greedy(self) -> bool:
+        return self.cfg.temperature <= 0
+
     def __call__(self, logits: torch.Tensor) -> int:
         """logits [V] fp32 -> one token id."""
-        if self.cfg.temperature <= 0:
+        if self.greedy:
             return int(logits.argmax())
         probs = torch.softmax(logits / self.cfg.temperature, dim=-1)
         if self.cfg.top_p < 1.0:

@@ -140,19 +140,22 @@ class Scheduler:
     def _step(self, running: list[Job]) -> list[Job]:
         try:
             logits = self.engine.decode_batch([j.kv for j in running], [j.next for j in running])
+            argmax = logits.argmax(-1).tolist()  # every greedy job's token in one read back
         except Exception as e:  # one forward for all: all of them fail
             for job in running:
                 self._fail(job, e)
             return []
         self.steps += 1
         self.batched += len(running)
-        return [j for j, row in zip(running, logits, strict=True) if self._advance(j, row)]
+        rows = zip(running, logits, argmax, strict=True)
+        return [j for j, row, top in rows if self._advance(j, row, top)]
 
-    def _advance(self, job: Job, logits) -> bool:
-        """Samples the job's next token; whether it goes on. Nothing a job's callbacks raise may
-        end this thread: every other request waits on it."""
+    def _advance(self, job: Job, logits: torch.Tensor, argmax: int | None = None) -> bool:
+        """Samples the job's next token (a greedy job takes `argmax` where given); whether it goes on.
+        Nothing a job's callbacks raise may end this thread: every other request waits on it."""
         try:
-            tok = job.gen.push(logits)
+            sampler = job.gen.sampler
+            tok = job.gen.push(argmax if argmax is not None and sampler.greedy else sampler(logits))
         except Exception as e:
             self._fail(job, e)
             return False

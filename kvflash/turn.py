@@ -6,8 +6,6 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-import torch
-
 from kvflash.engine import Engine
 from kvflash.generate import Sampler, Sampling
 from kvflash.paged_kv import PagedKV
@@ -49,9 +47,9 @@ class Generation:
         self.out: list[int] = []
         self._t_first: float | None = None
 
-    def push(self, logits: torch.Tensor) -> int | None:
-        """The token to feed next, or None: the answer has ended (a stop id is not kept)."""
-        tok = self.sampler(logits)
+    def push(self, tok: int) -> int | None:
+        """Takes the sampled token: the token to feed next, or None: the answer has ended (a stop id
+        is not kept)."""
         if tok in self.stop_ids:
             return None
         if self._t_first is None:
@@ -98,9 +96,10 @@ def answer(
             on_prefill(done, len(rest))
 
     logits = engine.prefill(kv, rest, progress)
-    gen = Generation(max_tokens, Sampler(sampling, engine.lm.device), stop_ids, stats, t0, on_token)
+    sampler = Sampler(sampling, engine.lm.device)
+    gen = Generation(max_tokens, sampler, stop_ids, stats, t0, on_token)
     step, position = engine.decode_step(kv), len(kv.seq)
-    while (tok := gen.push(logits)) is not None:
+    while (tok := gen.push(sampler(logits))) is not None:
         logits = step(tok, position)
         position += 1
     return gen.finish(kv)
