@@ -1,10 +1,12 @@
-"""Decode steps as CUDA graphs: one token of one sequence, or of a batch, through every layer, replayed.
+"""Decode steps as CUDA graphs: one token of each sequence of a batch through every layer, replayed.
 
 Eager decode launches a few dozen kernels a layer from Python, and for a small model the GPU waits on
-the launches. A graph holds `model.compute` over fixed decode buffers (a PagedKV's `decode_in`, its
-slot table padded to the budget and its chunk rotations, or a BatchKV's stacks of them), so a step is
-`begin_decode` on the host (residency, paging, the step's inputs into those buffers), one replay and
-`end`. A re-selection step replays a graph that also keeps each layer's query, which `end` scores.
+the launches. A graph holds `model.compute` over a BatchKV's fixed buffers (the sequences' decode
+inputs, slot tables padded to the budget and chunk rotations, stacked), so a step is `begin_decode`
+on the host (residency, paging, the step's inputs into those buffers), one replay and `end`. Graphs
+belong to a batch shape (size, budget), not to sequences: a new request replays the graphs captured
+for earlier ones. A re-selection step replays a graph that also keeps each layer's query, which `end`
+scores.
 """
 
 from __future__ import annotations
@@ -46,40 +48,6 @@ def capture(compute: Callable[[], torch.Tensor], queries: Callable[[], list | No
     return Captured(graph, logits, None if recorded is None else list(recorded))
 
 
-class DecodeGraphs:
-    """A sequence's decode step, captured on first use per (turned keys, recording queries)."""
-
-    def __init__(self, model: LlamaForCausalLM, kv: PagedKV):
-        assert kv.uses_triton, "decode graphs replay the Triton kernels"
-        self.model, self.kv = model, kv
-        self._graphs: dict[tuple[bool, bool], Captured] = {}
-        self.replays = 0
-        """Steps replayed from a graph (the rest ran eagerly)."""
-
-    @torch.inference_mode()  # as the model's forward: `end` writes summaries into inference tensors
-    def __call__(self, token: int, position: int) -> torch.Tensor:
-        kv = self.kv
-        kv.begin_decode(token, position)
-        if kv.graphable:
-            key = (kv.shifted, kv.recording)
-            if key not in self._graphs:
-                self._graphs[key] = capture(self._compute, lambda: kv.queries)
-            run = self._graphs[key]
-            run.graph.replay()
-            if run.queries is not None:
-                kv.queries = list(run.queries)
-            self.replays += 1
-            logits = run.logits
-        else:
-            logits = self._compute()
-        kv.end()
-        return logits[0]
-
-    def _compute(self) -> torch.Tensor:
-        ins = self.kv.decode_in
-        return self.model.compute(ins[0:1], ins[1:2], self.kv)
-
-
 class BatchGraphs:
     """Batched decode steps, captured on first use per (batch size, budget, turned keys, recording
     queries). The sequences of a step are staged into the BatchKV of their size and budget, whose
@@ -91,24 +59,27 @@ class BatchGraphs:
         self._graphs: dict[tuple[int, int, bool, bool], Captured] = {}
         self._pool = None
         self.replays = 0
+        self.captures = 0
 
-    @torch.inference_mode()
-    def __call__(self, seqs: list[PagedKV], tokens: list[int]) -> torch.Tensor:
+    @torch.inference_mode()  # as the model's forward: `end` writes summaries into inference tensors
+    def __call__(self, seqs: list[PagedKV], tokens: list[int], positions: list[int]) -> torch.Tensor:
         """One decode step of each sequence (Triton kernels, one budget): logits [B, V]."""
         shape = len(seqs), seqs[0].budget
         batch = self._batches.get(shape) or self._batches.setdefault(shape, BatchKV(seqs))
         batch.seqs = seqs
-        batch.begin_decode(tokens, [len(kv.seq) for kv in seqs])
+        batch.begin_decode(tokens, positions)
         assert batch.joint, "a batch graph needs sequences on the Triton kernels with one budget"
         key = (*shape, batch.turned, batch.recording)
         if key not in self._graphs:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             self._graphs[key] = capture(lambda: self._compute(batch), lambda: batch.queries, self._pool)
+            self.captures += 1
         run = self._graphs[key]
         run.graph.replay()
         batch.queries = run.queries
         batch.end()
+        batch.seqs = []  # holds no finished sequence
         self.replays += 1
         return run.logits.clone()  # another graph of the pool may reuse this memory
 

@@ -13,7 +13,7 @@ import torch
 
 from kvflash.batch_kv import BatchKV
 from kvflash.config import EngineConfig
-from kvflash.decode_graph import BatchGraphs, DecodeGraphs
+from kvflash.decode_graph import BatchGraphs
 from kvflash.generate import Sampler, Sampling, Step, decode, eager_step
 from kvflash.host_tier import HostTier
 from kvflash.models.loader import LoadedModel
@@ -40,7 +40,8 @@ class Engine:
         try:
             n = 2 * kv.cfg.chunk_tokens + 1
             logits = self.prefill(kv, [0] * n)
-            # its graph is thrown away, but a process's first capture is the slow one (0.5 s vs 0.06)
+            # captures the graph a lone sequence of the pool's budget replays (the first capture in a
+            # process is the slow one, 0.5 s against 0.06 later)
             list(decode(self.decode_step(kv), logits, len(kv.seq), 2, Sampler(Sampling(), self.lm.device)))
         finally:
             kv.free()
@@ -99,23 +100,20 @@ class Engine:
         return self.cfg.cuda_graphs and kv.uses_triton and kv.pool.kv.is_cuda
 
     def decode_step(self, kv: PagedKV) -> Step:
-        """Replayed from CUDA graphs where `replays` (the sequence keeps its graphs for later turns),
-        else the eager forward."""
+        """Replayed from the CUDA graphs of a batch of one where `replays`, else the eager forward."""
         if not self.replays(kv):
             return eager_step(self.lm.model, kv)
-        if kv.graphs is None:
-            kv.graphs = DecodeGraphs(self.lm.model, kv)
-        return kv.graphs
+        return lambda token, position: self.batch_graphs([kv], [token], [position])[0]
 
-    @torch.inference_mode()
     def decode_batch(self, seqs: list[PagedKV], tokens: list[int]) -> torch.Tensor:
         """One decode step of each sequence in one forward: tokens[i] goes next in seqs[i]; returns
         the logits [B, V] after each. Replayed from a CUDA graph of the batch where every sequence
-        `replays` and all have one budget; a lone sequence takes its own `decode_step`."""
-        if len(seqs) == 1:
-            return self.decode_step(seqs[0])(tokens[0], len(seqs[0].seq))[None]
+        `replays` and all have one budget."""
+        positions = [len(kv.seq) for kv in seqs]
         if all(map(self.replays, seqs)) and len({kv.budget for kv in seqs}) == 1:
-            return self.batch_graphs(seqs, tokens)
+            return self.batch_graphs(seqs, tokens, positions)
+        if len(seqs) == 1:
+            return self.decode_step(seqs[0])(tokens[0], positions[0])[None]
         return self.decode_batch_eager(seqs, tokens)
 
     @torch.inference_mode()

@@ -82,8 +82,6 @@ class PagedKV:
         """Triton kernels on CUDA; elsewhere SDPA over the gathered slots (the same maths)."""
         if self.uses_triton:
             self._init_decode_buffers(budget_chunks)
-        self.graphs: object | None = None
-        """The engine's CUDA graphs of this sequence's decode step, which read its decode buffers."""
         self._since_select = 0
         self._scores: torch.Tensor | None = None
         self.queries: list[torch.Tensor] | None = None
@@ -482,7 +480,6 @@ class PagedKV:
         # Cleared before taking the lock: a prefetch re-takes it batch after batch (locks are not
         # fair) and would otherwise keep a closing session waiting for the whole document.
         self.fetch = None
-        self.graphs = None
         with self._fetch_lock:  # waits for the batch in flight
             pass
         for ch in self.seq.chunks:

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from kvflash.config import EngineConfig, ResidencyConfig
-from kvflash.decode_graph import DecodeGraphs
 from kvflash.engine import Engine
 from kvflash.generate import Sampler, Sampling
 from kvflash.haystack import build_haystack
@@ -68,16 +67,44 @@ def test_decode_graphs_replay_what_eager_steps_compute(lm) -> None:
         eng = Engine(lm, EngineConfig(pool_tokens=8192, residency=res, cuda_graphs=graphs))
         kv = eng.new_sequence(1024)
         logits = eng.prefill(kv, ids)
-        step, out = eng.decode_step(kv), []
+        step, out, before = eng.decode_step(kv), [], eng.batch_graphs.replays
         for pos in range(len(ids), len(ids) + n):
             logits = step(int(logits.argmax()), pos)
             out.append(logits.clone())
         assert kv.shifted  # chunks evicted between resident ones: the turned-keys kernels ran
-        runs.append((torch.stack(out), step))
+        assert eng.batch_graphs.replays - before == (n if graphs else 0)
+        runs.append(torch.stack(out))
         kv.free()
-    (eager, _), (replayed, step) = runs
-    assert isinstance(step, DecodeGraphs) and step.replays == n
+    eager, replayed = runs
     assert torch.equal(eager, replayed)
+
+
+def test_new_sequences_replay_the_graphs_the_engine_captured_before(lm) -> None:
+    """Graphs belong to a batch shape, not to a sequence: after the engine's warm-up, sequences of
+    the pool's budget decode one at a time without capturing again, and a second batch of two
+    replays what the first captured."""
+    eng = Engine(lm, EngineConfig(pool_tokens=4096))
+    warm = eng.batch_graphs.captures
+    assert warm >= 1
+    prompts = [_prompt(lm, n)[0] for n in (300, 700)]
+    for ids in prompts:
+        kv = eng.new_sequence()
+        logits = eng.prefill(kv, ids)
+        for _ in range(20):
+            logits = eng.decode_step(kv)(int(logits.argmax()), len(kv.seq))
+        kv.free()
+    assert eng.batch_graphs.captures == warm
+    for round in range(2):
+        seqs = [eng.new_sequence(2048) for _ in prompts]
+        firsts = [eng.prefill(kv, ids) for kv, ids in zip(seqs, prompts, strict=True)]
+        tokens = [int(f.argmax()) for f in firsts]
+        for _ in range(20):
+            tokens = eng.decode_batch(seqs, tokens).argmax(-1).tolist()
+        for kv in seqs:
+            kv.free()
+        if round == 0:
+            warm = eng.batch_graphs.captures
+    assert eng.batch_graphs.captures == warm
 
 
 def test_full_budget_logits_match_dense_cache(lm) -> None:
