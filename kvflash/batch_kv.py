@@ -5,8 +5,9 @@ all of them. On the Triton path attention is one call for the batch too: each la
 new K/V in one launch and attends with one paged-decode call over the sequences' slot tables stacked
 (the kernel takes a table per sequence); a sequence's table, valid lengths and key rotations are the
 ones its own decode step reads, so batching changes no sequence's residency or attention. The step's
-inputs go to the device in one copy for the batch. On a re-selection step the batch keeps each
-layer's queries and hands each re-selecting sequence its row. The reference path attends per sequence.
+inputs go to the device in one copy for the batch, the tables only when one changed. On a re-selection
+step the batch keeps each layer's queries and hands each re-selecting sequence its row. The reference
+path attends per sequence.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ class BatchKV:
         self._ins: Staged | None = None
         self._table: torch.Tensor | None = None
         self._rot: torch.Tensor | None = None
+        self._tables_of: list[int] = []
+        """The `table_write` of each sequence whose table (and rotations) the buffers hold."""
         self._host_inputs: tuple[list[int], list[int]] = ([], [])
 
     def begin_decode(self, tokens: list[int], positions: list[int]) -> None:
@@ -58,10 +61,13 @@ class BatchKV:
         if self._ins is None:
             self._ins = Staged((DECODE_FIELDS, len(seqs)), seqs[0].pool.kv.device)
         self._ins.send(list(zip(*(kv.decode_fields for kv in seqs), strict=True)))  # [F, B]
-        self._table = _stack([kv.decode_table() for kv in seqs], self._table)
         self.turned = any(kv.shifted for kv in seqs)
-        if self.turned:
-            self._rot = _stack([kv.decode_rotation() for kv in seqs], self._rot)
+        writes = [kv.table_write for kv in seqs]
+        if writes != self._tables_of:  # most steps list the same chunks as the last
+            self._table = _stack([kv.decode_table() for kv in seqs], self._table)
+            if self.turned:
+                self._rot = _stack([kv.decode_rotation() for kv in seqs], self._rot)
+            self._tables_of = writes
 
     def inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's token ids and positions [B] on the device."""
@@ -91,6 +97,7 @@ class BatchKV:
             if self.queries is not None and kv.recording:
                 kv.queries = [q[i : i + 1] for q in self.queries]
             kv.end()
+        self.seqs = []  # a kept batch holds no finished sequence
 
 
 def _stack(rows: list[torch.Tensor], out: torch.Tensor | None) -> torch.Tensor:

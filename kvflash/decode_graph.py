@@ -19,7 +19,6 @@ import torch
 
 from kvflash.batch_kv import BatchKV
 from kvflash.models.llama import LlamaForCausalLM
-from kvflash.paged_kv import PagedKV
 
 
 @dataclass
@@ -50,26 +49,23 @@ def capture(compute: Callable[[], torch.Tensor], queries: Callable[[], list | No
 
 class BatchGraphs:
     """Batched decode steps, captured on first use per (batch size, budget, turned keys, recording
-    queries). The sequences of a step are staged into the BatchKV of their size and budget, whose
-    buffers its graphs read; the graphs share one memory pool, since only one runs at a time."""
+    queries). Each reads the buffers of the one BatchKV the engine keeps for its size and budget; the
+    graphs share one memory pool, since only one runs at a time."""
 
     def __init__(self, model: LlamaForCausalLM):
         self.model = model
-        self._batches: dict[tuple[int, int], BatchKV] = {}
         self._graphs: dict[tuple[int, int, bool, bool], Captured] = {}
         self._pool = None
         self.replays = 0
         self.captures = 0
 
     @torch.inference_mode()  # as the model's forward: `end` writes summaries into inference tensors
-    def __call__(self, seqs: list[PagedKV], tokens: list[int], positions: list[int]) -> torch.Tensor:
-        """One decode step of each sequence (Triton kernels, one budget): logits [B, V]."""
-        shape = len(seqs), seqs[0].budget
-        batch = self._batches.get(shape) or self._batches.setdefault(shape, BatchKV(seqs))
-        batch.seqs = seqs
+    def __call__(self, batch: BatchKV, tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """One decode step of each of the batch's sequences (Triton kernels, one budget): logits
+        [B, V], valid until the next step (the graphs share their memory)."""
         batch.begin_decode(tokens, positions)
         assert batch.joint, "a batch graph needs sequences on the Triton kernels with one budget"
-        key = (*shape, batch.turned, batch.recording)
+        key = (len(batch.seqs), batch.seqs[0].budget, batch.turned, batch.recording)
         if key not in self._graphs:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
@@ -79,9 +75,8 @@ class BatchGraphs:
         run.graph.replay()
         batch.queries = run.queries
         batch.end()
-        batch.seqs = []  # holds no finished sequence
         self.replays += 1
-        return run.logits.clone()  # another graph of the pool may reuse this memory
+        return run.logits
 
     def _compute(self, batch: BatchKV) -> torch.Tensor:
         ids, pos = batch.inputs()

@@ -29,6 +29,7 @@ class Engine:
         self.pool = ChunkPool(lm.config, n, c, lm.dtype, lm.device)
         self.host = HostTier(self.pool, cfg.host_bytes)
         self.batch_graphs = BatchGraphs(lm.model)
+        self._batches: dict[tuple[int, int], BatchKV] = {}
         if lm.device.type == "cuda":
             self.warm_up()
 
@@ -100,18 +101,19 @@ class Engine:
         return self.cfg.cuda_graphs and kv.uses_triton and kv.pool.kv.is_cuda
 
     def decode_step(self, kv: PagedKV) -> Step:
-        """Replayed from the CUDA graphs of a batch of one where `replays`, else the eager forward."""
+        """Replayed from the CUDA graphs of a batch of one where `replays` (its logits valid until the
+        next step), else the eager forward."""
         if not self.replays(kv):
             return eager_step(self.lm.model, kv)
-        return lambda token, position: self.batch_graphs([kv], [token], [position])[0]
+        return lambda token, position: self.batch_graphs(self._batch([kv]), [token], [position])[0]
 
     def decode_batch(self, seqs: list[PagedKV], tokens: list[int]) -> torch.Tensor:
         """One decode step of each sequence in one forward: tokens[i] goes next in seqs[i]; returns
-        the logits [B, V] after each. Replayed from a CUDA graph of the batch where every sequence
-        `replays` and all have one budget."""
+        the logits [B, V] after each (valid until the next step). Replayed from a CUDA graph of the
+        batch where every sequence `replays` and all have one budget."""
         positions = [len(kv.seq) for kv in seqs]
         if all(map(self.replays, seqs)) and len({kv.budget for kv in seqs}) == 1:
-            return self.batch_graphs(seqs, tokens, positions)
+            return self.batch_graphs(self._batch(seqs), tokens, positions)
         if len(seqs) == 1:
             return self.decode_step(seqs[0])(tokens[0], positions[0])[None]
         return self.decode_batch_eager(seqs, tokens)
@@ -119,11 +121,19 @@ class Engine:
     @torch.inference_mode()
     def decode_batch_eager(self, seqs: list[PagedKV], tokens: list[int]) -> torch.Tensor:
         """`decode_batch` without graphs: the forward launched from Python."""
-        batch = BatchKV(seqs)
+        batch = self._batch(seqs)
         batch.begin_decode(tokens, [len(kv.seq) for kv in seqs])
         logits = self.lm.model.compute(*batch.inputs(), batch, all_logits=True)
         batch.end()
         return logits
+
+    def _batch(self, seqs: list[PagedKV]) -> BatchKV:
+        """The BatchKV of this batch's size and budget, whose buffers (and the graphs reading them)
+        serve every step of that shape, now over `seqs`."""
+        shape = len(seqs), seqs[0].budget
+        batch = self._batches.get(shape) or self._batches.setdefault(shape, BatchKV(seqs))
+        batch.seqs = seqs
+        return batch
 
     def generate(
         self, kv: PagedKV, first_logits: torch.Tensor, max_tokens: int, sampler: Sampler, stop: frozenset[int]

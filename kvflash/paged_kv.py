@@ -8,6 +8,7 @@ With a budget that holds the whole context it computes what the dense cache comp
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 from collections.abc import Callable
@@ -27,6 +28,11 @@ SCORE_BYTES = 64 << 20
 """Logits memory one batch of exact chunk scoring may take."""
 DECODE_FIELDS = 6
 """`PagedKV.decode_in`: token id, position, write slot, write offset, chunks listed, valid in the last."""
+
+
+_table_writes = itertools.count()
+"""Numbers every write of any sequence's slot table: a batch that holds copies of its sequences'
+tables re-copies them only when one of these numbers changed."""
 
 
 class Staged:
@@ -110,6 +116,8 @@ class PagedKV:
         """This decode step's `decode_in` values, on the host (a batch sends several together)."""
         self.shifted = False
         """The listed chunks' keys are turned (cache positions with chunks evicted between them)."""
+        self.table_write = next(_table_writes)
+        """The number of the last write of `decode_table` (and of the rotations)."""
         self._no_rot: torch.Tensor | None = None
 
     @property
@@ -285,6 +293,7 @@ class PagedKV:
             self.shifted = self._rot is not None
             if self.shifted:
                 self._table_rot[: len(order)].copy_(self._rot)
+            self.table_write = next(_table_writes)
         else:
             self._key_pos = (self._order[:, None].long() * c + torch.arange(c, device=dev)).flatten()
         self._step_metadata(start, end, send)
