@@ -183,8 +183,9 @@ def plot(rows: list[dict], path: Path) -> None:
         if f"{m}_tok_s" in rows[0]:
             ax.plot(xs, [r[f"{m}_tok_s"] for r in rows], "o-", label=label)
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
     ax.set_xlabel("sequences")
-    ax.set_ylabel("decode tokens / s")
+    ax.set_ylabel("decode tokens / s (log)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
