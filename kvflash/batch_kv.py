@@ -40,7 +40,7 @@ class BatchKV:
         self._host_inputs: tuple[list[int], list[int]] = ([], [])
 
     def begin_decode(self, tokens: list[int], positions: list[int]) -> None:
-        seqs = self.seqs
+        seqs = self.seqs  # a decode step on the Triton kernels: a CUDA graph can replay it
         self.joint = (
             all(kv.uses_triton and not kv.scout for kv in seqs) and len({kv.budget for kv in seqs}) == 1
         )

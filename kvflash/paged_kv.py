@@ -121,12 +121,6 @@ class PagedKV:
         self._no_rot: torch.Tensor | None = None
 
     @property
-    def graphable(self) -> bool:
-        """This step is a decode step whose device work a CUDA graph can replay: one token through
-        the Triton kernels (a re-selection step too: its graph records the queries, `recording`)."""
-        return self.uses_triton and self._end - self._start == 1 and not self.scout
-
-    @property
     def recording(self) -> bool:
         """This step records each layer's query, to score the chunks from exact keys at `end`."""
         return self.queries is not None and self._n_cand > 0
