@@ -278,7 +278,7 @@ class PagedKV:
         self.host.fence()
         self._dirty = False
         dev, i32 = self.pool.kv.device, torch.int32
-        self._order_host = order
+        self._n_listed = len(order)
         self._slots = torch.tensor([self.seq.chunks[i].gpu for i in order], device=dev, dtype=i32)
         self._order = torch.tensor(order, device=dev, dtype=i32)
         self._rot = self._cache_rotation(order, first) if self.cfg.cache_positions else None
@@ -349,7 +349,7 @@ class PagedKV:
         in the last (the append head holds this one), sent to `decode_in` in one copy if `send`."""
         c = self.cfg.chunk_tokens
         slot, off = self.seq.chunks[position // c].gpu, position % c
-        self.decode_fields = (self._ids[0], position, slot, off, len(self._order_host), off + 1)
+        self.decode_fields = (self._ids[0], position, slot, off, self._n_listed, off + 1)
         if send:
             self._staged.send(self.decode_fields)
         self._w_slot, self._w_off = self._decode_write
