@@ -47,8 +47,8 @@ CUDA_ONLY = ("graphs", "together_eager")
 
 
 def rate(eng: Engine, seqs, steps: int, mode: str) -> float:
-    """Tokens per second over `steps` steps, after one untimed step (a sequence's first graph step
-    captures its graph)."""
+    """Tokens per second over `steps` steps, after one untimed step (graphs for a new shape or step
+    kind are captured on first use; the caller's untimed round meets most of them)."""
     sync = torch.cuda.synchronize if eng.lm.device.type == "cuda" else (lambda: None)
     steps_of = {"alone": partial(eager_step, eng.lm.model), "graphs": eng.decode_step}
     one = [steps_of[mode](kv) for kv in seqs] if mode in steps_of else []
