@@ -289,20 +289,25 @@ class Launch(NamedTuple):
     """The last program of each (sequence, kv-head) merges the splits, instead of a second kernel."""
 
 
-def decode_launch(head_dim: int, batch: int) -> Launch:
-    """Launch settings for a shape, from bench/decode_tune.py's sweeps on the H200 (docs/BENCHMARKS.md).
-    Small batches are where the defaults fell short: there head_dim 128 wants 128-token tiles three
-    stages deep (and twice the waves at batch 2-15), and head_dim 64 wants 128-token tiles from
-    batch 2. From batch 16 the (b, kv-head) programs alone fill the device and 64-token tiles are
-    best, and head_dim 128 merges in the split kernel: over two waves at batch 16-31 (4-7 % faster
-    than the two-kernel defaults at 8K-256K), six from batch 32 (Llama-8B 8K-128K at batch 32 and 64:
-    97-104 % of copy, against 77-100 % with the defaults, whose few splits left a short last wave).
-    At small batches the fused merge lost, up to 7 points of copy bandwidth at batch 1: its merging
-    program reads every split's partial alone."""
+def decode_launch(head_dim: int, batch: int, kv_bytes: int = 2) -> Launch:
+    """Launch settings for a shape, from sweeps on the H200 (bench/decode_tune.py, docs/BENCHMARKS.md).
+    At batch 1-8, head_dim 128 streams best from one program per SM (`waves` 1 at one 128-token tile
+    per SM), its tiles five stages deep, merged in the split kernel: one ramp-up per SM instead of
+    four, and with so few splits the merging program reads little (Llama-8B 64K x1 87.6 % of copy
+    against 82.6 % for three stages over four waves, 32K x1 79 against 73 %, 64K x2 92.6 against
+    88.7 %). Four stages lost 20 points (the compiled kernel held 72 KB of shared memory, five 137 KB).
+    Only 2-byte KV takes it: fp32 tiles twice the size would not fit in shared memory five deep.
+    From batch 16 the (b, kv-head) programs alone fill the device and 64-token tiles are best, and
+    head_dim 128 merges in the split kernel: over two waves at batch 16-31, six from batch 32
+    (Llama-8B 8K-128K at batch 32 and 64: 97-104 % of copy). head_dim 64 keeps the two-kernel merge
+    below batch 16 (at batch 1 the fused merge lost 3-13 points at every split count tried) and takes
+    128-token tiles from batch 2."""
     if head_dim >= 128 and batch >= 16:
         return Launch(BLOCK_TOKENS, 2, 2 if batch < 32 else 6, True)
     if batch >= 16:
         return Launch(BLOCK_TOKENS, 2, WAVES, False)
+    if head_dim >= 128 and batch <= 8 and kv_bytes == 2:
+        return Launch(128, 5, 1, True)
     if head_dim >= 128:
         return Launch(128, 3, WAVES * (1 if batch == 1 else 2), False)
     return Launch(BLOCK_TOKENS if batch == 1 else 2 * BLOCK_TOKENS, 2, WAVES, False)
@@ -369,7 +374,7 @@ def paged_decode_attention(
     h_kv, c = kv_pool.shape[3], kv_pool.shape[4]
     assert q.stride(2) == 1 and slot_table.stride(1) == 1, "q and slot_table rows must be contiguous"
     g = hq // h_kv
-    tuned = decode_launch(d, b)
+    tuned = decode_launch(d, b, kv_pool.element_size())
     fused = tuned.fused if fused is None else fused
     pdl = use_pdl(d, q.device) if pdl is None else pdl
     cpi = 1 if rot is not None else max(1, (block_tokens or tuned.block_tokens) // c)
