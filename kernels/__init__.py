@@ -19,7 +19,7 @@ from kvflash.kernels import reference
 from kvflash.kernels._common import pow2
 
 __all__ = [
-    "chunk_scores",
+    "chunk_lse",
     "chunk_summaries",
     "gather_chunks",
     "paged_decode_attention",
@@ -28,7 +28,6 @@ __all__ = [
     "rotary_qk",
     "scatter_chunks",
     "silu_mul",
-    "topk_chunks",
     "uses_triton",
     "write_tokens",
 ]
@@ -37,6 +36,7 @@ _MODULE = {
     "paged_decode_attention": "triton_decode",
     "prefill_attention": "triton_prefill",
     "chunk_summaries": "triton_scoring",
+    "chunk_lse": "triton_scoring",
     "write_tokens": "triton_copy",
     "gather_chunks": "triton_copy",
     "scatter_chunks": "triton_copy",
@@ -118,23 +118,20 @@ def prefill_attention(
     return fn(q, kv_pool, layer, slots, chunk_index, q_start, sm_scale, rot=rot)
 
 
-def chunk_summaries(kv_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """[n, L, Hkv, D] fp32: the L2-normalised mean key of each listed (full) chunk."""
-    return _pick("chunk_summaries", kv_pool, slots)(kv_pool, slots)
+def chunk_summaries(kv_pool: torch.Tensor, slots: torch.Tensor, blocks: int) -> torch.Tensor:
+    """[n, L, Hkv, blocks, D] fp32: the mean key of each of `blocks` equal runs of tokens of each
+    listed (full) chunk."""
+    return _pick("chunk_summaries", kv_pool, slots)(kv_pool, slots, blocks)
 
 
-def chunk_scores(q: torch.Tensor, summaries: torch.Tensor) -> torch.Tensor:
-    """[N] fp32: max over q's tokens and heads of cos(q, its kv-head's summary); summaries [N, Hkv, D]."""
-    if uses_triton(q, summaries, head_dim=q.shape[-1]):
-        from kvflash.kernels.triton_scoring import chunk_scores as fn
-    else:
-        fn = reference.chunk_scores
-    return fn(q, summaries)
-
-
-def topk_chunks(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the min(k, N) best scores, best first (torch.topk serves both paths)."""
-    return reference.topk_chunks(scores, k)
+def chunk_lse(
+    q: torch.Tensor, kv_pool: torch.Tensor, slots: torch.Tensor, rot: torch.Tensor | None = None
+) -> torch.Tensor:
+    """q [L, T, Hq, D] (every layer's queries) -> [L, T, Hq, n] fp32: log Σ exp(q·k/√D) over each
+    listed (full) chunk's keys, read in place from the pool. rot [n, 2, D/2] fp32, when given, moves
+    each chunk's keys (reference.shift_keys)."""
+    extra = () if rot is None else (rot,)
+    return _pick("chunk_lse", kv_pool, q, slots, *extra)(q, kv_pool, slots, rot)
 
 
 def write_tokens(

@@ -90,25 +90,27 @@ def prefill_attention(
     return out.transpose(0, 1).to(q.dtype)
 
 
-def chunk_summaries(kv_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """L2-normalised mean key over each chunk's tokens: [n, L, Hkv, D] fp32. Call on full chunks only."""
-    keys = kv_pool[slots.long(), :, 0].float().mean(dim=3)
-    return F.normalize(keys, dim=-1)
+def chunk_summaries(kv_pool: torch.Tensor, slots: torch.Tensor, blocks: int) -> torch.Tensor:
+    """[n, L, Hkv, blocks, D] fp32: the mean key of each of `blocks` equal runs of tokens of each listed
+    chunk (call on full chunks only)."""
+    keys = kv_pool[slots.long(), :, 0].float()  # [n, L, Hkv, C, D]
+    n, layers, h_kv, c, d = keys.shape
+    return keys.view(n, layers, h_kv, blocks, c // blocks, d).mean(4)
 
 
-def chunk_scores(q: torch.Tensor, summaries: torch.Tensor) -> torch.Tensor:
-    """[N] fp32: max over query tokens and query heads of cos(q, its kv-head's summary). The summaries
-    (one layer, [N, Hkv, D]) are unit-norm already; q is normalised here."""
-    t, hq, d = q.shape
-    h_kv = summaries.shape[1]
-    qs = F.normalize(q.float(), dim=-1).view(t, h_kv, hq // h_kv, d)
-    cos = torch.einsum("thgd,nhd->nthg", qs, summaries.float())
-    return cos.flatten(1).amax(1)
-
-
-def topk_chunks(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the min(k, N) highest scores, best first."""
-    return torch.topk(scores, min(k, scores.numel())).indices
+def chunk_lse(
+    q: torch.Tensor, kv_pool: torch.Tensor, slots: torch.Tensor, rot: torch.Tensor | None = None
+) -> torch.Tensor:
+    """log Σ exp(q·k / √D) over the C keys of each listed chunk, for every layer's queries:
+    q [L, T, Hq, D] -> [L, T, Hq, n] fp32 (query head h reads kv-head h // (Hq // Hkv)). rot [n, 2, D/2],
+    when given, moves each chunk's keys (`shift_keys`). Call on full chunks only."""
+    layers, t, hq, d = q.shape
+    keys = kv_pool[slots.long(), :, 0]  # [n, L, Hkv, C, D]
+    if rot is not None:
+        keys = shift_keys(keys.movedim(0, 2), rot).movedim(2, 0)
+    qs = q.float().view(layers, t, keys.shape[2], -1, d)
+    logits = torch.einsum("lthgd,nlhcd->lthgnc", qs, keys.float()) * d**-0.5
+    return logits.logsumexp(-1).flatten(2, 3)
 
 
 def write_tokens(

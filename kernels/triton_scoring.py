@@ -1,8 +1,11 @@
-"""Chunk summaries (at seal time) and chunk scores against queries, for the query-aware policy.
+"""Chunk summaries (at seal time) and chunk log-masses against queries, for the query-aware policy.
 
-A summary is the L2-normalised mean key of a chunk per layer and kv-head; a chunk's score is the best
-cosine between any recent query head and its kv-head's summary. Both are tiny next to attention; the
-kernels exist so that scoring a long history is one launch instead of a chain of torch ops.
+A summary is the mean key of each of a few equal runs of a chunk's tokens, per layer and kv-head: the
+policy estimates a chunk's attention mass from it while the chunk's keys are off the GPU. When the keys
+are on the GPU the policy scores from the keys themselves: `chunk_lse` reads each candidate chunk's keys
+in place from the pool, once for all of a step's recorded queries, and writes only log Σ exp(q·k/√D)
+per (layer, query, head, chunk), where the torch path gathered the candidates' keys into a copy and
+materialised every (query, head, key) logit in fp32 (reference.chunk_lse).
 """
 
 from __future__ import annotations
@@ -11,12 +14,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kvflash.kernels._common import next_pow2
+from kvflash.kernels._common import LOG2E, dot_precision, f32_dot, next_pow2, pow2
 
-EPS = tl.constexpr(1e-12)
-"""Same floor on the norm as torch.nn.functional.normalize."""
-SCORE_CHUNKS = 32
-"""Chunks scored per program."""
+LN2 = tl.constexpr(0.6931471805599453)
+LSE_ROWS = 64
+"""(query token, head) rows scored per step against a chunk's keys: bounds the logit tile at
+LSE_ROWS x chunk_tokens."""
 
 
 @triton.jit
@@ -30,6 +33,7 @@ def _summary_kernel(
     stride_tok,
     n_layers,
     n_heads,
+    B: tl.constexpr,
     C: tl.constexpr,
     D: tl.constexpr,
 ):
@@ -42,86 +46,110 @@ def _summary_kernel(
     d = tl.arange(0, D)
     base = kv_ptr + slot * stride_slot + layer * stride_layer + h * stride_head
     k = tl.load(base + t[:, None] * stride_tok + d[None, :]).to(tl.float32)
-    mean = tl.sum(k, 0) / C
-    norm = tl.sqrt(tl.sum(mean * mean, 0))
-    out = mean / tl.maximum(norm, EPS)
-    tl.store(out_ptr + ((i * n_layers + layer) * n_heads + h) * D + d, out)
+    means = tl.sum(tl.reshape(k, (B, C // B, D)), 1) / (C // B)
+    blk = tl.arange(0, B)
+    rows = ((i * n_layers + layer) * n_heads + h) * B + blk
+    tl.store(out_ptr + rows[:, None] * D + d[None, :], means)
 
 
-def chunk_summaries(kv_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def chunk_summaries(kv_pool: torch.Tensor, slots: torch.Tensor, blocks: int) -> torch.Tensor:
     """Same contract as reference.chunk_summaries."""
     n = slots.numel()
     _, n_layers, _, h_kv, c, d = kv_pool.shape
     s = kv_pool.stride()
-    assert s[5] == 1 and slots.is_contiguous()
-    out = torch.empty((n, n_layers, h_kv, d), dtype=torch.float32, device=kv_pool.device)
+    assert s[5] == 1 and slots.is_contiguous() and pow2(blocks) and c % blocks == 0
+    out = torch.empty((n, n_layers, h_kv, blocks, d), dtype=torch.float32, device=kv_pool.device)
     if n:
         _summary_kernel[(n, n_layers * h_kv)](
-            kv_pool, slots, out, s[0], s[1], s[3], s[4], n_layers, h_kv, C=c, D=d
+            kv_pool, slots, out, s[0], s[1], s[3], s[4], n_layers, h_kv, B=blocks, C=c, D=d
         )
     return out
 
 
 @triton.jit
-def _score_kernel(
+def _lse_kernel(
     q_ptr,
-    summ_ptr,
+    kv_ptr,
+    slots_ptr,
+    rot_ptr,
     out_ptr,
-    N,
     n_rows,
-    n_heads,
+    qk_scale,
+    stride_ql,
     stride_qt,
     stride_qh,
-    stride_sn,
-    stride_sh,
+    stride_ol,
+    stride_ot,
+    stride_oh,
+    stride_slot,
+    stride_layer,
+    stride_head,
+    stride_tok,
+    n_heads,
     G: tl.constexpr,
+    C: tl.constexpr,
     D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    SHIFTED: tl.constexpr,
+    PREC: tl.constexpr,
 ):
-    """Rows are (query token, head in group) pairs of one kv-head: r -> token r // G, head h * G + r % G."""
-    c = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    d = tl.arange(0, D)
-    best = tl.full([BLOCK_N], float("-inf"), tl.float32)
-    for h in range(0, n_heads):
-        s = tl.load(
-            summ_ptr + c[:, None] * stride_sn + h * stride_sh + d[None, :], mask=(c < N)[:, None], other=0.0
-        )
-        s = s.to(tl.float32)
-        for r0 in range(0, n_rows, BLOCK_R):
-            r = r0 + tl.arange(0, BLOCK_R)
-            rows = (r // G) * stride_qt + (h * G + r % G) * stride_qh
-            q = tl.load(q_ptr + rows[:, None] + d[None, :], mask=(r < n_rows)[:, None], other=0.0)
-            q = q.to(tl.float32)
-            q = q / tl.maximum(tl.sqrt(tl.sum(q * q, 1)), EPS)[:, None]
-            cos = tl.dot(s, tl.trans(q), input_precision="ieee")
-            cos = tl.where((r < n_rows)[None, :], cos, float("-inf"))
-            best = tl.maximum(best, tl.max(cos, 1))
-    tl.store(out_ptr + c, best, mask=c < N)
+    """One program per (chunk, layer, kv-head): the chunk's keys are loaded once and every recorded
+    (query token, head of the group) row is scored against them, BLOCK_R rows a step. Rows are
+    r -> token r // G, query head h * G + r % G. With SHIFTED the query is turned back by the chunk's
+    rotation instead of turning every key forward (the same dot product)."""
+    ci = tl.program_id(0)
+    lh = tl.program_id(1)
+    layer = lh // n_heads
+    h = lh % n_heads
+    slot = tl.load(slots_ptr + ci).to(tl.int64)
+    t = tl.arange(0, C)
+    k_rows = kv_ptr + slot * stride_slot + layer * stride_layer + h * stride_head + t[:, None] * stride_tok
+    if SHIFTED:
+        hd = tl.arange(0, D // 2)
+        ka = tl.load(k_rows + hd[None, :]).to(tl.float32)
+        kb = tl.load(k_rows + D // 2 + hd[None, :]).to(tl.float32)
+        cos = tl.load(rot_ptr + ci * D + hd)[None, :]
+        sin = tl.load(rot_ptr + ci * D + D // 2 + hd)[None, :]
+    else:
+        d = tl.arange(0, D)
+        k = tl.load(k_rows + d[None, :]).to(tl.float32)
+    for r0 in range(0, n_rows, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        live = r < n_rows
+        q_rows = q_ptr + layer * stride_ql + (r // G) * stride_qt + (h * G + r % G) * stride_qh
+        if SHIFTED:
+            qa = tl.load(q_rows[:, None] + hd[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+            qb = tl.load(q_rows[:, None] + D // 2 + hd[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+            logits = tl.dot(qa * cos + qb * sin, tl.trans(ka), input_precision=PREC)
+            logits += tl.dot(qb * cos - qa * sin, tl.trans(kb), input_precision=PREC)
+        else:
+            qv = tl.load(q_rows[:, None] + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+            logits = tl.dot(qv, tl.trans(k), input_precision=PREC)
+        logits = logits * qk_scale
+        m = tl.max(logits, 1)
+        lse = (m + tl.log2(tl.sum(tl.exp2(logits - m[:, None]), 1))) * LN2
+        out_rows = out_ptr + layer * stride_ol + (r // G) * stride_ot + (h * G + r % G) * stride_oh + ci
+        tl.store(out_rows, lse, mask=live)
 
 
-def chunk_scores(q: torch.Tensor, summaries: torch.Tensor) -> torch.Tensor:
-    """Same contract as reference.chunk_scores."""
-    t, hq, d = q.shape
-    n, h_kv = summaries.shape[0], summaries.shape[1]
-    assert q.stride(2) == 1 and summaries.stride(2) == 1
-    g = hq // h_kv
-    out = torch.empty(n, dtype=torch.float32, device=q.device)
+def chunk_lse(
+    q: torch.Tensor, kv_pool: torch.Tensor, slots: torch.Tensor, rot: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Same contract as reference.chunk_lse."""
+    n_layers, t, hq, d = q.shape
+    h_kv, c = kv_pool.shape[3], kv_pool.shape[4]
+    s = kv_pool.stride()
+    assert s[5] == 1 and q.stride(3) == 1 and slots.is_contiguous() and kv_pool.shape[1] == n_layers
+    n, g = slots.numel(), hq // h_kv
+    assert rot is None or (rot.dtype == torch.float32 and rot.is_contiguous() and rot.shape[0] == n)
+    out = torch.empty((n_layers, t, hq, n), dtype=torch.float32, device=q.device)
     if n:
-        _score_kernel[(triton.cdiv(n, SCORE_CHUNKS),)](
-            q,
-            summaries,
-            out,
-            n,
-            t * g,
-            h_kv,
-            q.stride(0),
-            q.stride(1),
-            summaries.stride(0),
-            summaries.stride(1),
-            G=g,
-            D=d,
-            BLOCK_N=SCORE_CHUNKS,
-            BLOCK_R=min(64, max(16, next_pow2(t * g))),
-        )
+        rows = t * g
+        _lse_kernel[(n, n_layers * h_kv)](
+            q, kv_pool, slots, rot, out, rows, d**-0.5 * LOG2E,
+            q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
+            s[0], s[1], s[3], s[4], h_kv,
+            G=g, C=c, D=d, BLOCK_R=min(LSE_ROWS, max(16, next_pow2(rows))), SHIFTED=rot is not None,
+            PREC="ieee" if f32_dot(q) else dot_precision(kv_pool.dtype), num_warps=4 if d <= 64 else 8,
+        )  # fmt: skip
     return out

@@ -423,29 +423,33 @@ class PagedKV:
         chunks (a lazy restore) at their summaries' estimate. Decode re-selection reads only the GPU.
         """
         qs = torch.stack(self.queries)  # [L, t, Hq, D]
-        n_layers, t, hq, d = qs.shape
-        dev, h_kv = qs.device, self.pool.kv.shape[3]
+        n_layers, t, hq, _ = qs.shape
+        dev, i32 = qs.device, torch.int32
         lse = torch.empty(n_layers, t, hq, self._n_cand, device=dev)
         chunks = self.seq.chunks[: self._n_cand]
         on_gpu = [ch for ch in chunks if ch.gpu is not None]
         on_host = [ch for ch in chunks if ch.gpu is None and ch.host is not None] if from_host else []
         rest = [ch.index for ch in chunks if ch.gpu is None and not (from_host and ch.host is not None)]
-        per_chunk = n_layers * t * hq * self.cfg.chunk_tokens * 4
-        batch = max(1, SCORE_BYTES // per_chunk)
-        qg = qs.view(n_layers, t, h_kv, -1, d)
-        for lo in range(0, len(on_gpu), batch):
-            part = on_gpu[lo : lo + batch]
-            slots = torch.tensor([ch.gpu for ch in part], device=dev)
+        # The twin holds a batch's logits in fp32; the kernel reads keys in place and holds none, so
+        # only the staging copies of host-tier chunks bound its batches.
+        twin = max(1, SCORE_BYTES // (n_layers * t * hq * self.cfg.chunk_tokens * 4))
+        gpu_batch = max(1, len(on_gpu)) if self.uses_triton else twin
+        host_batch = max(1, SCORE_BYTES // self.chunk_nbytes)
+        if not self.uses_triton:
+            host_batch = min(host_batch, twin)
+        for lo in range(0, len(on_gpu), gpu_batch):
+            part = on_gpu[lo : lo + gpu_batch]
+            slots = torch.tensor([ch.gpu for ch in part], device=dev, dtype=i32)
             idx = [ch.index for ch in part]
-            keys = self.pool.kv[slots, :, 0]  # [n, L, Hkv, C, D]
-            lse[..., idx] = _keys_lse(qg, _turned(keys, self._rows(self._cand_rot, idx)))
-        for lo in range(0, len(on_host), batch):
-            part = on_host[lo : lo + batch]
+            lse[..., idx] = kernels.chunk_lse(qs, self.pool.kv, slots, self._rows(self._cand_rot, idx))
+        for lo in range(0, len(on_host), host_batch):
+            part = on_host[lo : lo + host_batch]
             stage = torch.empty((len(part), *self.pool.kv.shape[1:]), dtype=self.pool.kv.dtype, device=dev)
             for j, ch in enumerate(part):
                 stage[j].copy_(self.host.view(ch.host), non_blocking=True)
             idx = [ch.index for ch in part]
-            lse[..., idx] = _keys_lse(qg, _turned(stage[:, :, 0], self._rows(self._cand_rot, idx)))
+            slots = torch.arange(len(part), device=dev, dtype=i32)
+            lse[..., idx] = kernels.chunk_lse(qs, stage, slots, self._rows(self._cand_rot, idx))
         if rest:
             summ = self.seq.summaries[torch.tensor(rest, device=dev)]
             lse[..., rest] = self._estimate_lse(qs, _turned(summ, self._rows(self._cand_rot, rest)))
@@ -468,15 +472,15 @@ class PagedKV:
         old_sealed = self._start // c
         self._since_select += self._end - self._start
         new_sealed = self._end // c
-        for i in range(old_sealed, new_sealed):
-            self._seal(self.seq.chunks[i])
+        if new_sealed > old_sealed:
+            self._seal(self.seq.chunks[old_sealed:new_sealed])
 
-    def _seal(self, ch: Chunk) -> None:
-        keys = self.pool.kv[ch.gpu, :, 0].float()  # [L, Hkv, C, D]
-        l, h, c, d = keys.shape
-        blocks = self.cfg.summary_blocks
-        self.seq.set_summary(ch.index, keys.view(l, h, blocks, c // blocks, d).mean(3))
-        ch.sealed = True
+    def _seal(self, chunks: list[Chunk]) -> None:
+        slots = torch.tensor([ch.gpu for ch in chunks], device=self.pool.kv.device, dtype=torch.int32)
+        summaries = kernels.chunk_summaries(self.pool.kv, slots, self.cfg.summary_blocks)
+        for ch, summary in zip(chunks, summaries, strict=True):
+            self.seq.set_summary(ch.index, summary)
+            ch.sealed = True
 
     def free(self) -> None:
         """Returns every GPU and host slot of this sequence."""
@@ -499,9 +503,3 @@ def _turned(keys: torch.Tensor, rot: torch.Tensor | None) -> torch.Tensor:
     if rot is None:
         return keys
     return kernels.reference.shift_keys(keys.float().movedim(0, 2), rot).movedim(2, 0)
-
-
-def _keys_lse(qs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """qs [L, t, Hkv, G, D], keys [N, L, Hkv, C, D] -> log Σ_tokens exp(q·k/√d) as [L, t, Hq, N]."""
-    logits = torch.einsum("lthgd,nlhcd->lthgnc", qs, keys.float()) * qs.shape[-1] ** -0.5
-    return logits.logsumexp(-1).flatten(2, 3)

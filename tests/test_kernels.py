@@ -347,57 +347,111 @@ def test_shifted_keys_sit_at_the_shifted_positions() -> None:
 # -- summaries and scores -------------------------------------------------------------------------
 
 
-def check_summaries(n: int, layers: int, h_kv: int, d: int, c: int, dtype: torch.dtype, device: str) -> None:
+def check_summaries(
+    n: int, layers: int, h_kv: int, d: int, c: int, blocks: int, dtype: torch.dtype, device: str
+) -> None:
     g = torch.Generator().manual_seed(n)
     pool = (torch.randn(n + 2, layers, 2, h_kv, c, d, generator=g) + 0.3).to(dtype).to(device)
-    pool[:, :, 1] = float("nan")
+    pool[:, :, 1] = float("nan")  # values are never read
     slots = torch.randperm(n + 2, generator=g)[:n].int().to(device)
     with poisoned_outputs():
-        out = triton_impl("triton_scoring").chunk_summaries(pool, slots)
-    close(out, ref.chunk_summaries(pool, slots), torch.float32)
+        out = triton_impl("triton_scoring").chunk_summaries(pool, slots, blocks)
+    close(out, ref.chunk_summaries(pool, slots, blocks), torch.float32)
 
 
-def check_scores(t: int, h_kv: int, group: int, n: int, d: int, dtype: torch.dtype, device: str) -> None:
-    g = torch.Generator().manual_seed(n)
-    layers = 3
-    summ = F.normalize(torch.randn(n + 5, layers, h_kv, d, generator=g), dim=-1).to(device)
-    summ = summ[:n, 1]  # a strided view, as the engine holds them
-    q = torch.randn(t, h_kv * group, d, generator=g).to(dtype).to(device)
+@dataclass(frozen=True)
+class Lse:
+    layers: int
+    t: int
+    h_kv: int
+    group: int
+    n: int
+    d: int
+    c: int
+    dtype: torch.dtype
+    shifted: bool
+
+
+def lse_inputs(case: Lse, device: str) -> tuple:
+    """Every layer's queries (a strided view, as torch.stack of per-layer slices need not be dense),
+    a pool whose values are NaN (never read) and n listed slots in random order, rotations if shifted."""
+    g = torch.Generator().manual_seed(case.n + case.t)
+    pool = torch.randn(case.n + 3, case.layers, 2, case.h_kv, case.c, case.d, generator=g).to(case.dtype)
+    pool[:, :, 1] = float("nan")
+    slots = torch.randperm(case.n + 3, generator=g)[: case.n].int()
+    q = torch.randn(case.layers, case.t + 2, case.h_kv * case.group, case.d, generator=g)[:, 1:-1]
+    rot = random_rot((case.n,), case.d, case.n, "cpu") if case.shifted else None
+    return tuple(None if a is None else a.to(device) for a in (q, pool, slots, rot))
+
+
+def check_lse(case: Lse, device: str) -> None:
+    q, pool, slots, rot = lse_inputs(case, device)
     with poisoned_outputs():
-        out = triton_impl("triton_scoring").chunk_scores(q, summ)
-    close(out, ref.chunk_scores(q, summ), torch.float32)
+        out = triton_impl("triton_scoring").chunk_lse(q, pool, slots, rot)
+    close(out, ref.chunk_lse(q, pool, slots, rot), case.dtype)
+
+
+INTERP_LSE = [
+    Lse(1, 1, 1, 1, 1, 64, 16, torch.float32, False),
+    Lse(2, 3, 3, 3, 5, 64, 16, torch.bfloat16, True),
+    Lse(2, 8, 2, 8, 7, 128, 16, torch.float16, False),
+    Lse(1, 37, 1, 4, 3, 64, 32, torch.float32, True),
+]
+GPU_LSE = [
+    Lse(30, 32, 3, 3, 1000, 64, 64, torch.bfloat16, False),
+    Lse(30, 32, 3, 3, 513, 64, 64, torch.bfloat16, True),
+    Lse(32, 32, 8, 4, 257, 128, 64, torch.bfloat16, True),
+    Lse(32, 1, 8, 4, 300, 128, 64, torch.float16, False),
+    Lse(3, 17, 2, 8, 101, 128, 16, torch.float32, True),
+]
 
 
 @interp
 @pytest.mark.parametrize(
-    "n,layers,h_kv,d,c,dtype",
-    [(1, 1, 1, 64, 16, torch.float32), (5, 2, 3, 128, 64, torch.bfloat16), (3, 3, 2, 64, 16, torch.float16)],
+    "n,layers,h_kv,d,c,blocks,dtype",
+    [
+        (1, 1, 1, 64, 16, 4, torch.float32),
+        (5, 2, 3, 128, 64, 4, torch.bfloat16),
+        (3, 3, 2, 64, 16, 1, torch.float16),
+        (2, 2, 1, 64, 32, 8, torch.float32),
+    ],
 )
-def test_interp_summaries(n, layers, h_kv, d, c, dtype) -> None:
-    check_summaries(n, layers, h_kv, d, c, dtype, "cpu")
+def test_interp_summaries(n, layers, h_kv, d, c, blocks, dtype) -> None:
+    check_summaries(n, layers, h_kv, d, c, blocks, dtype, "cpu")
 
 
 @interp
-@pytest.mark.parametrize(
-    "t,h_kv,group,n,d,dtype",
-    [(1, 1, 1, 1, 64, torch.float32), (3, 3, 3, 45, 64, torch.bfloat16), (8, 2, 8, 70, 128, torch.float16)],
-)
-def test_interp_scores(t, h_kv, group, n, d, dtype) -> None:
-    check_scores(t, h_kv, group, n, d, dtype, "cpu")
+@pytest.mark.parametrize("case", INTERP_LSE, ids=str)
+def test_interp_chunk_lse(case: Lse) -> None:
+    check_lse(case, "cpu")
 
 
 @on_gpu
-def test_gpu_summaries_and_scores() -> None:
-    check_summaries(1000, 30, 3, 64, 64, torch.bfloat16, "cuda")
-    check_summaries(257, 32, 8, 128, 64, torch.float16, "cuda")
-    check_scores(1, 8, 4, 4096, 128, torch.bfloat16, "cuda")
-    check_scores(16, 3, 3, 1001, 64, torch.float32, "cuda")
+def test_gpu_summaries() -> None:
+    check_summaries(1000, 30, 3, 64, 64, 4, torch.bfloat16, "cuda")
+    check_summaries(257, 32, 8, 128, 64, 2, torch.float16, "cuda")
 
 
-def test_topk_chunks() -> None:
-    scores = torch.tensor([0.1, 0.9, -0.2, 0.5])
-    assert kernels.topk_chunks(scores, 2).tolist() == [1, 3]
-    assert kernels.topk_chunks(scores, 10).tolist() == [1, 3, 0, 2]
+@pytest.mark.parametrize("case", GPU_LSE, ids=str)
+@on_gpu
+def test_gpu_chunk_lse(case: Lse) -> None:
+    check_lse(case, "cuda")
+
+
+@pytest.mark.parametrize("shifted", [False, True], ids=["plain", "shifted"])
+def test_reference_chunk_lse_is_each_heads_logsumexp_over_its_kv_heads_keys(shifted: bool) -> None:
+    """The twin against a loop: query head h of layer l scores chunk i by log Σ exp over the chunk's
+    keys of its own kv-head h // G, each key moved by the chunk's rotation when one is given."""
+    case = Lse(2, 3, 2, 3, 4, 32, 16, torch.float32, shifted)
+    q, pool, slots, rot = lse_inputs(case, "cpu")
+    out = ref.chunk_lse(q, pool, slots, rot)
+    for i, slot in enumerate(slots.tolist()):
+        keys = pool[slot, :, 0]  # [L, Hkv, C, D]
+        if rot is not None:
+            keys = ref.shift_keys(keys, rot[i].expand(*keys.shape[:2], *rot.shape[1:]))
+        for h in range(case.h_kv * case.group):
+            want = torch.logsumexp(q[:, :, h] @ keys[:, h // case.group].transpose(1, 2) / case.d**0.5, -1)
+            torch.testing.assert_close(out[:, :, h, i], want, atol=1e-5, rtol=1e-5)
 
 
 # -- copies ---------------------------------------------------------------------------------------
