@@ -23,6 +23,21 @@ LSE_ROWS x chunk_tokens."""
 
 
 @triton.jit
+def _key_rows(
+    kv_ptr, slots_ptr, stride_slot, stride_layer, stride_head, stride_tok, n_heads, C: tl.constexpr
+):
+    """This program's (listed chunk, layer, kv-head) and the pointers to that chunk's C key rows [C, 1]."""
+    ci = tl.program_id(0)
+    lh = tl.program_id(1)
+    layer = lh // n_heads
+    h = lh % n_heads
+    slot = tl.load(slots_ptr + ci).to(tl.int64)
+    t = tl.arange(0, C)
+    rows = kv_ptr + slot * stride_slot + layer * stride_layer + h * stride_head + t[:, None] * stride_tok
+    return ci, layer, h, rows
+
+
+@triton.jit
 def _summary_kernel(
     kv_ptr,
     slots_ptr,
@@ -37,15 +52,11 @@ def _summary_kernel(
     C: tl.constexpr,
     D: tl.constexpr,
 ):
-    i = tl.program_id(0)
-    lh = tl.program_id(1)
-    layer = lh // n_heads
-    h = lh % n_heads
-    slot = tl.load(slots_ptr + i).to(tl.int64)
-    t = tl.arange(0, C)
+    i, layer, h, k_rows = _key_rows(
+        kv_ptr, slots_ptr, stride_slot, stride_layer, stride_head, stride_tok, n_heads, C
+    )
     d = tl.arange(0, D)
-    base = kv_ptr + slot * stride_slot + layer * stride_layer + h * stride_head
-    k = tl.load(base + t[:, None] * stride_tok + d[None, :]).to(tl.float32)
+    k = tl.load(k_rows + d[None, :]).to(tl.float32)
     means = tl.sum(tl.reshape(k, (B, C // B, D)), 1) / (C // B)
     blk = tl.arange(0, B)
     rows = ((i * n_layers + layer) * n_heads + h) * B + blk
@@ -97,13 +108,9 @@ def _lse_kernel(
     (query token, head of the group) row is scored against them, BLOCK_R rows a step. Rows are
     r -> token r // G, query head h * G + r % G. With SHIFTED the query is turned back by the chunk's
     rotation instead of turning every key forward (the same dot product)."""
-    ci = tl.program_id(0)
-    lh = tl.program_id(1)
-    layer = lh // n_heads
-    h = lh % n_heads
-    slot = tl.load(slots_ptr + ci).to(tl.int64)
-    t = tl.arange(0, C)
-    k_rows = kv_ptr + slot * stride_slot + layer * stride_layer + h * stride_head + t[:, None] * stride_tok
+    ci, layer, h, k_rows = _key_rows(
+        kv_ptr, slots_ptr, stride_slot, stride_layer, stride_head, stride_tok, n_heads, C
+    )
     if SHIFTED:
         hd = tl.arange(0, D // 2)
         ka = tl.load(k_rows + hd[None, :]).to(tl.float32)
