@@ -3,7 +3,8 @@
 Decode reads every resident K/V byte once per token, so it is bound by memory bandwidth. One program
 owns (sequence, kv-head, split): it loads each K/V tile once and serves the whole query group from it
 as one [G, D] tile (GQA), walking its share of the listed slots CPI chunks at a time. The split count
-is chosen from the batch and the table width so that a few waves of programs fill the device. The
+is chosen from the batch and the table width so that one wave (head_dim 128 at small batches, each
+program streaming a long run through a deep pipeline) or a few waves of programs fill the device. The
 splits' partial outputs are merged by their log-sum-exp, either in the same launch by the program of
 each (sequence, kv-head) that finishes last (`fused`), or by a second small kernel; a single split
 writes the output itself. bench/decode_tune.py times both merges side by side. With `rot`
