@@ -28,22 +28,13 @@ from rich.console import Console
 from rich.table import Table
 from triton.testing import do_bench
 
+from kernels import CHUNK, DTYPE, copy_bandwidth
 from kvflash.kernels import reference
 from kvflash.kernels.triton_scoring import chunk_lse
 from kvflash.paged_kv import SCORE_BYTES
 
 MODELS = {"SmolLM2": (30, 64, 9, 3), "Llama-8B": (32, 128, 32, 8)}
 """name -> (layers, head_dim, q heads, kv heads)."""
-CHUNK = 64
-DTYPE = torch.bfloat16
-
-
-def copy_bandwidth() -> float:
-    """GB/s of traffic (read + write) for a 4 GiB device-to-device copy."""
-    src = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=10, rep=60)
-    return 2 * src.numel() / ms / 1e6
 
 
 def bench(model: str, n: int, t: int, shifted: bool, copy_gbps: float) -> dict:

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvflash.kernels._common import LOG2E, dot_precision, f32_dot, next_pow2, pow2
+from kvflash.kernels._common import LOG2E, dot_precision, next_pow2, pow2
 
 LN2 = tl.constexpr(0.6931471805599453)
 LSE_ROWS = 64
@@ -157,6 +157,6 @@ def chunk_lse(
             q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
             s[0], s[1], s[3], s[4], h_kv,
             G=g, C=c, D=d, BLOCK_R=min(LSE_ROWS, max(16, next_pow2(rows))), SHIFTED=rot is not None,
-            PREC="ieee" if f32_dot(q) else dot_precision(kv_pool.dtype), num_warps=4 if d <= 64 else 8,
+            PREC=dot_precision(kv_pool.dtype), num_warps=4 if d <= 64 else 8,
         )  # fmt: skip
     return out
