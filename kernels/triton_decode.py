@@ -302,7 +302,9 @@ def decode_launch(head_dim: int, batch: int, kv_bytes: int = 2) -> Launch:
     head_dim 128 merges in the split kernel: over two waves at batch 16-31, six from batch 32
     (Llama-8B 8K-128K at batch 32 and 64: 97-104 % of copy). head_dim 64 keeps the two-kernel merge
     below batch 16 (at batch 1 the fused merge lost 3-13 points at every split count tried) and takes
-    128-token tiles from batch 2."""
+    128-token tiles from batch 2; at batch 2-8 five stages deep in one wave of two programs per SM
+    (SmolLM2 64K x2 76 % of copy against 71 % for two stages over four waves, 64K x4 84 against
+    82 %, 64K x8 93 against 91 %; the fused merge lost there too)."""
     if head_dim >= 128 and batch >= 16:
         return Launch(BLOCK_TOKENS, 2, 2 if batch < 32 else 6, True)
     if batch >= 16:
@@ -311,7 +313,11 @@ def decode_launch(head_dim: int, batch: int, kv_bytes: int = 2) -> Launch:
         return Launch(128, 5, 1, True)
     if head_dim >= 128:
         return Launch(128, 3, WAVES * (1 if batch == 1 else 2), False)
-    return Launch(BLOCK_TOKENS if batch == 1 else 2 * BLOCK_TOKENS, 2, WAVES, False)
+    if batch == 1:
+        return Launch(BLOCK_TOKENS, 2, WAVES, False)
+    if batch <= 8 and kv_bytes == 2:
+        return Launch(128, 5, 1, False)
+    return Launch(2 * BLOCK_TOKENS, 2, WAVES, False)
 
 
 def use_pdl(head_dim: int, device: torch.device) -> bool:
