@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -91,8 +91,11 @@ class PagedKV:
         self._since_select = 0
         self._scores: torch.Tensor | None = None
         self.queries: list[torch.Tensor] | None = None
-        """Each layer's scoring queries, on steps scored from exact keys (scouts, decode re-selection);
-        a CUDA graph that replays such a step hands in the queries it recorded."""
+        """Each layer's scoring queries, on steps that score the chunks at `end`; a CUDA graph that
+        replays such a step hands in the queries it recorded."""
+        self._exact = False
+        """This step's queries are scored from exact keys (scouts, decode re-selection), not from the
+        summaries."""
         self._inv_freq = inv_frequencies(pool.cfg).to(pool.kv.device)
         self._rot: torch.Tensor | None = None
         """[resident, 2, D/2] cos/sin moving each resident chunk's keys to its cache position, or None
@@ -122,7 +125,8 @@ class PagedKV:
 
     @property
     def recording(self) -> bool:
-        """This step records each layer's query, to score the chunks from exact keys at `end`."""
+        """This step records each layer's query, to score the chunks at `end` (from exact keys in
+        scouts and decode re-selection, from the summaries in other prefill steps)."""
         return self.queries is not None and self._n_cand > 0
 
     def decode_table(self) -> torch.Tensor:
@@ -337,12 +341,9 @@ class PagedKV:
         self._n_cand = start // c
         due_next = self._since_select + t >= self.tau() and not self._roomy()
         capture = self.cfg.policy == "qk" and (self.scout or t > 1 or due_next)
-        self._cand_rot = None
-        if capture:
-            self._scores = torch.zeros(self._n_cand, device=dev)
-            self._cand_rot = self._candidate_rotation(start // c)
-        exact = capture and (self.scout or t == 1)
-        self.queries = [] if exact else None
+        self._cand_rot = self._candidate_rotation(start // c) if capture else None
+        self._exact = capture and (self.scout or t == 1)
+        self.queries = [] if capture else None
 
     def _stage_decode(self, position: int, send: bool) -> None:
         """A decode step's inputs: the slot and offset it writes, the chunks listed and the valid tokens
@@ -363,8 +364,6 @@ class PagedKV:
             kv[:, layer, 1][self._w_slot.long(), :, self._w_off.long()] = v
         if self.queries is not None and self._n_cand:
             self.queries.append(q[-self.cfg.score_queries :].float())
-        elif self._scores is not None and self._n_cand:
-            self._score(layer, q)
         if self.uses_triton:
             return self._attend_triton(layer, q)
         h_kv, d = kv.shape[3], kv.shape[5]
@@ -386,17 +385,33 @@ class PagedKV:
             q, self.pool.kv, layer, self._slots, self._order, self._start, scale, self._rot
         )
 
-    def _score(self, layer: int, q: torch.Tensor) -> None:
-        """Adds this layer's estimate of the attention mass each chunk would get (prefill steps).
+    def _estimated_scores(self) -> torch.Tensor:
+        """The attention mass each chunk would get, estimated from its summaries (prefill steps).
 
         Each block mean key stands in for its tokens; a softmax over all blocks of all candidate
         chunks gives every (query token, head) a distribution, and a chunk scores the largest share
-        any of them gives it. Summed shares would favour chunks that everyone looks at a little;
-        the max finds the chunk one retrieval head looks at a lot (docs/ARCHITECTURE.md, Residency).
+        any of them gives it, summed over layers. Summed shares would favour chunks that everyone
+        looks at a little; the max finds the chunk one retrieval head looks at a lot
+        (docs/ARCHITECTURE.md, Residency). The layers' recorded queries are scored together, as many
+        layers a batch as SCORE_BYTES of logits allow: a few launches a step instead of ~20 a layer.
         """
-        qs = q[-self.cfg.score_queries :].float()
-        summ = _turned(self.seq.summaries[: self._n_cand, layer, None], self._cand_rot)
-        self._scores += self._mass(self._estimate_lse(qs[None], summ))[0]
+        qs = torch.stack(self.queries)  # [L, t, Hq, D]
+        scores = torch.zeros(self._n_cand, device=qs.device)
+        for _, _, lse in self._estimates(qs, self.seq.summaries[: self._n_cand], self._cand_rot):
+            scores += self._mass(lse).sum(0)
+        return scores
+
+    def _estimates(
+        self, qs: torch.Tensor, summ: torch.Tensor, rot: torch.Tensor | None
+    ) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """(lo, hi, log-masses [hi - lo, t, Hq, N]) for layers lo..hi-1: `_estimate_lse` of the
+        queries qs [L, t, Hq, D] over summaries [N, L, Hkv, B, D] turned by rot, as many layers at a
+        time as SCORE_BYTES of logits allow."""
+        n_layers, t, hq, _ = qs.shape
+        step = max(1, SCORE_BYTES // (t * hq * summ.shape[0] * summ.shape[3] * 4))
+        for lo in range(0, n_layers, step):
+            hi = min(lo + step, n_layers)
+            yield lo, hi, self._estimate_lse(qs[lo:hi], _turned(summ[:, lo:hi], rot))
 
     def _estimate_lse(self, qs: torch.Tensor, summ: torch.Tensor) -> torch.Tensor:
         """log Σ exp(q·k/√d) over each chunk's tokens, with every block's tokens at its mean key.
@@ -410,9 +425,8 @@ class PagedKV:
     @staticmethod
     def _mass(lse: torch.Tensor) -> torch.Tensor:
         """[L, t, Hq, N] chunk log-masses -> [L, N]: the largest softmax share any query and head gives
-        each chunk, per layer, divided by the layer count (the caller sums over layers)."""
-        mass = torch.softmax(lse, dim=-1)
-        return mass.flatten(1, 2).amax(1) / lse.shape[0]
+        each chunk, per layer."""
+        return torch.softmax(lse, dim=-1).flatten(1, 2).amax(1)
 
     def _exact_scores(self, from_host: bool) -> torch.Tensor:
         """Scores from the keys themselves, for the queries this step recorded in every layer.
@@ -452,8 +466,9 @@ class PagedKV:
             lse[..., idx] = kernels.chunk_lse(qs, stage, slots, self._rows(self._cand_rot, idx))
         if rest:
             summ = self.seq.summaries[torch.tensor(rest, device=dev)]
-            lse[..., rest] = self._estimate_lse(qs, _turned(summ, self._rows(self._cand_rot, rest)))
-        return self._mass(lse).sum(0)
+            for lo, hi, part in self._estimates(qs, summ, self._rows(self._cand_rot, rest)):
+                lse[lo:hi, ..., rest] = part
+        return self._mass(lse).mean(0)
 
     @staticmethod
     def _rows(rot: torch.Tensor | None, index: list[int]) -> torch.Tensor | None:
@@ -463,7 +478,7 @@ class PagedKV:
         self.step += 1
         self._scouted = self.scout
         if self.queries:
-            self._scores = self._exact_scores(from_host=self.scout)
+            self._scores = self._exact_scores(self.scout) if self._exact else self._estimated_scores()
         self.queries = None
         if self.scout:
             return

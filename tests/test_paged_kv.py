@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvflash import KVFlashError
+from kvflash import KVFlashError, paged_kv
 from kvflash.config import ResidencyConfig
 from kvflash.host_tier import HostTier
 from kvflash.kvcache import ContiguousKV
@@ -244,6 +246,39 @@ def test_scout_scores_from_exact_keys_find_one_sharp_key_that_block_means_miss()
     step(len(kv.seq), 2, torch.randn(2, d, generator=gen) * 0.05, q_question)
     kv._apply_scores()
     assert kv.seq.chunks[7].score > 10 * kv.seq.chunks[3].score
+
+
+@pytest.mark.parametrize("score_bytes", [1 << 30, 1], ids=["all-layers", "layer-by-layer"])
+def test_prefill_scores_sum_each_layers_largest_estimated_share(monkeypatch, score_bytes: int) -> None:
+    """A prefill step scores each earlier chunk by its block means: per layer, a softmax over every
+    block-mean logit of every chunk (each block's log-mass counting its tokens), the largest share
+    any of the step's last `score_queries` queries and heads gives the chunk, summed over layers. The
+    step scores all layers at once or in batches (SCORE_BYTES); either way it is this sum."""
+    monkeypatch.setattr(paged_kv, "SCORE_BYTES", score_bytes)
+    cfg = tiny_config(n_layers=3)
+    kv = make_kv(cfg, n_slots=8, policy="qk", cache_positions=False, score_queries=5)
+    h_kv, hq, d, c, blocks = cfg.n_kv_heads, cfg.n_heads, cfg.head_dim, 16, kv.cfg.summary_blocks
+    gen = torch.Generator().manual_seed(2)
+    for i in range(6):  # six sealed chunks, the step's own queries random
+        kv.begin(torch.zeros(c, dtype=torch.long), torch.arange(i * c, (i + 1) * c))
+        for layer in range(cfg.n_layers):
+            kv.attend(layer, torch.randn(c, hq, d, generator=gen), torch.randn(c, h_kv, d, generator=gen),
+                      torch.randn(c, h_kv, d, generator=gen))  # fmt: skip
+        kv.end()
+    t = 9
+    kv.begin(torch.zeros(t, dtype=torch.long), torch.arange(6 * c, 6 * c + t))
+    want = torch.zeros(6)
+    for layer in range(cfg.n_layers):
+        q = torch.randn(t, hq, d, generator=gen)
+        kv.attend(layer, q, torch.randn(t, h_kv, d, generator=gen), torch.randn(t, h_kv, d, generator=gen))
+        means = kv.seq.summaries[:6, layer]  # [chunk, Hkv, block, D]
+        qs = q[-5:].view(5, h_kv, hq // h_kv, d)
+        logits = torch.einsum("thgd,nhbd->thgnb", qs, means) / d**0.5
+        lse = logits.logsumexp(-1) + math.log(c // blocks)  # [t, Hkv, G, chunk]
+        want += torch.softmax(lse.flatten(1, 2), -1).amax(dim=(0, 1))
+    kv.end()
+    kv._apply_scores()
+    torch.testing.assert_close(torch.tensor([ch.score for ch in kv.seq.chunks[:6]]), want)
 
 
 @pytest.mark.parametrize("cache_positions", [True, False])

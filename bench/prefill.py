@@ -1,0 +1,204 @@
+"""Cold prefill speed of a long document: over a small pool against the whole context resident.
+
+For each model and context, a sequence prefills `context` random tokens in the engine's steps
+(`EngineConfig.prefill_step_tokens`) two ways, alternating --rounds times in one process:
+*paged*, over a pool of --pool-tokens under the `qk` policy (chunks beyond it go to the host tier,
+and each step scores and re-selects the chunks it attends to), and *resident*, over a pool that
+holds the whole context (policy `full`: every step attends to every earlier token), what a GPU
+large enough would run. The *compute limit* is the time the resident arm's matrix work would take
+at the bf16 matrix rate measured in the same run (an 8192^3 matmul): 2 FLOP per weight per token
+plus the causal attention's 4 * q-heads * head_dim FLOP per (query, key) pair per layer. Models
+have random weights (speed does not depend on what they say). Prints one table, writes JSON and a
+PNG.
+
+Times are the median of the rounds after the first, which is reported apart (see `bench`).
+
+  python bench/prefill.py --models smollm2 llama-8b --contexts 32768 131072 --out out/prefill
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from decode import LLAMA_8B, random_model
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from kvflash.config import EngineConfig, ModelConfig, ResidencyConfig
+from kvflash.engine import Engine
+from kvflash.models.loader import LoadedModel
+
+SMOLLM2 = ModelConfig(
+    arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, n_layers=30, n_heads=9,
+    n_kv_heads=3, head_dim=64, rope_theta=100000.0, max_position=1 << 20, tie_embeddings=True,
+)  # fmt: skip
+"""SmolLM2-135M's shape."""
+MODELS = {"smollm2": SMOLLM2, "llama-8b": LLAMA_8B}
+
+
+def matmul_tflops() -> float:
+    """bf16 TFLOP/s of an 8192^3 matmul, best of 20."""
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    best = float("inf")
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ a
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end))
+    return 2 * 8192**3 / best / 1e9
+
+
+def dense_flops(lm: LoadedModel, tokens: int) -> float:
+    """Matrix FLOPs of a causal prefill of `tokens` with every key resident (logits of the last token
+    only, as the engine computes them)."""
+    cfg = lm.config
+    weights = sum(p.numel() for n, p in lm.model.named_parameters() if "embed_tokens" not in n)
+    attention = 4 * cfg.n_heads * cfg.head_dim * cfg.n_layers * tokens * (tokens + 1) / 2
+    return 2 * weights * tokens + attention
+
+
+def prefill_s(eng: Engine, ids: list[int]) -> tuple[float, dict]:
+    """Seconds of one prefill of ids as a new sequence of `eng`, and the bytes it moved between tiers."""
+    kv = eng.new_sequence()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    eng.prefill(kv, ids)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    moved = dict(kv.moved)
+    kv.free()
+    return seconds, moved
+
+
+def bench(lm: LoadedModel, name: str, context: int, args, tflops: float, progress, task) -> dict:
+    """Each arm's engine serves every round, as a server's would: its first prefill also grows the
+    host tier (pinned memory, allocated as chunks first leave the GPU) and compiles any Triton
+    specialisation not seen yet; the steady time is the median of the later rounds."""
+    ids = torch.randint(0, lm.config.vocab_size, (context,), generator=torch.Generator().manual_seed(0))
+    ids = ids.tolist()
+    chunk, per_token = 64, lm.config.kv_bytes_per_token(lm.dtype)
+    paged = EngineConfig(pool_tokens=args.pool_tokens, host_bytes=(context + 4 * chunk) * per_token)
+    full = ResidencyConfig(policy="full")
+    resident = EngineConfig(pool_tokens=context + 16 * chunk, host_bytes=chunk * per_token, residency=full)
+    engines = {"paged": Engine(lm, paged), "resident": Engine(lm, resident)}
+    runs: dict[str, list[float]] = {arm: [] for arm in engines}
+    moved = {}
+    for _ in range(args.rounds):
+        for arm, eng in engines.items():
+            seconds, moved[arm] = prefill_s(eng, ids)
+            runs[arm].append(seconds)
+            progress.advance(task)
+    del engines
+    torch.cuda.empty_cache()
+
+    def steady(arm: str) -> float:
+        return statistics.median(runs[arm][1:] or runs[arm])
+
+    return {
+        "model": name,
+        "context": context,
+        "pool_tokens": args.pool_tokens,
+        "paged_s": steady("paged"),
+        "resident_s": steady("resident"),
+        "paged_first_s": runs["paged"][0],
+        "resident_first_s": runs["resident"][0],
+        "paged_runs": runs["paged"],
+        "resident_runs": runs["resident"],
+        "compute_limit_s": dense_flops(lm, context) / (tflops * 1e12),
+        "paged_moved": moved["paged"],
+    }
+
+
+def table(rows: list[dict], tflops: float) -> Table:
+    t = Table(title=f"cold prefill on {torch.cuda.get_device_name()}: matmul {tflops:,.0f} TFLOP/s (bf16)")
+    for col in ("model", "context", "pool", "paged s (first)", "paged tok/s", "resident s (first)",
+                "resident tok/s", "paged / resident", "compute limit s", "resident / limit",
+                "host->GPU GB"):  # fmt: skip
+        t.add_column(col, justify="left" if col == "model" else "right")
+    for r in rows:
+        n = r["context"]
+        t.add_row(
+            r["model"], f"{n:,}", f"{r['pool_tokens']:,}", f"{r['paged_s']:.2f} ({r['paged_first_s']:.2f})",
+            f"{n / r['paged_s']:,.0f}", f"{r['resident_s']:.2f} ({r['resident_first_s']:.2f})",
+            f"{n / r['resident_s']:,.0f}", f"{r['paged_s'] / r['resident_s']:.2f}x",
+            f"{r['compute_limit_s']:.3f}", f"{r['resident_s'] / r['compute_limit_s']:.1f}x",
+            f"{r['paged_moved']['host_to_gpu'] / 1e9:.1f}",
+        )  # fmt: skip
+    return t
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['model']}\n{r['context'] // 1024}K" for r in rows]
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(1.6 * len(rows) + 2, 4))
+    w = 0.27
+    ax.bar(
+        [i - w for i in x],
+        [r["paged_s"] for r in rows],
+        w,
+        label=f"paged ({rows[0]['pool_tokens']:,}-token pool)",
+    )
+    ax.bar(list(x), [r["resident_s"] for r in rows], w, label="whole context resident")
+    ax.bar([i + w for i in x], [r["compute_limit_s"] for r in rows], w, label="compute limit", color="0.8")
+    ax.set_xticks(list(x), labels)
+    ax.set_yscale("log")
+    ax.set_ylabel("seconds (log)")
+    ax.set_title(f"cold prefill, {torch.cuda.get_device_name()}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["smollm2", "llama-8b"], choices=list(MODELS))
+    ap.add_argument("--contexts", nargs="+", type=int, default=[32768, 131072])
+    ap.add_argument("--pool-tokens", type=int, default=8192)
+    ap.add_argument("--rounds", type=int, default=3, help="paged/resident alternations (the first is cold)")
+    ap.add_argument("--out", default="out/prefill")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/prefill.py measures CUDA prefill; no CUDA device here")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    console = Console()
+    rows = []
+    with Progress(console=console) as progress:
+        tflops = matmul_tflops()
+        for name in args.models:
+            lm = random_model(MODELS[name])
+            for context in args.contexts:
+                task = progress.add_task(f"{name} {context // 1024}K", total=2 * args.rounds)
+                rows.append(bench(lm, name, context, args, tflops, progress, task))
+            del lm
+            torch.cuda.empty_cache()
+    console.print(table(rows, tflops))
+    meta = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d"),
+        "matmul_tflops": tflops,
+        "args": vars(args),
+    }
+    (out / "prefill.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    plot(rows, out / "prefill.png")
+    console.print(f"wrote {out / 'prefill.json'} and {out / 'prefill.png'}")
+
+
+if __name__ == "__main__":
+    main()
