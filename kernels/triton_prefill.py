@@ -1,10 +1,14 @@
 """Chunked-prefill attention: a block of one sequence's queries against its listed slots, causal.
 
-Flash-attention style: one program per (query block, query head) keeps its output tile on chip and
-streams K/V tiles of CPI whole chunks. The listed slots are in logical order, so the slots wholly
-before the block's first query need no mask, the next ones up to its last query are masked, and
-the rest (wholly in its future) are never read. With `rot` (positions within the cache) each key
-chunk is scored against the queries turned back by that chunk's rotation, one chunk per tile.
+Flash-attention style: one program per (query block, query head, split) keeps its output tile on
+chip and streams K/V tiles of CPI whole chunks. The listed slots are in logical order, so the slots
+wholly before the block's first query need no mask, the next ones up to its last query are masked,
+and the rest (wholly in its future) are never read. A step of a few hundred queries over a long
+context has too few (query block, head) programs to fill the GPU (72 for a 512-token step of
+SmolLM2's 9 heads on 132 SMs), so the unmasked slots are split between programs, each writing a
+partial output and its log-sum-exp, merged by the decode kernel's combine (`prefill_splits`). With
+`rot` (positions within the cache) each key chunk is scored against the queries turned back by that
+chunk's rotation, one chunk per tile.
 """
 
 from __future__ import annotations
@@ -13,13 +17,19 @@ import torch
 import triton
 import triton.language as tl
 
-from kvflash.kernels._common import LOG2E, dot_precision, f32_dot, pool_strides, sm_count
-from kvflash.kernels.triton_decode import _shifted_qk
+from kvflash.kernels._common import LOG2E, dot_precision, f32_dot, next_pow2, pool_strides, sm_count
+from kvflash.kernels.triton_decode import COMBINE_COLS, COMBINE_ROWS, _combine_kernel, _shifted_qk
 
 BLOCK_TOKENS = 64
 """Keys per inner step: whole chunks, at least this many."""
 COUNT_STEP = 256
 """Chunk positions examined per step when counting a block's visible slots."""
+PROGRAMS_PER_SM = 2
+"""Programs per SM a step's (query block, head, split) grid should reach: splits are added until it
+does."""
+MIN_SPLIT_BLOCKS = 4
+"""A split reads at least this many key tiles, so its partial output stays a small share of its work."""
+MAX_SPLITS = 16
 TILE_ELEMS_DEEP = 64 * 128
 """Query tiles up to this many elements get 3 pipeline stages in the unmasked loop, larger ones 2
 (shared memory). The masked (diagonal) loop runs unpipelined: it is one or two steps long, and
@@ -117,7 +127,10 @@ def _prefill_kernel(
     chunk_index_ptr,
     rot_ptr,
     o_ptr,
+    o_part_ptr,
+    lse_ptr,
     n,
+    n_splits,
     q_start,
     T,
     qk_scale,
@@ -140,9 +153,11 @@ def _prefill_kernel(
     COUNT: tl.constexpr,
     FULL_STAGES: tl.constexpr,
     SHIFTED: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     mb = tl.program_id(0)
     h = tl.program_id(1)
+    s = tl.program_id(2)
     r = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     d = tl.arange(0, D)
     q_pos = q_start + r
@@ -168,23 +183,33 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
+    per_split = tl.cdiv(full_blocks, n_splits)
+    blk_lo = tl.minimum(s * per_split, full_blocks)
+    blk_hi = tl.minimum(blk_lo + per_split, full_blocks)
     acc, m_i, l_i = _attend_blocks(
-        acc, m_i, l_i, q, qa, qb, rot_ptr, q_pos, last_pos, k_base, slots_ptr, chunk_index_ptr, 0,
-        full_blocks, n_vis, qk_scale, stride_slot, stride_kv, stride_tok, C, CPI, D, False, F32_DOT, PREC,
+        acc, m_i, l_i, q, qa, qb, rot_ptr, q_pos, last_pos, k_base, slots_ptr, chunk_index_ptr, blk_lo,
+        blk_hi, n_vis, qk_scale, stride_slot, stride_kv, stride_tok, C, CPI, D, False, F32_DOT, PREC,
         FULL_STAGES, SHIFTED,
     )  # fmt: skip
-    vis_blocks = tl.cdiv(n_vis, CPI)
-    acc, m_i, l_i = _attend_blocks(
-        acc, m_i, l_i, q, qa, qb, rot_ptr, q_pos, last_pos, k_base, slots_ptr, chunk_index_ptr,
-        full_blocks, vis_blocks, n_vis, qk_scale, stride_slot, stride_kv, stride_tok, C, CPI, D, True,
-        F32_DOT, PREC, 1, SHIFTED,
-    )  # fmt: skip
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(
-        o_ptr + r[:, None] * stride_ot + h * stride_oh + d[None, :],
-        out.to(o_ptr.dtype.element_ty),
-        mask=(r < T)[:, None],
-    )
+    if s == n_splits - 1:  # the last split also reads the masked slots, up to the block's last query
+        acc, m_i, l_i = _attend_blocks(
+            acc, m_i, l_i, q, qa, qb, rot_ptr, q_pos, last_pos, k_base, slots_ptr, chunk_index_ptr,
+            full_blocks, tl.cdiv(n_vis, CPI), n_vis, qk_scale, stride_slot, stride_kv, stride_tok, C, CPI,
+            D, True, F32_DOT, PREC, 1, SHIFTED,
+        )  # fmt: skip
+    seen = l_i > 0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    if SPLIT:
+        part = (r * tl.num_programs(1) + h) * n_splits + s
+        tl.store(o_part_ptr + part[:, None] * D + d[None, :], out, mask=(r < T)[:, None])
+        lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + part, lse, mask=r < T)
+    else:
+        tl.store(
+            o_ptr + r[:, None] * stride_ot + h * stride_oh + d[None, :],
+            out.to(o_ptr.dtype.element_ty),
+            mask=(r < T)[:, None],
+        )
 
 
 def _block_m(t: int, hq: int, device: torch.device) -> int:
@@ -192,6 +217,15 @@ def _block_m(t: int, hq: int, device: torch.device) -> int:
     if t <= 64 or triton.cdiv(t, 128) * hq < 2 * sm_count(device):
         return 64 if t > 32 else 32 if t > 16 else 16
     return 128
+
+
+def prefill_splits(programs: int, blocks: int, device: torch.device) -> int:
+    """Splits of the unmasked key tiles: enough that `programs` (query blocks x heads) reach
+    PROGRAMS_PER_SM a SM, none shorter than MIN_SPLIT_BLOCKS of the `blocks` tiles listed."""
+    sms = sm_count(device)
+    if programs >= sms:
+        return 1
+    return max(1, min(triton.cdiv(PROGRAMS_PER_SM * sms, programs), blocks // MIN_SPLIT_BLOCKS, MAX_SPLITS))
 
 
 def prefill_attention(
@@ -203,10 +237,11 @@ def prefill_attention(
     q_start: int,
     sm_scale: float,
     rot: torch.Tensor | None = None,
+    n_splits: int | None = None,
 ) -> torch.Tensor:
     """Same contract as reference.prefill_attention; chunk_index must be ascending (logical order).
     With `rot` [n, 2, D/2] fp32 the kernel walks one chunk a block, turning the queries by each
-    chunk's rotation."""
+    chunk's rotation. `n_splits` overrides `prefill_splits`."""
     t, hq, d = q.shape
     h_kv, c = kv_pool.shape[3], kv_pool.shape[4]
     assert q.stride(2) == 1 and slots.is_contiguous() and chunk_index.is_contiguous()
@@ -214,16 +249,25 @@ def prefill_attention(
     if rot is not None:
         assert rot.dtype == torch.float32 and rot.is_contiguous() and rot.shape == (slots.numel(), 2, d // 2)
     block_m = _block_m(t, hq, q.device)
+    q_blocks = triton.cdiv(t, block_m)
+    splits = n_splits or prefill_splits(q_blocks * hq, slots.numel() // cpi, q.device)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    o_part = lse = None
+    if splits > 1:
+        o_part = torch.empty((t, hq, splits, d), dtype=torch.float32, device=q.device)
+        lse = torch.empty((t, hq, splits), dtype=torch.float32, device=q.device)
     layer_off, s_slot, s_kv, s_head, s_tok = pool_strides(kv_pool, layer)
-    _prefill_kernel[(triton.cdiv(t, block_m), hq)](
+    _prefill_kernel[(q_blocks, hq, splits)](
         q,
         kv_pool,
         slots,
         chunk_index,
         rot,
         out,
+        o_part,
+        lse,
         slots.numel(),
+        splits,
         q_start,
         t,
         sm_scale * LOG2E,
@@ -246,6 +290,13 @@ def prefill_attention(
         COUNT=COUNT_STEP,
         FULL_STAGES=3 if block_m * d <= TILE_ELEMS_DEEP else 2,
         SHIFTED=rot is not None,
+        SPLIT=splits > 1,
         num_warps=8 if block_m == 128 else 4,
     )
+    if splits > 1:
+        cols = min(d, COMBINE_COLS)
+        _combine_kernel[(t, hq, d // cols)](
+            o_part, lse, out, splits, out.stride(0), out.stride(1),
+            D=d, COLS=cols, ROWS=min(COMBINE_ROWS, next_pow2(splits)), PDL=False, num_warps=4,
+        )  # fmt: skip
     return out

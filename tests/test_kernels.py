@@ -277,11 +277,11 @@ def prefill_inputs(case: Prefill, device: str):
     return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
 
 
-def check_prefill(case: Prefill, device: str, shifted: bool = False) -> None:
+def check_prefill(case: Prefill, device: str, shifted: bool = False, splits: int | None = None) -> None:
     args = prefill_inputs(case, device)
     rot = random_rot((args[3].numel(),), case.d, case.seed, device) if shifted else None
     with poisoned_outputs():
-        out = triton_impl("triton_prefill").prefill_attention(*args, rot=rot)
+        out = triton_impl("triton_prefill").prefill_attention(*args, rot=rot, n_splits=splits)
     close(out, ref.prefill_attention(*args, rot=rot), case.dtype)
 
 
@@ -314,11 +314,27 @@ def test_interp_prefill_shifted(case: Prefill) -> None:
     check_prefill(case, "cpu", shifted=True)
 
 
+@interp
+@pytest.mark.parametrize("shifted", [False, True], ids=["absolute", "shifted"])
+@pytest.mark.parametrize("splits", [2, 3, 7])
+def test_interp_prefill_splits(splits: int, shifted: bool) -> None:
+    """The unmasked key tiles split between programs, merged by log-sum-exp: 2 tiles into 2, 3 and 7
+    splits (the last ones empty), the masked tiles in the last split."""
+    check_prefill(Prefill(37, 300, 2, 3, 64, 16, 9, torch.float32, seed=5), "cpu", shifted, splits)
+
+
 @pytest.mark.parametrize("shifted", [False, True], ids=["absolute", "shifted"])
 @pytest.mark.parametrize("case", GPU_PREFILL, ids=str)
 @on_gpu
 def test_gpu_prefill(case: Prefill, shifted: bool) -> None:
     check_prefill(case, "cuda", shifted)
+
+
+@pytest.mark.parametrize("splits", [1, 5, 16])
+@on_gpu
+def test_gpu_prefill_splits(splits: int) -> None:
+    """A 512-token step of SmolLM2's heads over 2,000 earlier chunks, at forced split counts."""
+    check_prefill(Prefill(512, 128000, 3, 3, 64, 64, 2000, torch.bfloat16, seed=6), "cuda", splits=splits)
 
 
 def test_shifted_keys_sit_at_the_shifted_positions() -> None:
