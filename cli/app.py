@@ -8,7 +8,7 @@ import typer
 from rich.console import Console
 
 from kvflash import KVFlashError
-from kvflash.cli import ask_cmd, generate_cmd, model_cmd, niah_cmd, serve_cmd, snapshot_cmd
+from kvflash.cli import ask_cmd, bench_cmd, generate_cmd, model_cmd, niah_cmd, serve_cmd, snapshot_cmd
 
 app = typer.Typer(
     name="kvflash",
@@ -22,6 +22,7 @@ app.command("ask")(ask_cmd.ask)
 app.command("chat")(ask_cmd.chat)
 app.command("niah")(niah_cmd.niah)
 app.command("serve")(serve_cmd.serve)
+app.command("bench")(bench_cmd.bench)
 app.add_typer(model_cmd.app, name="model")
 app.add_typer(snapshot_cmd.app, name="snapshot")
 

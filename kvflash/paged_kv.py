@@ -25,7 +25,7 @@ from kvflash.residency import required_chunks, select_resident
 from kvflash.sequence import Chunk, Sequence
 
 SCORE_BYTES = 64 << 20
-"""Logits memory one batch of exact chunk scoring may take."""
+"""Logits memory one batch of chunk scoring (exact, or the summaries' estimate) may take."""
 DECODE_FIELDS = 6
 """`PagedKV.decode_in`: token id, position, write slot, write offset, chunks listed, valid in the last."""
 
