@@ -148,25 +148,41 @@ def table(rows: list[dict], copy_gbps: float) -> Table:
 
 
 def plot(rows: list[dict], path: Path) -> None:
+    series = [("eager", "eager_tok_s", None), ("CUDA graph", "graph_tok_s", None),
+              ("memory limit", "limit_tok_s", "0.8")]  # fmt: skip
+    title = f"decode, pool {rows[0]['pool_tokens']:,} tokens, {torch.cuda.get_device_name()}"
+    bars(rows, series, "tokens / s (log)", title, path)
+
+
+def bars(
+    rows: list[dict], series: list[tuple[str, str, str | None]], ylabel: str, title: str, path: Path
+) -> None:
+    """One group of bars per (model, context) row, one bar per (label, row key, colour) series,
+    log scale."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{r['model']}\n{r['context'] // 1024}K" for r in rows]
     x = range(len(rows))
     fig, ax = plt.subplots(figsize=(1.6 * len(rows) + 2, 4))
-    w = 0.27
-    ax.bar([i - w for i in x], [r["eager_tok_s"] for r in rows], w, label="eager")
-    ax.bar(list(x), [r["graph_tok_s"] for r in rows], w, label="CUDA graph")
-    ax.bar([i + w for i in x], [r["limit_tok_s"] for r in rows], w, label="memory limit", color="0.8")
-    ax.set_xticks(list(x), labels)
+    w = 0.8 / len(series)
+    for k, (label, key, color) in enumerate(series):
+        ax.bar(
+            [i + (k - (len(series) - 1) / 2) * w for i in x],
+            [r[key] for r in rows],
+            w,
+            label=label,
+            color=color,
+        )
+    ax.set_xticks(list(x), [f"{r['model']}\n{r['context'] // 1024}K" for r in rows])
     ax.set_yscale("log")
-    ax.set_ylabel("tokens / s (log)")
-    ax.set_title(f"decode, pool {rows[0]['pool_tokens']:,} tokens, {torch.cuda.get_device_name()}")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main() -> None:
@@ -196,17 +212,24 @@ def main() -> None:
             del lm
             torch.cuda.empty_cache()
     console.print(table(rows, copy_gbps))
-    meta = {
+    save(console, out / "decode", rows, plot, args, copy_gbps=copy_gbps)
+
+
+def save(console: Console, stem: Path, rows: list[dict], plot_rows, args, **meta) -> None:
+    """Writes stem.json (the rows and the run: device, versions, date, arguments, `meta`) and the
+    plot_rows(rows, path) picture as stem.png."""
+    run = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d"),
-        "copy_gbps": copy_gbps,
+        **meta,
         "args": vars(args),
     }
-    (out / "decode.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    plot(rows, out / "decode.png")
-    console.print(f"wrote {out / 'decode.json'} and {out / 'decode.png'}")
+    json_path, png = stem.with_suffix(".json"), stem.with_suffix(".png")
+    json_path.write_text(json.dumps({"meta": run, "rows": rows}, indent=1))
+    plot_rows(rows, png)
+    console.print(f"wrote {json_path} and {png}")
 
 
 if __name__ == "__main__":

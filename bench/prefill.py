@@ -19,14 +19,12 @@ Times are the median of the rounds after the first, which is reported apart (see
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
-from decode import LLAMA_8B, random_model
+from decode import LLAMA_8B, bars, random_model, save
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
@@ -137,30 +135,12 @@ def table(rows: list[dict], tflops: float) -> Table:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [f"{r['model']}\n{r['context'] // 1024}K" for r in rows]
-    x = range(len(rows))
-    fig, ax = plt.subplots(figsize=(1.6 * len(rows) + 2, 4))
-    w = 0.27
-    ax.bar(
-        [i - w for i in x],
-        [r["paged_s"] for r in rows],
-        w,
-        label=f"paged ({rows[0]['pool_tokens']:,}-token pool)",
-    )
-    ax.bar(list(x), [r["resident_s"] for r in rows], w, label="whole context resident")
-    ax.bar([i + w for i in x], [r["compute_limit_s"] for r in rows], w, label="compute limit", color="0.8")
-    ax.set_xticks(list(x), labels)
-    ax.set_yscale("log")
-    ax.set_ylabel("seconds (log)")
-    ax.set_title(f"cold prefill, {torch.cuda.get_device_name()}")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    series = [
+        (f"paged ({rows[0]['pool_tokens']:,}-token pool)", "paged_s", None),
+        ("whole context resident", "resident_s", None),
+        ("compute limit", "compute_limit_s", "0.8"),
+    ]
+    bars(rows, series, "seconds (log)", f"cold prefill, {torch.cuda.get_device_name()}", path)
 
 
 def main() -> None:
@@ -187,17 +167,7 @@ def main() -> None:
             del lm
             torch.cuda.empty_cache()
     console.print(table(rows, tflops))
-    meta = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "date": time.strftime("%Y-%m-%d"),
-        "matmul_tflops": tflops,
-        "args": vars(args),
-    }
-    (out / "prefill.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    plot(rows, out / "prefill.png")
-    console.print(f"wrote {out / 'prefill.json'} and {out / 'prefill.png'}")
+    save(console, out / "prefill", rows, plot, args, matmul_tflops=tflops)
 
 
 if __name__ == "__main__":
