@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from kvflash import KVFlashError
-from kvflash.bench import TURNS, BenchConfig, plot, run, table
+from kvflash.bench import BenchConfig, plot, run, table
 from kvflash.cli.ask_cmd import PoolOpt, pool_tokens
 from kvflash.cli.niah_cmd import parse_lengths
 from kvflash.cli.options import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt
@@ -57,7 +57,7 @@ def bench(
         rows = run(lm, cfg, on_prefill)
     name = torch.cuda.get_device_name(lm.device) if lm.device.type == "cuda" else platform.machine()
     where = f"{lm.device.type} ({name})"
-    result = {"device": where, "model": str(lm.path), "dtype": str(lm.dtype), "turns": TURNS, "rows": rows}
+    result = {"device": where, "model": str(lm.path), "dtype": str(lm.dtype), "rows": rows}
     (out / "bench.json").write_text(json.dumps(result, indent=1))
     plot(rows, out / "bench.png", where)
     if as_json:

@@ -28,6 +28,7 @@ from kvflash.session import Document, Session
 from kvflash.storage import SnapshotStore
 
 TURNS = ("cold", "restored")
+"""Each row's keys for its two turns, in the order they run."""
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ def run(
             store = SnapshotStore(Path(tmp))
             try:
                 for turn in TURNS:
-                    label = f"{n // 1024}K {turn}" if n >= 1024 else f"{n} {turn}"
+                    label = f"{n:,} tokens, {turn}"
                     report = (lambda d, t, label=label: on_prefill(label, d, t)) if on_prefill else None
                     turns[turn] = _turn(lm, cfg, doc, hay.question, hay.value, store, report)
             finally:
