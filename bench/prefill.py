@@ -1,15 +1,17 @@
-"""Cold prefill speed of a long document: over a small pool against the whole context resident.
+"""Cold prefill speed of a long document: over a small pool, the whole context resident, and HF.
 
-For each model and context, a sequence prefills `context` random tokens in the engine's steps
-(`EngineConfig.prefill_step_tokens`) two ways, alternating --rounds times in one process:
-*paged*, over a pool of --pool-tokens under the `qk` policy (chunks beyond it go to the host tier,
-and each step scores and re-selects the chunks it attends to), and *resident*, over a pool that
-holds the whole context (policy `full`: every step attends to every earlier token), what a GPU
-large enough would run. The *compute limit* is the time the resident arm's matrix work would take
-at the bf16 matrix rate measured in the same run (an 8192^3 matmul): 2 FLOP per weight per token
-plus the causal attention's 4 * q-heads * head_dim FLOP per (query, key) pair per layer. Models
-have random weights (speed does not depend on what they say). Prints one table, writes JSON and a
-PNG.
+For each model and context, `context` random tokens are prefilled three ways, alternating --rounds
+times in one process: *paged*, a kvflash sequence over a pool of --pool-tokens under the `qk`
+policy (chunks beyond it go to the host tier, and each step scores and selects the chunks it
+attends to); *resident*, a kvflash sequence over a pool that holds the whole context (policy
+`full`: every step attends to every earlier token); and *hf*, HF transformers on the same ids with
+the same weights (the whole prompt in one forward, SDPA, its KV all on the GPU): the peer a user
+would pick. The *compute limit* is the time the resident arm's matrix work would take at the bf16
+matrix rate measured in the same run (an 8192^3 matmul): 2 FLOP per weight per token plus the
+causal attention's 4 * q-heads * head_dim FLOP per (query, key) pair per layer. After the timed
+rounds, one more round of each kvflash arm runs under the profiler: the GPU's busy share is the
+union of its kernels' intervals over the arm's steady time. Models have random weights (speed does
+not depend on what they say). Prints one table, writes JSON and a PNG.
 
 Times are the median of the rounds after the first, which is reported apart (see `bench`).
 
@@ -25,6 +27,7 @@ from pathlib import Path
 
 import torch
 from decode import LLAMA_8B, bars, random_model, save
+from hf import hf_llama, hf_prefill_s
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
@@ -77,10 +80,30 @@ def prefill_s(eng: Engine, ids: list[int]) -> tuple[float, dict]:
     return seconds, moved
 
 
+def gpu_busy_s(run) -> float:
+    """Seconds the GPU spent in kernels (the union of their intervals) while run() ran."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith("Memcpy")
+    )
+    busy, end = 0.0, float("-inf")
+    for a, b in spans:
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    return busy / 1e6
+
+
 def bench(lm: LoadedModel, name: str, context: int, args, tflops: float, progress, task) -> dict:
-    """Each arm's engine serves every round, as a server's would: its first prefill also grows the
-    host tier (pinned memory, allocated as chunks first leave the GPU) and compiles any Triton
-    specialisation not seen yet; the steady time is the median of the later rounds."""
+    """Each arm's engine serves every round, as a server's would; the steady time is the median of
+    the later rounds, the first is reported apart (it pays what a new process pays: pinned host
+    memory, Triton specialisations not yet loaded)."""
     ids = torch.randint(0, lm.config.vocab_size, (context,), generator=torch.Generator().manual_seed(0))
     ids = ids.tolist()
     chunk, per_token = 64, lm.config.kv_bytes_per_token(lm.dtype)
@@ -88,14 +111,22 @@ def bench(lm: LoadedModel, name: str, context: int, args, tflops: float, progres
     full = ResidencyConfig(policy="full")
     resident = EngineConfig(pool_tokens=context + 16 * chunk, host_bytes=chunk * per_token, residency=full)
     engines = {"paged": Engine(lm, paged), "resident": Engine(lm, resident)}
-    runs: dict[str, list[float]] = {arm: [] for arm in engines}
+    runs: dict[str, list[float]] = {arm: [] for arm in (*engines, "hf")}
     moved = {}
     for _ in range(args.rounds):
         for arm, eng in engines.items():
             seconds, moved[arm] = prefill_s(eng, ids)
             runs[arm].append(seconds)
             progress.advance(task)
+    busy = {arm: gpu_busy_s(lambda eng=eng: prefill_s(eng, ids)) for arm, eng in engines.items()}
     del engines
+    torch.cuda.empty_cache()
+    hf = hf_llama(lm)
+    hf_prefill_s(hf, ids[:256])  # its first forward pays cuBLAS and kernel selection
+    for _ in range(args.rounds):
+        runs["hf"].append(hf_prefill_s(hf, ids)[0])
+        progress.advance(task)
+    del hf
     torch.cuda.empty_cache()
 
     def steady(arm: str) -> float:
@@ -105,12 +136,10 @@ def bench(lm: LoadedModel, name: str, context: int, args, tflops: float, progres
         "model": name,
         "context": context,
         "pool_tokens": args.pool_tokens,
-        "paged_s": steady("paged"),
-        "resident_s": steady("resident"),
-        "paged_first_s": runs["paged"][0],
-        "resident_first_s": runs["resident"][0],
-        "paged_runs": runs["paged"],
-        "resident_runs": runs["resident"],
+        **{f"{arm}_s": steady(arm) for arm in runs},
+        **{f"{arm}_first_s": runs[arm][0] for arm in runs},
+        **{f"{arm}_runs": runs[arm] for arm in runs},
+        **{f"{arm}_gpu_busy": busy[arm] / steady(arm) for arm in busy},
         "compute_limit_s": dense_flops(lm, context) / (tflops * 1e12),
         "paged_moved": moved["paged"],
     }
@@ -118,26 +147,27 @@ def bench(lm: LoadedModel, name: str, context: int, args, tflops: float, progres
 
 def table(rows: list[dict], tflops: float) -> Table:
     t = Table(title=f"cold prefill on {torch.cuda.get_device_name()}: matmul {tflops:,.0f} TFLOP/s (bf16)")
-    for col in ("model", "context", "pool", "paged s (first)", "paged tok/s", "resident s (first)",
-                "resident tok/s", "paged / resident", "compute limit s", "resident / limit",
-                "host->GPU GB"):  # fmt: skip
+    for col in ("model", "context", "pool", "paged s (first)", "paged GPU busy", "host->GPU GB",
+                "resident s (first)", "resident GPU busy", "HF s (first)", "paged / HF",
+                "compute limit s"):  # fmt: skip
         t.add_column(col, justify="left" if col == "model" else "right")
     for r in rows:
-        n = r["context"]
         t.add_row(
-            r["model"], f"{n:,}", f"{r['pool_tokens']:,}", f"{r['paged_s']:.2f} ({r['paged_first_s']:.2f})",
-            f"{n / r['paged_s']:,.0f}", f"{r['resident_s']:.2f} ({r['resident_first_s']:.2f})",
-            f"{n / r['resident_s']:,.0f}", f"{r['paged_s'] / r['resident_s']:.2f}x",
-            f"{r['compute_limit_s']:.3f}", f"{r['resident_s'] / r['compute_limit_s']:.1f}x",
-            f"{r['paged_moved']['host_to_gpu'] / 1e9:.1f}",
+            r["model"], f"{r['context']:,}", f"{r['pool_tokens']:,}",
+            f"{r['paged_s']:.2f} ({r['paged_first_s']:.2f})", f"{r['paged_gpu_busy']:.0%}",
+            f"{r['paged_moved']['host_to_gpu'] / 1e9:.2f}",
+            f"{r['resident_s']:.2f} ({r['resident_first_s']:.2f})", f"{r['resident_gpu_busy']:.0%}",
+            f"{r['hf_s']:.2f} ({r['hf_first_s']:.2f})", f"{r['paged_s'] / r['hf_s']:.2f}x",
+            f"{r['compute_limit_s']:.3f}",
         )  # fmt: skip
     return t
 
 
 def plot(rows: list[dict], path: Path) -> None:
     series = [
-        (f"paged ({rows[0]['pool_tokens']:,}-token pool)", "paged_s", None),
-        ("whole context resident", "resident_s", None),
+        (f"kvflash paged ({rows[0]['pool_tokens']:,}-token pool)", "paged_s", None),
+        ("kvflash, whole context resident", "resident_s", None),
+        ("HF transformers (whole KV on the GPU)", "hf_s", "0.5"),
         ("compute limit", "compute_limit_s", "0.8"),
     ]
     bars(rows, series, "seconds (log)", f"cold prefill, {torch.cuda.get_device_name()}", path)
@@ -162,7 +192,7 @@ def main() -> None:
         for name in args.models:
             lm = random_model(MODELS[name])
             for context in args.contexts:
-                task = progress.add_task(f"{name} {context // 1024}K", total=2 * args.rounds)
+                task = progress.add_task(f"{name} {context // 1024}K", total=3 * args.rounds)
                 rows.append(bench(lm, name, context, args, tflops, progress, task))
             del lm
             torch.cuda.empty_cache()

@@ -93,6 +93,10 @@ class ResidencyConfig:
     (StreamingLLM's positions within the cache): a selected far chunk sits just before the resident
     ones after it, instead of at a distance the model rarely bridges with the chunks between gone.
     KV is still stored at its absolute positions; the kernels turn each chunk's keys on the fly."""
+    keep_margin: float = 1.0
+    """Hysteresis of a document's prefill steps (`residency.select_resident`): a chunk pages in only
+    by scoring more than (1 + keep_margin) times the weakest resident chunk it would replace. The
+    question's steps (scouts, and the step after them) and decode re-selection select exactly."""
     scout_rounds: int = 2
     """Scout passes over a long prompt's last step before the real one: the first runs on the floor
     alone, each later one with the chunks the previous one chose, whose queries then see them."""
@@ -102,6 +106,8 @@ class ResidencyConfig:
 
         if self.policy not in POLICIES:
             raise KVFlashError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.keep_margin < 0:
+            raise KVFlashError(f"keep_margin {self.keep_margin} must be non-negative")
         if self.chunk_tokens < 1 or min(self.sink_chunks, self.tail_chunks, self.scout_rounds) < 0:
             raise KVFlashError("chunk_tokens must be positive; sink, tail and scout counts non-negative")
         if self.summary_blocks < 1 or self.chunk_tokens % self.summary_blocks:
@@ -120,7 +126,8 @@ class EngineConfig:
     pool_tokens: int | str = 65536
     host_bytes: int = 8 << 30
     residency: ResidencyConfig = field(default_factory=ResidencyConfig)
-    prefill_step_tokens: int = 512
+    prefill_step_tokens: int | None = None
+    """The most tokens a prefill step computes; None: `Engine.step_tokens` picks by device."""
     cuda_graphs: bool = True
     """Decode steps replay a CUDA graph on CUDA (`decode_graph`): a step launches a few hundred small
     kernels, and eager launches from Python cost more than the kernels (docs/BENCHMARKS.md, Decode)."""

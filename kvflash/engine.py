@@ -34,29 +34,56 @@ class Engine:
             self.warm_up()
 
     def warm_up(self) -> None:
-        """A two-chunk prefill and a decode step on a scratch sequence. A process's first CUDA calls
-        (cuBLAS handles, Triton kernels loaded from the cache) are slow; warmed here, they are part
-        of starting the engine instead of the first turn's time to first token."""
+        """A prefill and decode steps on scratch sequences: one of the pool's budget, and under an
+        evicting policy one over a small budget, whose steps page chunks out and in, score them and
+        scout. A process's first CUDA calls (cuBLAS handles, Triton kernels loaded from the cache,
+        pinned host memory) are slow; warmed here, they are part of starting the engine instead of
+        the first turn's time to first token."""
+        c = self.cfg.residency.chunk_tokens
         kv = self.new_sequence()
         try:
-            n = 2 * kv.cfg.chunk_tokens + 1
-            logits = self.prefill(kv, [0] * n)
+            logits = self.prefill(kv, [0] * (2 * c + 1))
             # captures the graph a lone sequence of the pool's budget replays (the first capture in a
-            # process is the slow one, 0.5 s against 0.06 later)
-            list(decode(self.decode_step(kv), logits, len(kv.seq), 2, Sampler(Sampling(), self.lm.device)))
+            # process is the slow one)
+            sampler = Sampler(Sampling(), self.lm.device)
+            list(decode(self.decode_step(kv), logits, len(kv.seq), 2, sampler))
         finally:
             kv.free()
+        if self.cfg.residency.policy != "full":
+            kv = self.new_sequence((self.cfg.residency.floor_chunks() + 3) * c)
+            try:
+                self.prefill(kv, [0] * ((kv.budget + 4) * c + 1))
+            finally:
+                kv.free()
 
     def new_sequence(self, budget_tokens: int | None = None) -> PagedKV:
         c = self.cfg.residency.chunk_tokens
         budget = self.pool.n_slots if budget_tokens is None else -(-budget_tokens // c)
         return PagedKV(self.pool, self.host, self.cfg.residency, min(budget, self.pool.n_slots))
 
-    def step_chunks(self, kv: PagedKV) -> int:
-        """Chunks one prefill step may write: leaves room for sinks, tail, pins and one selected chunk."""
+    @property
+    def step_tokens(self) -> int:
+        """The most tokens one prefill step computes: `prefill_step_tokens`, else 8,192 where the
+        Triton kernels run (a step's launches cost more than its work below that) and 512 elsewhere
+        (the reference attention holds a step's [tokens, keys] scores per head in memory)."""
+        if self.cfg.prefill_step_tokens is not None:
+            return self.cfg.prefill_step_tokens
+        return 8192 if self.lm.device.type == "cuda" else 512
+
+    def step_chunks(self, kv: PagedKV, remaining: int) -> int:
+        """Chunks the next prefill step may write, `remaining` tokens still to go.
+
+        Launches and re-selection are paid per step, so steps are as large as the pool allows (up to
+        `prefill_step_tokens`): a sequence that fits its budget takes the room it has; one that evicts
+        gives a step half the room above the floor, so the other half holds the chunks its queries
+        select (sinks, tail and pins are the floor)."""
+        c = kv.cfg.chunk_tokens
+        cap = max(1, self.step_tokens // c)
+        if -(-(len(kv.seq) + remaining) // c) <= kv.budget:
+            return cap
         pins = sum(ch.pinned for ch in kv.seq.chunks)
         room = kv.budget - kv.cfg.floor_chunks(pins) + 1
-        return max(1, min(self.cfg.prefill_step_tokens // kv.cfg.chunk_tokens, room))
+        return max(1, min(cap, room // 2 + 1))
 
     def prefill(
         self, kv: PagedKV, ids: list[int], on_progress: Callable[[int], None] | None = None
@@ -77,8 +104,11 @@ class Engine:
         model, dev = self.lm.model, self.lm.device
         c = kv.cfg.chunk_tokens
         pos, done, logits = len(kv.seq), 0, None
+        leaving = -(-(pos + len(ids)) // c) - kv.budget
+        if leaving > 0:  # host memory for the chunks this prefill will page out, pinned meanwhile
+            self.host.reserve(self.host.n_used + leaving)
         while done < len(ids):
-            boundary = (pos // c + self.step_chunks(kv)) * c
+            boundary = (pos // c + self.step_chunks(kv, len(ids) - done)) * c
             n = min(len(ids) - done, boundary - pos)
             piece = torch.tensor(ids[done : done + n], device=dev)
             positions = torch.arange(pos, pos + n, device=dev)

@@ -190,13 +190,18 @@ class PagedKV:
         the scoring before it) could not change what is resident, so none is due until this ends."""
         return not self.approximate and len(self.seq.chunks) < self.budget
 
-    def _evict(self, ch: Chunk) -> None:
-        assert ch.sealed, f"chunk {ch.index} is not sealed and cannot leave the GPU"
-        if ch.host is None:
-            ch.host = self.host.page_out(ch.gpu)
-            self.moved["gpu_to_host"] += self.chunk_nbytes
-        self.pool.release(ch.gpu)
-        ch.gpu = None
+    def _evict(self, chunks: list[Chunk]) -> None:
+        """Sends chunks to the host tier (those without a host copy yet) in one batch, and frees
+        their pool slots: a page-in issued after it on the side stream may reuse them."""
+        for ch in chunks:
+            assert ch.sealed, f"chunk {ch.index} is not sealed and cannot leave the GPU"
+        out = [ch for ch in chunks if ch.host is None]
+        for ch, h in zip(out, self.host.page_out_many([ch.gpu for ch in out]), strict=True):
+            ch.host = h
+        self.moved["gpu_to_host"] += len(out) * self.chunk_nbytes
+        for ch in chunks:
+            self.pool.release(ch.gpu)
+            ch.gpu = None
 
     def load_to_host(self, chunks: list[Chunk]) -> None:
         """Brings disk-only chunks into the host tier in one parallel read (selection and prefetch)."""
@@ -223,11 +228,13 @@ class PagedKV:
             self.load_to_host([ch])
         return self.pool.kv[ch.gpu] if ch.gpu is not None else self.host.view(ch.host)
 
-    def _make_resident(self, ch: Chunk) -> None:
-        ch.gpu = self.pool.alloc()
-        if ch.host is not None:
-            self.host.page_in(ch.host, ch.gpu)
-            self.moved["host_to_gpu"] += self.chunk_nbytes
+    def _make_resident(self, chunks: list[Chunk]) -> None:
+        """Gives chunks pool slots, paging in those with host copies in one batch."""
+        for ch, g in zip(chunks, self.pool.alloc_many(len(chunks)), strict=True):
+            ch.gpu = g
+        paged = [ch for ch in chunks if ch.host is not None]
+        self.host.page_in_many([ch.host for ch in paged], [ch.gpu for ch in paged])
+        self.moved["host_to_gpu"] += len(paged) * self.chunk_nbytes
 
     def _apply_scores(self) -> None:
         if self._scores is not None:
@@ -264,20 +271,20 @@ class PagedKV:
         if first_scout:
             want = required_chunks(self.seq, self.cfg, first, last)
         else:
-            want = select_resident(self.seq, self.cfg, self.budget, first, last, reselect=due)
+            # a document's own steps keep what they hold unless a chunk beats it by the margin; the
+            # question's steps (scouts, and the step after them) select exactly
+            margin = self.cfg.keep_margin if t > 1 and not (self.scout or self._scouted) else 0.0
+            want = select_resident(self.seq, self.cfg, self.budget, first, last, due, margin)
         if due:
             self._since_select = 0
         if not self.scout and len(want) <= last:  # want lies in 0..last and holds first..last
             self.approximate = True
-        for ch in self.resident():
-            if ch.index not in want:
-                self._evict(ch)
-        self.load_to_host([self.seq.chunks[i] for i in want])
+        self._evict([ch for ch in self.resident() if ch.index not in want])
         order = sorted(want)
-        for i in order:
-            ch = self.seq.chunks[i]
-            if ch.gpu is None:
-                self._make_resident(ch)
+        wanted = [self.seq.chunks[i] for i in order]
+        self.load_to_host(wanted)
+        self._make_resident([ch for ch in wanted if ch.gpu is None])
+        for ch in wanted:
             ch.last_use = self.step
         self.host.fence()
         self._dirty = False

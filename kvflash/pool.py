@@ -69,10 +69,16 @@ class ChunkPool:
         return len(self._free)
 
     def alloc(self) -> int:
-        if not self._free:
+        return self.alloc_many(1)[0]
+
+    def alloc_many(self, n: int) -> list[int]:
+        """n free slots, ascending (so that a step's page-ins coalesce into runs where they can)."""
+        if n > len(self._free):
             raise PoolFull(f"the chunk pool's {self.n_slots} slots are all in use")
         self.epoch += 1
-        return self._free.pop()
+        out = self._free[len(self._free) - n :]
+        del self._free[len(self._free) - n :]
+        return sorted(out)
 
     def release(self, slot: int) -> None:
         assert 0 <= slot < self.n_slots and slot not in self._free, f"bad release of slot {slot}"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from kvflash import KVFlashError
 from kvflash.config import ResidencyConfig
-from kvflash.sequence import Sequence
+from kvflash.sequence import Chunk, Sequence
 
 
 def required_chunks(seq: Sequence, cfg: ResidencyConfig, first_touched: int, last_touched: int) -> set[int]:
@@ -26,10 +26,15 @@ def select_resident(
     first_touched: int,
     last_touched: int,
     reselect: bool,
+    keep_margin: float = 0.0,
 ) -> set[int]:
     """The chunk indices to hold for a step that writes chunks first_touched..last_touched.
 
-    Without `reselect` only chunks already resident are candidates, so nothing is paged in.
+    Without `reselect` only chunks already resident are candidates, so nothing is paged in. Under
+    `qk`, `keep_margin` m is hysteresis: a resident chunk ranks as if its score were (1 + m) times
+    what it is, so a chunk comes in only by beating the weakest resident one by more than that
+    factor. Scores are fresh every step, so the staleness is bounded by the margin alone: no chunk
+    whose score beats a kept one's by more than the factor is ever left out.
     """
     n_needed = last_touched + 1
     if cfg.policy == "full":
@@ -52,7 +57,12 @@ def select_resident(
         if c.index not in required and c.sealed and (c.gpu is not None or (reselect and cfg.policy != "lru"))
     ]
     if cfg.policy == "qk":
-        candidates.sort(key=lambda c: (c.score, c.index), reverse=True)
+        keep = 1.0 + keep_margin
+
+        def rank(c: Chunk) -> tuple[float, int]:
+            return (c.score * keep if c.gpu is not None and c.score > 0 else c.score), c.index
+
+        candidates.sort(key=rank, reverse=True)
     elif cfg.policy == "lru":
         candidates.sort(key=lambda c: (c.last_use, c.index), reverse=True)
     else:  # sink: the most recent window

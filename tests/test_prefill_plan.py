@@ -1,0 +1,126 @@
+"""How a prefill step is planned: its size, the chunks it pages, and the hysteresis of its selection."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvflash.config import EngineConfig, ResidencyConfig
+from kvflash.engine import Engine
+from kvflash.models.loader import LoadedModel
+from kvflash.residency import required_chunks, select_resident
+from kvflash.sequence import Sequence
+from tests.test_paged_kv import _forward_random, make_kv
+from tests.tiny import tiny_config, tiny_model
+
+CPU = torch.device("cpu")
+
+
+def test_a_step_pages_in_exactly_the_chunks_its_selection_names() -> None:
+    cfg = tiny_config()
+    kv = make_kv(cfg, n_slots=20, budget=12)  # floor 1 + 2 + 2 = 5
+    gen, written = torch.Generator().manual_seed(0), {}
+    for _ in range(10):
+        _forward_random(kv, 32, gen, written)  # 20 chunks, 12 resident at most
+    scores = torch.rand(len(kv.seq.chunks), generator=gen).tolist()
+    kv._scores = None  # the test's scores stand instead of the last step's
+    for ch, s in zip(kv.seq.chunks, scores, strict=True):
+        ch.score = s
+    start = len(kv.seq)
+    first, last = start // 16, (start + 31) // 16
+    kv.seq.ensure_chunks(start + 32)
+    selection = select_resident(kv.seq, kv.cfg, kv.budget, first, last, True, kv.cfg.keep_margin)
+    before = {ch.index for ch in kv.resident()}
+    on_host = {ch.index for ch in kv.seq.chunks if ch.host is not None}
+    moved = dict(kv.moved)
+
+    _forward_random(kv, 32, gen, written)
+
+    after = {ch.index for ch in kv.resident()}
+    assert after == selection
+    paged_in = (after - before) & on_host
+    assert paged_in, "the scores must bring some chunk in for this test to say anything"
+    assert kv.moved["host_to_gpu"] - moved["host_to_gpu"] == len(paged_in) * kv.chunk_nbytes
+    left = {i for i in before - after if i not in on_host}
+    assert kv.moved["gpu_to_host"] - moved["gpu_to_host"] == len(left) * kv.chunk_nbytes
+    for i in paged_in:  # the bytes that came in are the chunk's own
+        ch = kv.seq.chunks[i]
+        assert torch.equal(kv.pool.kv[ch.gpu], kv.host.view(ch.host))
+        for layer in range(cfg.n_layers):
+            k, v = written[(i * 16, layer)]
+            assert torch.equal(kv.pool.kv[ch.gpu, layer, 0, :, 0], k)
+            assert torch.equal(kv.pool.kv[ch.gpu, layer, 1, :, 0], v)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    scores=st.lists(st.floats(0, 10), min_size=8, max_size=40),
+    resident=st.lists(st.booleans(), min_size=40, max_size=40),
+    budget=st.integers(6, 20),
+    margin=st.floats(0, 3),
+)
+def test_hysteresis_never_keeps_out_a_chunk_that_beats_a_kept_one_by_the_margin(
+    scores, resident, budget, margin
+) -> None:
+    cfg = ResidencyConfig(chunk_tokens=4, tail_chunks=2, keep_margin=margin)
+    seq = Sequence(4)
+    seq.ensure_chunks(4 * (len(scores) + 1))
+    for ch, s, r in zip(seq.chunks, scores, resident, strict=False):
+        ch.sealed, ch.score, ch.gpu = True, s, (ch.index if r else None)
+    first = last = len(scores)
+    want = select_resident(seq, cfg, budget, first, last, True, margin)
+    required = required_chunks(seq, cfg, first, last)
+    kept = [seq.chunks[i] for i in want - required]
+    out = [ch for ch in seq.chunks[:first] if ch.index not in want]
+    assert len(want) == min(budget, first + 1)
+    for x in out:
+        for y in kept:
+            factor = 1 + margin if y.gpu is not None else 1
+            assert x.score <= y.score * factor, f"chunk {x.index} beats kept {y.index} by more than the margin"
+
+
+def test_without_a_margin_a_step_selects_the_best_scores() -> None:
+    cfg = ResidencyConfig(chunk_tokens=4, tail_chunks=1, keep_margin=0.0)
+    seq = Sequence(4)
+    seq.ensure_chunks(4 * 11)
+    for ch in seq.chunks[:10]:
+        ch.sealed, ch.score, ch.gpu = True, float(ch.index % 5), ch.index if ch.index < 5 else None
+    want = select_resident(seq, cfg, 6, 10, 10, True, 0.0)
+    assert want == {0, 9, 10} | {4, 8, 3}  # sink, tail, append head, then the scores 4, 3, 3 (index)
+
+
+def _engine(pool_tokens: int, step_tokens: int | None = None) -> Engine:
+    cfg = tiny_config()
+    lm = LoadedModel(tiny_model(cfg), None, cfg, Path("tiny"), torch.float32, CPU)
+    res = ResidencyConfig(chunk_tokens=16, tail_chunks=2)
+    return Engine(lm, EngineConfig(pool_tokens=pool_tokens, residency=res, prefill_step_tokens=step_tokens))
+
+
+def test_steps_take_the_room_the_pool_has() -> None:
+    eng = _engine(pool_tokens=16 * 40, step_tokens=16 * 64)
+    kv = eng.new_sequence()
+    assert eng.step_chunks(kv, 16 * 40) == 64  # the prompt fits: steps as large as allowed
+    room = kv.budget - kv.cfg.floor_chunks() + 1  # 36 chunks above the floor, one selected
+    assert eng.step_chunks(kv, 16 * 41) == room // 2 + 1  # it evicts: half the room selects
+    kv.pin_range(0, 16 * 4)
+    assert eng.step_chunks(kv, 16 * 41) == (room - 4) // 2 + 1
+    assert _engine(pool_tokens=16 * 40).step_tokens == 512  # on the CPU by default
+
+
+def test_prefill_over_the_pool_equals_its_steps_one_at_a_time() -> None:
+    """Larger steps change where a step ends, not what a step computes: under `full` (every key
+    resident) the logits after a prompt do not depend on the step size."""
+    ids = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(1)).tolist()
+    full = ResidencyConfig(chunk_tokens=16, tail_chunks=2, policy="full")
+    cfg = tiny_config()
+    lm = LoadedModel(tiny_model(cfg), None, cfg, Path("tiny"), torch.float32, CPU)
+    out = []
+    for step in (16, 64, 1024):
+        eng = Engine(lm, EngineConfig(pool_tokens=512, residency=full, prefill_step_tokens=step))
+        out.append(eng.prefill(eng.new_sequence(), ids))
+    torch.testing.assert_close(out[0], out[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[0], out[2], rtol=1e-5, atol=1e-5)
+
