@@ -20,6 +20,7 @@ from kvflash.kernels._common import pow2
 
 __all__ = [
     "chunk_lse",
+    "chunk_lse_in_place",
     "chunk_summaries",
     "gather_chunks",
     "paged_decode_attention",
@@ -135,6 +136,16 @@ def chunk_lse(
     each chunk's keys (reference.shift_keys)."""
     extra = () if rot is None else (rot,)
     return _pick("chunk_lse", kv_pool, q, slots, *extra)(q, kv_pool, slots, rot)
+
+
+def chunk_lse_in_place(
+    q: torch.Tensor, host_kv: torch.Tensor, slots: torch.Tensor, rot: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`chunk_lse` for queries on the GPU over chunks in pinned host memory, run by the Triton
+    kernel, which reads the keys where they are (unified addressing makes page-locked memory
+    addressable from the device): only the keys cross the bus, and only once."""
+    assert q.is_cuda and slots.is_cuda and host_kv.is_pinned(), "needs CUDA queries over pinned memory"
+    return _impl("chunk_lse", True)(q, host_kv, slots, rot)
 
 
 def write_tokens(

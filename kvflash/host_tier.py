@@ -4,13 +4,16 @@ Copies run on a side CUDA stream; the compute stream waits on it (a device-side 
 only when a page-in was issued or a paged-out slot is about to be rewritten. A step's moves are one
 batch each way: one stream switch, and one copy per run of slots adjacent in both tiers.
 
-Pinning host memory is slow (it touches and locks every page), so memory a prefill will need is
-reserved ahead (`reserve`) and allocated by a background thread while the GPU computes.
+Pinning host memory is slow, so memory a prefill will need is reserved ahead (`reserve`) and
+allocated by a background thread while the GPU computes; a block's pages are touched by torch's
+threads and then registered with CUDA (`pinned_empty`), which takes about half the time of
+cudaHostAlloc faulting them in one thread (docs/BENCHMARKS.md, Cold prefill).
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -24,6 +27,19 @@ BLOCK_SLOTS = 64
 
 class HostTierFull(KVFlashError):
     pass
+
+
+def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A page-locked host tensor: touched in parallel, then registered with CUDA (unregistered when
+    the tensor is collected); cudaHostAlloc's memory where registering fails."""
+    t = torch.empty(shape, dtype=dtype)
+    t.view(torch.uint8).zero_()
+    cudart = torch.cuda.cudart()
+    ptr = t.data_ptr()
+    if cudart.cudaHostRegister(ptr, t.numel() * t.element_size(), 0) != cudart.cudaError.success:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    weakref.finalize(t, cudart.cudaHostUnregister, ptr)
+    return t
 
 
 def runs(src: list[int], dst: list[int], block: int) -> Iterator[tuple[int, int, int]]:
@@ -75,7 +91,8 @@ class HostTier:
         the slots already free."""
         start = b * BLOCK_SLOTS
         n = min(BLOCK_SLOTS, self.max_slots - start)
-        block = torch.empty((n, *self.shape), dtype=self.dtype, pin_memory=self.cuda)
+        shape = (n, *self.shape)
+        block = pinned_empty(shape, self.dtype) if self.cuda else torch.empty(shape, dtype=self.dtype)
         with self._grown:
             self._blocks[b] = block
             self._n_slots += n
@@ -107,6 +124,10 @@ class HostTier:
                 self._growing = False
                 self._target = 0
                 self._grown.notify_all()
+
+    def block(self, b: int) -> torch.Tensor:
+        """Block b: host slots b * BLOCK_SLOTS on, as one tensor [slots, *chunk shape]."""
+        return self._blocks[b]
 
     def view(self, host_slot: int) -> torch.Tensor:
         return self._blocks[host_slot // BLOCK_SLOTS][host_slot % BLOCK_SLOTS]

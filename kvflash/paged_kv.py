@@ -17,7 +17,7 @@ import torch
 
 from kvflash import KVFlashError, kernels
 from kvflash.config import ResidencyConfig
-from kvflash.host_tier import HostTier
+from kvflash.host_tier import BLOCK_SLOTS, HostTier
 from kvflash.kvcache import sdpa
 from kvflash.models.rope import inv_frequencies
 from kvflash.pool import ChunkPool, summary_shape
@@ -440,8 +440,8 @@ class PagedKV:
 
         A block mean key underrates a block holding one sharply matching key (exp is convex), which is
         what a needle looks like, so the question's scouts score from exact keys: chunks on the GPU
-        read in place, host-tier chunks streamed to the device in batches (`from_host`), disk-only
-        chunks (a lazy restore) at their summaries' estimate. Decode re-selection reads only the GPU.
+        and in the host tier read where they are (`from_host`, `_host_lse`), disk-only chunks (a
+        lazy restore) at their summaries' estimate. Decode re-selection reads only the GPU.
         """
         qs = torch.stack(self.queries)  # [L, t, Hq, D]
         n_layers, t, hq, _ = qs.shape
@@ -451,26 +451,18 @@ class PagedKV:
         on_gpu = [ch for ch in chunks if ch.gpu is not None]
         on_host = [ch for ch in chunks if ch.gpu is None and ch.host is not None] if from_host else []
         rest = [ch.index for ch in chunks if ch.gpu is None and not (from_host and ch.host is not None)]
-        # The twin holds a batch's logits in fp32; the kernel reads keys in place and holds none, so
-        # only the staging copies of host-tier chunks bound its batches.
+        # The twin holds a batch's logits in fp32; the kernel reads keys in place and holds none.
         twin = max(1, SCORE_BYTES // (n_layers * t * hq * self.cfg.chunk_tokens * 4))
         gpu_batch = max(1, len(on_gpu)) if self.uses_triton else twin
-        host_batch = max(1, SCORE_BYTES // self.chunk_nbytes)
-        if not self.uses_triton:
-            host_batch = min(host_batch, twin)
         for lo in range(0, len(on_gpu), gpu_batch):
             part = on_gpu[lo : lo + gpu_batch]
             slots = torch.tensor([ch.gpu for ch in part], device=dev, dtype=i32)
-            idx = [ch.index for ch in part]
+            idx = torch.tensor([ch.index for ch in part], device=dev)
             lse[..., idx] = kernels.chunk_lse(qs, self.pool.kv, slots, self._rows(self._cand_rot, idx))
-        for lo in range(0, len(on_host), host_batch):
-            part = on_host[lo : lo + host_batch]
-            stage = torch.empty((len(part), *self.pool.kv.shape[1:]), dtype=self.pool.kv.dtype, device=dev)
-            for j, ch in enumerate(part):
-                stage[j].copy_(self.host.view(ch.host), non_blocking=True)
-            idx = [ch.index for ch in part]
-            slots = torch.arange(len(part), device=dev, dtype=i32)
-            lse[..., idx] = kernels.chunk_lse(qs, stage, slots, self._rows(self._cand_rot, idx))
+        for b, part in self._by_block(on_host, BLOCK_SLOTS if self.uses_triton else twin):
+            slots = torch.tensor([ch.host % BLOCK_SLOTS for ch in part], device=dev, dtype=i32)
+            idx = torch.tensor([ch.index for ch in part], device=dev)
+            lse[..., idx] = self._host_lse(qs, self.host.block(b), slots, self._rows(self._cand_rot, idx))
         if rest:
             summ = self.seq.summaries[torch.tensor(rest, device=dev)]
             for lo, hi, part in self._estimates(qs, summ, self._rows(self._cand_rot, rest)):
@@ -478,8 +470,35 @@ class PagedKV:
         return self._mass(lse).mean(0)
 
     @staticmethod
-    def _rows(rot: torch.Tensor | None, index: list[int]) -> torch.Tensor | None:
+    def _rows(rot: torch.Tensor | None, index) -> torch.Tensor | None:
         return None if rot is None else rot[index]
+
+    @staticmethod
+    def _by_block(chunks: list[Chunk], batch: int) -> Iterator[tuple[int, list[Chunk]]]:
+        """Host-tier chunks grouped by the block holding them, at most `batch` a group."""
+        blocks: dict[int, list[Chunk]] = {}
+        for ch in chunks:
+            blocks.setdefault(ch.host // BLOCK_SLOTS, []).append(ch)
+        for b, part in blocks.items():
+            for lo in range(0, len(part), batch):
+                yield b, part[lo : lo + batch]
+
+    def _host_lse(
+        self, qs: torch.Tensor, block: torch.Tensor, slots: torch.Tensor, rot: torch.Tensor | None
+    ) -> torch.Tensor:
+        """`kernels.chunk_lse` over chunks of a host-tier block: where the Triton kernels run they
+        read the keys in place over the bus (pinned memory is addressable from the GPU), the keys
+        alone and once; elsewhere the block's chunks are copied to the queries' device first."""
+        n = slots.numel()
+        if block.device == qs.device:  # on the CPU the host tier is the queries' own memory
+            return kernels.chunk_lse(qs, block, slots, rot)
+        if self.uses_triton and block.is_pinned():
+            self.moved["host_to_gpu"] += n * self.chunk_nbytes // 2
+            return kernels.chunk_lse_in_place(qs, block, slots, rot)
+        block = block[slots.cpu().long()].to(qs.device)
+        slots = torch.arange(n, device=qs.device, dtype=torch.int32)
+        self.moved["host_to_gpu"] += n * self.chunk_nbytes
+        return kernels.chunk_lse(qs, block, slots, rot)
 
     def end(self) -> None:
         self.step += 1

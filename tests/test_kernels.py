@@ -454,6 +454,25 @@ def test_gpu_chunk_lse(case: Lse) -> None:
     check_lse(case, "cuda")
 
 
+@pytest.mark.parametrize("case", GPU_LSE[1:3], ids=str)
+@on_gpu
+def test_gpu_chunk_lse_reads_pinned_host_memory_in_place(case: Lse) -> None:
+    """The host tier's exact scoring: the kernel over a page-locked host block (registered as the
+    host tier registers its blocks) equals the kernel over the same chunks on the device."""
+    from kvflash.host_tier import pinned_empty
+
+    q, pool, slots, rot = lse_inputs(case, "cuda")
+    host = pinned_empty(tuple(pool.shape), pool.dtype)
+    host.copy_(pool.cpu())
+    assert host.is_pinned()
+    torch.testing.assert_close(
+        kernels.chunk_lse_in_place(q, host, slots, rot),
+        kernels.chunk_lse(q, pool, slots, rot),
+        rtol=0,
+        atol=0,
+    )
+
+
 @pytest.mark.parametrize("shifted", [False, True], ids=["plain", "shifted"])
 def test_reference_chunk_lse_is_each_heads_logsumexp_over_its_kv_heads_keys(shifted: bool) -> None:
     """The twin against a loop: query head h of layer l scores chunk i by log Σ exp over the chunk's
