@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -79,8 +80,10 @@ def load_model(
     device: str | torch.device | None = None,
     need_tokenizer: bool = True,
     fetch: bool = True,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> LoadedModel:
-    """path None means the default model (fetched once into the user cache)."""
+    """path None means the default model (fetched once into the user cache). A GGUF is dequantised
+    on the device, tensor by tensor; on_progress(bytes done, total) follows that."""
     from kvflash.models.fetch import default_model_path
 
     dev = torch.device(device) if device is not None else default_device()
@@ -102,7 +105,7 @@ def load_model(
     else:
         from kvflash.models.gguf_loader import load_gguf
 
-        cfg, weights, meta = load_gguf(p)
+        cfg, weights, meta = load_gguf(p, dev, dt, on_progress)
         if need_tokenizer:
             tokenizer = Tokenizer.from_gguf(meta)
     model = build_model(cfg, weights, dt, dev)
