@@ -12,7 +12,14 @@ from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+)
 
 from kvflash import KVFlashError
 from kvflash.cli.options import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, StoreOpt
@@ -75,6 +82,19 @@ def pool_tokens(value: str | None) -> int | str:
     return n
 
 
+def load_with_progress(model: Path | None, dtype: str | None, device: str | None):
+    """load_model with a progress bar on stderr over the GGUF's tensor bytes (gone once loaded)."""
+    from kvflash.models.loader import load_model
+
+    with Progress(
+        TextColumn("load model"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+        console=Console(stderr=True), transient=True, redirect_stdout=False, redirect_stderr=False,
+    ) as bar:  # fmt: skip
+        task = bar.add_task("load", total=None)
+        return load_model(model, dtype=dtype, device=device, on_progress=lambda done, total: bar.update(
+            task, completed=done, total=total))  # fmt: skip
+
+
 def open_session(
     docs: list[Path], *, session: str | None, pool: str | None, policy: str, lazy: bool | None,
     model: Path | None, dtype: str | None, device: str | None, store: Path | None, no_store: bool,
@@ -83,13 +103,12 @@ def open_session(
     """The session `ask` and `chat` run, from their options (keywords: a dozen of them)."""
     from kvflash.config import EngineConfig, ResidencyConfig
     from kvflash.engine import Engine
-    from kvflash.models.loader import load_model
     from kvflash.paths import snapshots_dir
     from kvflash.session import Session
     from kvflash.storage import SnapshotStore
 
     documents = read_documents(docs)
-    lm = load_model(model, dtype=dtype, device=device)
+    lm = load_with_progress(model, dtype, device)
     budget = pool_tokens(pool)
     res = ResidencyConfig(policy=policy, cache_positions=not absolute_positions)
     engine = Engine(lm, EngineConfig(pool_tokens=budget, residency=res, cuda_graphs=cuda_graphs))

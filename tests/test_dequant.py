@@ -13,7 +13,8 @@ from gguf_util import TinySpec, write_tiny_gguf
 from kvflash import KVFlashError
 from kvflash.models import dequant
 from kvflash.models.dequant import TYPES, dequantize, random_blocks
-from kvflash.models.gguf_loader import load_gguf
+from kvflash.models.gguf_loader import GGUFModel, load_gguf
+from kvflash.models.loader import load_model
 
 CPU = torch.device("cpu")
 NAMES = [t.name for t in TYPES.values()]
@@ -75,3 +76,13 @@ def test_an_unsupported_tensor_type_is_one_line_naming_it(tmp_path) -> None:
         load_gguf(path)
     message = str(err.value)
     assert "blk.0.ffn_up.weight" in message and "IQ2_XXS" in message and "\n" not in message
+
+
+def test_loading_reports_progress_over_the_tensor_bytes(tmp_path) -> None:
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(path, K_SPEC, storage="q6_k")
+    seen: list[tuple[int, int]] = []
+    load_model(path, device="cpu", on_progress=lambda done, total: seen.append((done, total)))
+    model = GGUFModel(path)
+    assert len(seen) == len(model.tensors) and {t for _, t in seen} == {model.nbytes}
+    assert [d for d, _ in seen] == sorted({d for d, _ in seen}) and seen[-1][0] == model.nbytes
