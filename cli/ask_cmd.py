@@ -34,8 +34,9 @@ if TYPE_CHECKING:
 DocsArg = typer.Argument(..., help="Document files (UTF-8 text).", show_default=False)
 SessionOpt = typer.Option(None, "--session", "-s", help="Name a conversation to resume it later.")
 PoolOpt = typer.Option(
-    None, "--pool-tokens", help="GPU KV budget in tokens (default: 16384; 'auto' on CUDA)."
-)
+    None, "--pool-tokens",
+    help="KV budget in tokens (default: 16384; 'auto': free GPU memory, on a CPU half the free host memory).",
+)  # fmt: skip
 PolicyOpt = typer.Option("qk", "--policy", help=f"Residency policy: {', '.join(POLICIES)}.")
 AbsolutePositionsOpt = typer.Option(
     False, "--absolute-positions", help="Attend at absolute positions, not positions within the cache."
