@@ -20,16 +20,12 @@ setup: $(VENV)/.installed
 model: setup
 	$(KVFLASH) model pull
 
-DEMO_DOC   := demo/harbor_chronicle.txt
 DEMO_STORE := .demo-store
 
-# Turn 1 prefills the ~8K-token document cold and snapshots it; turn 2 (a new process) restores it.
+# Two questions about demo/harbor_chronicle.txt (~8K tokens) in two processes: turn 1 prefills it cold
+# and snapshots it, turn 2 restores it; then their answers and timings side by side (demo/run.py).
 demo: model
-	rm -rf $(DEMO_STORE)
-	@echo "== turn 1: cold prefill of $(DEMO_DOC) =="
-	$(KVFLASH) ask $(DEMO_DOC) "Who built the lighthouse of Port Elden, and when?" --store $(DEMO_STORE) -n 48
-	@echo "== turn 2: a new process restores the document's KV from disk =="
-	$(KVFLASH) ask $(DEMO_DOC) "What is the Copper Oven famous for?" --store $(DEMO_STORE) -n 48
+	$(PY) demo/run.py --store $(DEMO_STORE)
 	$(KVFLASH) snapshot list --store $(DEMO_STORE)
 
 test: model

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -155,10 +157,15 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def bars(
-    rows: list[dict], series: list[tuple[str, str, str | None]], ylabel: str, title: str, path: Path
+    rows: list[dict],
+    series: list[tuple[str, str, str | None]],
+    ylabel: str,
+    title: str,
+    path: Path,
+    group: Callable[[dict], str] = lambda r: f"{r['model']}\n{r['context'] // 1024}K",
 ) -> None:
-    """One group of bars per (model, context) row, one bar per (label, row key, colour) series,
-    log scale."""
+    """One group of bars per row (named by `group`, by default model and context), one bar per
+    (label, row key, colour) series, log scale."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -175,7 +182,7 @@ def bars(
             label=label,
             color=color,
         )
-    ax.set_xticks(list(x), [f"{r['model']}\n{r['context'] // 1024}K" for r in rows])
+    ax.set_xticks(list(x), [group(r) for r in rows])
     ax.set_yscale("log")
     ax.set_ylabel(ylabel)
     ax.set_title(title)
@@ -219,7 +226,8 @@ def save(console: Console, stem: Path, rows: list[dict], plot_rows, args, **meta
     """Writes stem.json (the rows and the run: device, versions, date, arguments, `meta`) and the
     plot_rows(rows, path) picture as stem.png."""
     run = {
-        "gpu": torch.cuda.get_device_name(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "cpu": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
         "torch": torch.__version__,
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d"),

@@ -1,4 +1,6 @@
-"""`kvflash ask` and `kvflash chat`: long-document sessions from the terminal."""
+"""`kvflash ask` and `kvflash chat`: long-document sessions from the terminal, run here or, with
+--server, on a running `kvflash serve` (then nothing heavy is imported: torch and the engine load
+inside the functions that run a local session)."""
 
 from __future__ import annotations
 
@@ -6,28 +8,35 @@ import json
 import sys
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+)
 
 from kvflash import KVFlashError
 from kvflash.cli.options import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, StoreOpt
-from kvflash.config import POLICIES, EngineConfig, ResidencyConfig
-from kvflash.engine import Engine
-from kvflash.generate import Sampling
-from kvflash.models.loader import load_model
-from kvflash.models.tokenizer import StreamDecoder
-from kvflash.paths import snapshots_dir
-from kvflash.session import Document, Session
-from kvflash.storage import SnapshotStore
-from kvflash.turn import TurnStats
+from kvflash.documents import Document
+from kvflash.policies import POLICIES
+
+if TYPE_CHECKING:
+    from kvflash.client import Conversation, Server
+    from kvflash.session import Session
+    from kvflash.turn import TurnStats
 
 DocsArg = typer.Argument(..., help="Document files (UTF-8 text).", show_default=False)
 SessionOpt = typer.Option(None, "--session", "-s", help="Name a conversation to resume it later.")
 PoolOpt = typer.Option(
-    None, "--pool-tokens", help="GPU KV budget in tokens (default: 16384; 'auto' on CUDA)."
-)
+    None, "--pool-tokens",
+    help="KV budget in tokens (default: 16384; 'auto': free GPU memory, on a CPU half the free host memory).",
+)  # fmt: skip
 PolicyOpt = typer.Option("qk", "--policy", help=f"Residency policy: {', '.join(POLICIES)}.")
 AbsolutePositionsOpt = typer.Option(
     False, "--absolute-positions", help="Attend at absolute positions, not positions within the cache."
@@ -38,6 +47,10 @@ NoStoreOpt = typer.Option(False, "--no-store", help="Neither restore from nor sa
 GraphsOpt = typer.Option(
     True, "--cuda-graphs/--no-cuda-graphs", help="Replay each decode step from a CUDA graph (on CUDA)."
 )
+ServerOpt = typer.Option(
+    None, "--server", envvar="KVFLASH_SERVER",
+    help="URL of a running `kvflash serve`: run the turn there, loading no model here.",
+)  # fmt: skip
 ProcsOpt = typer.Option(
     0, "--decode-processes", min=0,
     help="Decode restores in N worker processes (0: the store's threads); paid off from 12 on 16 cores.",
@@ -70,14 +83,33 @@ def pool_tokens(value: str | None) -> int | str:
     return n
 
 
+def load_with_progress(model: Path | None, dtype: str | None, device: str | None):
+    """load_model with a progress bar on stderr over the GGUF's tensor bytes (gone once loaded)."""
+    from kvflash.models.loader import load_model
+
+    with Progress(
+        TextColumn("load model"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+        console=Console(stderr=True), transient=True, redirect_stdout=False, redirect_stderr=False,
+    ) as bar:  # fmt: skip
+        task = bar.add_task("load", total=None)
+        return load_model(model, dtype=dtype, device=device, on_progress=lambda done, total: bar.update(
+            task, completed=done, total=total))  # fmt: skip
+
+
 def open_session(
     docs: list[Path], *, session: str | None, pool: str | None, policy: str, lazy: bool | None,
     model: Path | None, dtype: str | None, device: str | None, store: Path | None, no_store: bool,
     absolute_positions: bool = False, decode_processes: int = 0, cuda_graphs: bool = True,
 ) -> Session:  # fmt: skip
     """The session `ask` and `chat` run, from their options (keywords: a dozen of them)."""
+    from kvflash.config import EngineConfig, ResidencyConfig
+    from kvflash.engine import Engine
+    from kvflash.paths import snapshots_dir
+    from kvflash.session import Session
+    from kvflash.storage import SnapshotStore
+
     documents = read_documents(docs)
-    lm = load_model(model, dtype=dtype, device=device)
+    lm = load_with_progress(model, dtype, device)
     budget = pool_tokens(pool)
     res = ResidencyConfig(policy=policy, cache_positions=not absolute_positions)
     engine = Engine(lm, EngineConfig(pool_tokens=budget, residency=res, cuda_graphs=cuda_graphs))
@@ -97,12 +129,16 @@ def close_session(sess: Session) -> None:
         sess.snapshots.store.close()
 
 
-def stats_line(s: TurnStats) -> str:
-    mib = {k: v / 2**20 for k, v in s.bytes_moved.items()}
+def stats_line(s: dict) -> str:
+    """One line from a turn's stats (TurnStats.to_dict(), or a server response's `kvflash` field)."""
+    if not s:
+        return "no stats: the server sent no kvflash field"
+    mib = {k: v / 2**20 for k, v in s.get("bytes_moved", {}).items()}
     return (
-        f"TTFT {s.ttft_s:.2f}s ({s.source}) | restored {s.restored_tokens} tok, prefilled "
-        f"{s.prefilled_tokens} tok | read disk {mib.get('disk', 0):.1f} MiB, host->gpu "
-        f"{mib.get('host_to_gpu', 0):.1f} MiB | decode {s.decode_tok_s:.1f} tok/s, {s.generated_tokens} tok"
+        f"TTFT {s['ttft_s']:.2f}s ({s['source']}) | restored {s['restored_tokens']} tok, prefilled "
+        f"{s['prefilled_tokens']} tok | read disk {mib.get('disk', 0):.1f} MiB, host->gpu "
+        f"{mib.get('host_to_gpu', 0):.1f} MiB | decode {s['decode_tok_s']:.1f} tok/s, "
+        f"{s['generated_tokens']} tok"
     )
 
 
@@ -110,6 +146,9 @@ def run_turn(
     sess: Session, question: str, max_tokens: int, console: Console, stream: bool
 ) -> tuple[str, TurnStats]:
     """One turn with a prefill progress bar and, when stream is set, tokens printed as they come."""
+    from kvflash.generate import Sampling
+    from kvflash.models.tokenizer import StreamDecoder
+
     decoder = StreamDecoder(sess.tok)
     with Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
@@ -141,10 +180,54 @@ def run_turn(
     return text, stats
 
 
+LOCAL_ONLY = ("model", "dtype", "device", "pool", "store", "lazy", "decode_processes", "no_store")
+"""Options that configure a local engine: a server has its own, so --server refuses them."""
+
+
+def refuse_local_options(**given: object) -> None:
+    """One line naming the first local-engine option given alongside --server."""
+    for name, value in given.items():
+        if value not in (None, False, 0):
+            flag = "--" + ("pool-tokens" if name == "pool" else name.replace("_", "-"))
+            raise KVFlashError(f"{flag} configures a local engine; the server at --server has its own")
+
+
+class Remote:
+    """The conversation a thin client keeps, and the server that answers it."""
+
+    def __init__(self, url: str, docs: list[Path], session: str | None):
+        from kvflash.client import Conversation, Server
+
+        self.conv: Conversation = Conversation(read_documents(docs), session)
+        self.server: Server = Server(url)
+
+    def turn(self, question: str, max_tokens: int, stream: bool) -> tuple[str, dict]:
+        def on_text(piece: str) -> None:
+            if stream:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+
+        reply = self.server.chat(self.conv.messages(question), max_tokens, on_text)
+        if stream:
+            print()
+        self.conv.add(question, reply.text)
+        return reply.text, reply.stats
+
+
+def remote(url: str, docs: list[Path], session: str | None) -> Remote:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        r = Remote(url, docs, session)
+    for w in caught:
+        Console(stderr=True).print(f"[yellow]warning:[/] {w.message}", highlight=False)
+    return r
+
+
 def ask(
     docs: list[Path] = DocsArg,
     question: str = typer.Argument(..., help="The question (after the documents).", show_default=False),
     session: str = SessionOpt,
+    server: str = ServerOpt,
     pool: str = PoolOpt,
     policy: str = PolicyOpt,
     absolute_positions: bool = AbsolutePositionsOpt,
@@ -160,18 +243,26 @@ def ask(
     as_json: bool = JsonOpt,
 ) -> None:
     """Ask QUESTION about DOCS; restores what an earlier turn stored and prints a stats line."""
-    sess = open_session(
-        docs, session=session, pool=pool, policy=policy, lazy=lazy, model=model, dtype=dtype,
-        device=device, store=store, no_store=no_store, absolute_positions=absolute_positions,
-        decode_processes=decode_processes, cuda_graphs=cuda_graphs,
-    )  # fmt: skip
+    from kvflash.client import server_url
+
     console = Console(highlight=False)
-    try:
-        text, stats = run_turn(sess, question, max_tokens, console, stream=not as_json)
-    finally:
-        close_session(sess)
+    if url := server_url(server):
+        refuse_local_options(model=model, dtype=dtype, device=device, pool=pool, store=store, lazy=lazy,
+                             decode_processes=decode_processes, no_store=no_store)  # fmt: skip
+        text, stats = remote(url, docs, session).turn(question, max_tokens, stream=not as_json)
+    else:
+        sess = open_session(
+            docs, session=session, pool=pool, policy=policy, lazy=lazy, model=model, dtype=dtype,
+            device=device, store=store, no_store=no_store, absolute_positions=absolute_positions,
+            decode_processes=decode_processes, cuda_graphs=cuda_graphs,
+        )  # fmt: skip
+        try:
+            text, turn_stats = run_turn(sess, question, max_tokens, console, stream=not as_json)
+        finally:
+            close_session(sess)
+        stats = turn_stats.to_dict()
     if as_json:
-        print(json.dumps({"answer": text, **stats.to_dict()}))
+        print(json.dumps({"answer": text, **stats}))
     else:
         console.print(f"[dim]{stats_line(stats)}[/]", soft_wrap=True)
 
@@ -179,6 +270,7 @@ def ask(
 def chat(
     docs: list[Path] = DocsArg,
     session: str = SessionOpt,
+    server: str = ServerOpt,
     pool: str = PoolOpt,
     policy: str = PolicyOpt,
     absolute_positions: bool = AbsolutePositionsOpt,
@@ -192,16 +284,25 @@ def chat(
     cuda_graphs: bool = GraphsOpt,
 ) -> None:
     """Interactive multi-turn chat about DOCS. Commands: /stats, /reset, /save, /quit."""
-    sess = open_session(
-        docs, session=session, pool=pool, policy=policy, lazy=lazy, model=model, dtype=dtype,
-        device=device, store=store, no_store=False, absolute_positions=absolute_positions,
-        decode_processes=decode_processes, cuda_graphs=cuda_graphs,
-    )  # fmt: skip
+    from kvflash.client import server_url
+
     console = Console(highlight=False)
-    last: TurnStats | None = None
+    if url := server_url(server):
+        refuse_local_options(model=model, dtype=dtype, device=device, pool=pool, store=store, lazy=lazy,
+                             decode_processes=decode_processes)  # fmt: skip
+        r = remote(url, docs, session)
+        turns, sess = len(r.conv.turns) // 2, None
+    else:
+        sess = open_session(
+            docs, session=session, pool=pool, policy=policy, lazy=lazy, model=model, dtype=dtype,
+            device=device, store=store, no_store=False, absolute_positions=absolute_positions,
+            decode_processes=decode_processes, cuda_graphs=cuda_graphs,
+        )  # fmt: skip
+        turns = len(sess.messages) // 2
+    last: dict | None = None
     console.print(
-        f"[dim]{len(sess.messages) // 2} earlier turns resumed[/]"
-        if len(sess.messages) > 1
+        f"[dim]{turns} earlier turns resumed[/]"
+        if turns
         else "[dim]new conversation; /stats /reset /save /quit[/]"
     )
     try:
@@ -217,15 +318,25 @@ def chat(
             if line == "/stats":
                 console.print(stats_line(last) if last else "no turn yet")
             elif line == "/reset":
-                sess.reset()
+                if sess is None:
+                    r.conv.reset()
+                else:
+                    sess.reset()
                 console.print("[dim]conversation reset[/]")
+            elif line == "/save" and sess is None:
+                console.print("[dim]the server snapshots every turn[/]")
             elif line == "/save":
                 sid = sess.save() if sess.kv is not None else None
                 console.print(f"[dim]saved snapshot {sid}[/]" if sid else "[dim]nothing to save[/]")
             elif line.startswith("/"):
                 console.print(f"unknown command {line}; try /stats /reset /save /quit")
             else:
-                _, last = run_turn(sess, line, max_tokens, console, stream=True)
+                if sess is None:
+                    _, last = r.turn(line, max_tokens, stream=True)
+                else:
+                    _, stats = run_turn(sess, line, max_tokens, console, stream=True)
+                    last = stats.to_dict()
                 console.print(f"[dim]{stats_line(last)}[/]", soft_wrap=True)
     finally:
-        close_session(sess)
+        if sess is not None:
+            close_session(sess)

@@ -6,11 +6,10 @@ from pathlib import Path
 
 import typer
 
-from kvflash.cli.ask_cmd import GraphsOpt, PolicyOpt, PoolOpt, ProcsOpt, pool_tokens
+from kvflash.cli.ask_cmd import GraphsOpt, PolicyOpt, PoolOpt, ProcsOpt, load_with_progress, pool_tokens
 from kvflash.cli.options import DeviceOpt, DtypeOpt, ModelOpt, StoreOpt
 from kvflash.config import EngineConfig, ResidencyConfig
 from kvflash.engine import Engine
-from kvflash.models.loader import load_model
 from kvflash.paths import snapshots_dir
 from kvflash.snapshots import KVSnapshots
 from kvflash.storage import SnapshotStore
@@ -39,7 +38,7 @@ def serve(
 
     from kvflash.server import Server, create_app  # FastAPI loads only for `serve`
 
-    lm = load_model(model, dtype=dtype, device=device)
+    lm = load_with_progress(model, dtype, device)
     engine = Engine(lm, EngineConfig(pool_tokens=pool_tokens(pool), residency=ResidencyConfig(policy=policy),
                                      cuda_graphs=cuda_graphs))  # fmt: skip
     st = None if no_store else SnapshotStore(store or snapshots_dir(), processes=decode_processes)

@@ -75,13 +75,26 @@ def _emit(as_json: bool, payload: object, human: Callable[[Console], None]) -> N
 
 
 @app.command("list")
-def list_(store: Path = StoreOpt, as_json: bool = JsonOpt) -> None:
-    """Every snapshot: id, label, tokens, chunks, bytes on disk, compression ratio, times, hits, pins."""
+def list_(
+    store: Path = StoreOpt,
+    wide: bool = typer.Option(False, "--wide", help="All columns: chunks, ratio, created, pinned too."),
+    as_json: bool = JsonOpt,
+) -> None:
+    """Every snapshot: id, label, tokens, bytes on disk, last use and hits (--wide: all the facts)."""
     with open_store(store) as st:
         snaps = st.list_snapshots()
     rows = [asdict(s) | {"ratio": round(s.ratio, 3)} for s in snaps]
 
     def human(con: Console) -> None:
+        con.print(_list_table(snaps, wide) if snaps else "no snapshots")
+
+    _emit(as_json, rows, human)
+
+
+def _list_table(snaps: list, wide: bool) -> Table:
+    """By default six columns that read at 80 characters (a pinned id carries a *, the last use drops
+    the year); wide, every fact."""
+    if wide:
         t = Table(Column("id", no_wrap=True), "label", "tokens", "chunks", "on disk", "ratio")
         for col in ("created", "last used", "hits", "pinned"):
             t.add_column(col)
@@ -90,9 +103,16 @@ def list_(store: Path = StoreOpt, as_json: bool = JsonOpt) -> None:
                 s.id, s.label, f"{s.n_tokens:,}", str(s.n_chunks), _bytes(s.stored_bytes), f"{s.ratio:.2f}x",
                 _when(s.created), _when(s.last_used), str(s.hits), "yes" if s.pinned else "",
             )  # fmt: skip
-        con.print(t if snaps else "no snapshots")
-
-    _emit(as_json, rows, human)
+        return t
+    t = Table(box=None, pad_edge=False, caption="* pinned" if any(s.pinned for s in snaps) else None)
+    t.add_column("id", no_wrap=True)
+    t.add_column("label", overflow="fold")
+    for col in ("tokens", "on disk", "last used", "hits"):
+        t.add_column(col, justify="right", no_wrap=True)
+    for s in snaps:
+        pin, used = "*" if s.pinned else "", time.strftime("%m-%d %H:%M", time.localtime(s.last_used))
+        t.add_row(s.id + pin, s.label, f"{s.n_tokens:,}", _bytes(s.stored_bytes), used, str(s.hits))
+    return t
 
 
 def inspect_snapshot(

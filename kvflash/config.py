@@ -6,6 +6,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from kvflash.policies import POLICIES
+
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -65,9 +67,6 @@ class ModelConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-POLICIES = ("qk", "lru", "sink", "full")
 
 
 @dataclass(frozen=True)

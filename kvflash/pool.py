@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from kvflash import KVFlashError
@@ -34,11 +36,13 @@ def slots_for(
     device: torch.device,
     reserve_bytes: int = 2 << 30,
 ) -> int:
-    """Whole slots for a token budget, or `auto`: free device memory minus a reserve."""
+    """Whole slots for a token budget, or `auto`: free device memory minus a reserve (on the CPU,
+    half the free host memory minus the reserve: the host tier and the process need the rest)."""
     if budget_tokens == "auto":
-        if device.type != "cuda":
-            raise KVFlashError("pool size 'auto' needs a CUDA device; give --pool-tokens N")
-        free, _ = torch.cuda.mem_get_info(device)
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+        else:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
         n = (free - reserve_bytes) // chunk_bytes(cfg, chunk_tokens, dtype)
     else:
         n = -(-int(budget_tokens) // chunk_tokens)

@@ -270,9 +270,9 @@ async def _stream(server: Server, req: ChatRequest, ids: list[int], head: dict) 
     disconnects cancels this generator (Starlette listens for it), which ends the answer."""
     gone = threading.Event()
 
-    def chunk(delta: dict, finish: str | None = None) -> str:
+    def chunk(delta: dict, finish: str | None = None, **extra) -> str:
         choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-        return _event({**head, "object": "chat.completion.chunk", "choices": [choice]})
+        return _event({**head, "object": "chat.completion.chunk", "choices": [choice], **extra})
 
     items = _submit(server, req, ids, gone)
     try:
@@ -284,7 +284,7 @@ async def _stream(server: Server, req: ChatRequest, ids: list[int], head: dict) 
             yield _event({"error": {"message": str(piece), "type": kind, "param": None, "code": None}})
             return
         done = piece
-        yield chunk({}, done.finish_reason)
+        yield chunk({}, done.finish_reason, kvflash=done.stats.to_dict())  # the turn's stats, as unstreamed
         if req.stream_options and req.stream_options.include_usage:
             yield _event({**head, "object": "chat.completion.chunk", "choices": [], "usage": done.usage()})
         yield "data: [DONE]\n\n"

@@ -13,8 +13,8 @@ import hashlib
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 
+from kvflash.documents import Document, system_message
 from kvflash.engine import Engine
 from kvflash.generate import Sampling
 from kvflash.paged_kv import PagedKV
@@ -24,19 +24,6 @@ from kvflash.prompt import content_start, encode_continuation, encode_messages
 from kvflash.snapshots import KVSnapshots, StoredSummaries
 from kvflash.storage import ChunkError, SnapshotStore, StoreError
 from kvflash.turn import TurnStats, answer
-
-SYSTEM_PROMPT = "You are a helpful assistant. Answer the user's questions using the documents below."
-
-
-@dataclass(frozen=True)
-class Document:
-    name: str
-    text: str
-
-
-def system_message(documents: list[Document], system: str = SYSTEM_PROMPT) -> dict:
-    body = "\n\n".join(f'<document name="{d.name}">\n{d.text}\n</document>' for d in documents)
-    return {"role": "system", "content": f"{system}\n\n{body}"}
 
 
 class Session:

@@ -16,6 +16,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 from tokenizers import pre_tokenizers
 
+from kvflash.models.dequant import TYPES, random_blocks
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["Ġ t", "h e", "Ġt he"]
 # Byte-level alphabet plus a few merged tokens: enough for a working BPE over any text.
@@ -40,7 +42,11 @@ _GLOBAL_TENSORS = {
     "model.norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
 }
-STORAGES = ("fp32", "fp16", "q8_0")
+QUANTISED = ("bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+"""Storages the `gguf` package quantises."""
+RANDOM_BLOCKS = ("q4_k", "q5_k", "q6_k")
+"""Storages it cannot quantise: their weights are random valid blocks, not the seed's weights."""
+STORAGES = ("fp32", "fp16", *QUANTISED, *RANDOM_BLOCKS)
 
 
 @dataclass(frozen=True)
@@ -136,12 +142,17 @@ def gguf_name(hf_name: str) -> str:
 
 
 def write_tiny_gguf(
-    path: Path, spec: TinySpec = TinySpec(), storage: str = "fp32", seed: int = 0
+    path: Path,
+    spec: TinySpec = TinySpec(),
+    storage: str = "fp32",
+    seed: int = 0,
+    raw_type_of: dict[str, str] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Writes the GGUF; returns the HF-layout fp32 weights `load_gguf` should give back.
 
-    storage: fp32, fp16 or q8_0 for the 2-D weights (1-D ones stay fp32, as llama.cpp keeps them);
-    the returned weights carry the same rounding, so a correct loader matches them exactly.
+    storage: one of STORAGES for the 2-D weights (1-D ones stay fp32, as llama.cpp keeps them); the
+    returned weights are the oracle's dequantisation of what was stored, so a correct loader matches
+    them exactly. raw_type_of names GGUF tensors stored instead as random bytes of another GGML type.
     """
     if storage not in STORAGES:
         raise ValueError(f"unknown storage {storage!r}; choose one of {STORAGES}")
@@ -170,15 +181,25 @@ def write_tiny_gguf(
     if spec.chat_template is not None:
         writer.add_chat_template(spec.chat_template)
 
-    expected = {}
+    expected, rng = {}, np.random.default_rng(seed + 1)
     for name, w in weights.items():
         stored, raw_dtype = w, None
         if w.ndim == 2 and storage == "fp16":
             stored = w.astype(np.float16)
             w = stored.astype(np.float32)
-        elif w.ndim == 2 and storage == "q8_0":
-            stored, raw_dtype = quantize(w, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0
-            w = dequantize(stored, raw_dtype)
+        elif w.ndim == 2 and storage in QUANTISED + RANDOM_BLOCKS:
+            raw_dtype = GGMLQuantizationType[storage.upper()]
+            if storage in QUANTISED:
+                stored = quantize(w, raw_dtype)
+            else:
+                kind = TYPES[raw_dtype.value]
+                n = w.size // kind.block_size
+                stored = random_blocks(kind, n, rng).reshape(w.shape[0], -1)
+            w = dequantize(stored, raw_dtype).reshape(w.shape)
+        if gguf_name(name) in (raw_type_of or {}):
+            raw_dtype = GGMLQuantizationType[raw_type_of[gguf_name(name)]]
+            block, size = gguf.GGML_QUANT_SIZES[raw_dtype]
+            stored = rng.integers(0, 256, (w.shape[0], w.shape[1] // block * size), dtype=np.uint8)
         expected[name] = torch.from_numpy(np.ascontiguousarray(w))
         if spec.arch in ("llama", "mistral") and (".q_proj." in name or ".k_proj." in name):
             stored = llamacpp_permute(stored, spec.n_heads if ".q_proj." in name else spec.n_kv_heads)

@@ -1,4 +1,4 @@
-"""Loads a GGUF file into fp32 tensors under HF names, plus the config and tokenizer metadata.
+"""Loads a GGUF file into tensors under HF names on the target device, plus config and tokenizer metadata.
 
 GGUF (llama.cpp) stores Llama/Mistral Q and K rows permuted for interleaved RoPE; we undo that so one
 rotate-half RoPE serves both GGUF and safetensors weights.
@@ -6,17 +6,19 @@ rotate-half RoPE serves both GGUF and safetensors weights.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader
-from gguf.quants import dequantize
 
 from kvflash import KVFlashError
 from kvflash.config import ModelConfig, RopeScaling
+from kvflash.models.dequant import dequantize, ggml_type
+from kvflash.models.gguf_file import GGUFFile, TensorInfo
 
 PERMUTED_QK_ARCHS = ("llama", "mistral")
 
@@ -47,9 +49,9 @@ _UNSET: Any = object()
 class GGUFMeta:
     """What the tokenizer needs, taken from the GGUF's `tokenizer.*` keys."""
 
-    tokens: list[str]
+    tokens: Sequence[str]
     token_types: list[int]
-    merges: list[str]
+    merges: Sequence[str]
     tokenizer_model: str
     pre: str | None
     bos_id: int | None
@@ -58,63 +60,93 @@ class GGUFMeta:
     chat_template: str | None
 
 
-class _Reader(GGUFReader):
-    """GGUFReader over a plain ndarray view of its memmap.
+class GGUFModel:
+    """An opened GGUF file: config and tokenizer metadata at once, weights on demand, tensor by tensor.
 
-    numpy.memmap's per-slice bookkeeping makes the reader's ~150k small reads (one per vocab string)
-    take ~4.5 s; over a plain view of the same mapping they take ~1 s.
+    Every tensor's type and extent is checked on opening, so a file that cannot load fails before
+    any weight is dequantised.
     """
 
+    def __init__(self, path: Path):
+        self.path = path = Path(path)
+        if not path.is_file():
+            raise KVFlashError(f"model not found: {path}")
+        try:
+            self.file = GGUFFile(path)
+        except (OSError, ValueError) as e:  # GGUFFormatError is a ValueError
+            raise KVFlashError(f"{path} is not a readable GGUF file ({_one_line(e)})") from e
+        self.fields = self.file.fields
+        self.tensors = {t.name: t for t in self.file.tensors}
+        self.kinds = {n: ggml_type(t.type_id, f"{path.name}: tensor {n!r}") for n, t in self.tensors.items()}
+        for name, t in self.tensors.items():
+            if self.kinds[name].nbytes(_n_elements(t)) + t.offset > self.file.size:
+                raise KVFlashError(f"{path} is not a readable GGUF file (tensor {name!r} runs past its end)")
+        try:
+            self.config = _config(self, path)
+        except (TypeError, ValueError) as e:  # metadata or shapes that do not fit a Llama-family model
+            raise KVFlashError(f"{path.name}: unsupported GGUF contents ({_one_line(e)})") from e
+
     @property
-    def data(self) -> np.ndarray:
-        return self._plain
+    def nbytes(self) -> int:
+        """Bytes of tensor data in the file."""
+        return sum(self.kinds[n].nbytes(_n_elements(t)) for n, t in self.tensors.items())
 
-    @data.setter
-    def data(self, value: np.ndarray) -> None:
-        self._plain = value.view(np.ndarray)
+    def meta(self) -> GGUFMeta:
+        return _meta(self.fields, self.path)
+
+    def tensor(self, name: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """One tensor dequantised on `device`, in HF (row-major) shape: GGUF lists dims innermost first."""
+        t, kind = self.tensors[name], self.kinds[name]
+        n = _n_elements(t)
+        w = dequantize(self.file.raw(t, kind.nbytes(n)), kind, n, device, dtype)
+        return w.view(tuple(reversed(t.shape)))
+
+    def weights(
+        self,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor) for each weight, Q/K rows un-permuted; on_progress(bytes done, total)."""
+        device, total, done = torch.device(device), self.nbytes, 0
+        for name, t in self.tensors.items():
+            done += self.kinds[name].nbytes(_n_elements(t))
+            if name == _ROPE_FREQS:
+                continue
+            w = self.tensor(name, device, dtype)
+            if self.config.arch in PERMUTED_QK_ARCHS:
+                w = _maybe_unpermute(name, w, self.config)
+            yield _hf_name(name, self.path), w
+            if on_progress is not None:
+                on_progress(done, total)
 
 
-def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], GGUFMeta]:
-    """Config, fp32 weights under HF names and shapes, and tokenizer metadata of one GGUF file."""
-    path = Path(path)
-    if not path.is_file():
-        raise KVFlashError(f"model not found: {path}")
-    try:
-        reader = _Reader(path)
-    except Exception as e:  # the reader raises assorted errors on foreign or truncated bytes
-        raise KVFlashError(f"{path} is not a readable GGUF file ({_one_line(e)})") from e
-    try:
-        return _convert(reader, path)
-    except (TypeError, ValueError) as e:  # metadata or shapes that do not fit a Llama-family model
-        raise KVFlashError(f"{path.name}: unsupported GGUF contents ({_one_line(e)})") from e
+def load_gguf(
+    path: Path,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> tuple[ModelConfig, dict[str, torch.Tensor], GGUFMeta]:
+    """Config, weights under HF names and shapes (dequantised on `device` as `dtype`) and tokenizer
+    metadata of one GGUF file."""
+    model = GGUFModel(path)
+    weights = dict(model.weights(device, dtype, on_progress))
+    _check_complete(weights, model.config, model.path)
+    return model.config, weights, model.meta()
 
 
-def _convert(reader: GGUFReader, path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], GGUFMeta]:
-    fields = {name: f.contents() for name, f in reader.fields.items() if f.types}
-    tensors = {t.name: t for t in reader.tensors}
-    cfg = _config(fields, tensors, path)
-    weights = {}
-    for name, t in tensors.items():
-        if name == _ROPE_FREQS:
-            continue
-        w = _to_numpy(t, path)
-        if cfg.arch in PERMUTED_QK_ARCHS:
-            w = _maybe_unpermute(name, w, cfg)
-        weights[_hf_name(name, path)] = torch.from_numpy(w)
-    _check_complete(weights, cfg, path)
-    return cfg, weights, _meta(fields, path)
+def _n_elements(t: TensorInfo) -> int:
+    return math.prod(t.shape)
 
 
 def _one_line(e: Exception) -> str:
     return f"{type(e).__name__}: {' '.join(str(e).split())}"
 
 
-def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Inverse of llama.cpp's `permute`: rows [h, d/2, 2] back to HF's [h, 2, d/2] per head."""
     head_dim = w.shape[0] // n_heads
-    return np.ascontiguousarray(
-        w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-    )
+    return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
 
 
 def _get(fields: dict[str, Any], key: str, path: Path, default: Any = _UNSET) -> Any:
@@ -130,7 +162,8 @@ def _f32(x: float) -> float:
     return float(str(np.float32(x)))
 
 
-def _config(fields: dict[str, Any], tensors: dict[str, Any], path: Path) -> ModelConfig:
+def _config(model: GGUFModel, path: Path) -> ModelConfig:
+    fields, tensors = model.fields, model.tensors
     arch = _get(fields, "general.architecture", path)
 
     def get(key: str, default: Any = _UNSET) -> Any:
@@ -156,7 +189,7 @@ def _config(fields: dict[str, Any], tensors: dict[str, Any], path: Path) -> Mode
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
     )
     if _ROPE_FREQS in tensors:
-        cfg = _with_llama3_scaling(cfg, tensors[_ROPE_FREQS], path)
+        cfg = _with_llama3_scaling(cfg, model.tensor(_ROPE_FREQS, torch.device("cpu"), torch.float32), path)
     return cfg
 
 
@@ -169,7 +202,7 @@ def _rope_scaling(get: Any, path: Path) -> RopeScaling:
     return RopeScaling()
 
 
-def _with_llama3_scaling(cfg: ModelConfig, t: Any, path: Path) -> ModelConfig:
+def _with_llama3_scaling(cfg: ModelConfig, stored: torch.Tensor, path: Path) -> ModelConfig:
     """Llama 3.1+ GGUFs carry the llama3 scaling only as per-frequency divisors (`rope_freqs`).
 
     We take the factor from them, assume Meta's published low/high factors and original context, and
@@ -177,7 +210,7 @@ def _with_llama3_scaling(cfg: ModelConfig, t: Any, path: Path) -> ModelConfig:
     """
     from kvflash.models.rope import inv_frequencies
 
-    stored = torch.from_numpy(_to_numpy(t, path).ravel())
+    stored = stored.ravel()
     scaled = replace(cfg, rope_scaling=RopeScaling(kind="llama3", factor=float(stored.max())))
     divisors = inv_frequencies(cfg) / inv_frequencies(scaled)
     if divisors.shape != stored.shape or not torch.allclose(divisors, stored, rtol=1e-3):
@@ -185,19 +218,7 @@ def _with_llama3_scaling(cfg: ModelConfig, t: Any, path: Path) -> ModelConfig:
     return scaled
 
 
-def _to_numpy(t: Any, path: Path) -> np.ndarray:
-    """fp32, writable, in HF (numpy) order: GGUF lists dims innermost first, so they are reversed."""
-    try:
-        w = dequantize(t.data, t.tensor_type)
-    except NotImplementedError as e:
-        raise KVFlashError(f"{path.name}: cannot dequantize {t.name} ({t.tensor_type.name})") from e
-    w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
-    if w.dtype != np.float32 or not w.flags.writeable:
-        w = np.array(w, dtype=np.float32)
-    return w
-
-
-def _maybe_unpermute(name: str, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+def _maybe_unpermute(name: str, w: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     if ".attn_q." in name:
         return unpermute_qk(w, cfg.n_heads)
     if ".attn_k." in name:
@@ -225,7 +246,7 @@ def _check_complete(weights: dict[str, torch.Tensor], cfg: ModelConfig, path: Pa
 
 def _meta(fields: dict[str, Any], path: Path) -> GGUFMeta:
     tokens = _get(fields, "tokenizer.ggml.tokens", path)
-    token_types = [int(x) for x in fields.get("tokenizer.ggml.token_type", [1] * len(tokens))]
+    token_types = np.asarray(fields.get("tokenizer.ggml.token_type", [1] * len(tokens))).tolist()
     if len(token_types) != len(tokens):
         raise KVFlashError(f"{path.name}: {len(tokens)} tokens but {len(token_types)} token types")
     return GGUFMeta(

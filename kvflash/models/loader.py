@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -11,7 +11,7 @@ import torch
 
 from kvflash import KVFlashError
 from kvflash.config import DTYPES, ModelConfig
-from kvflash.models.fingerprint import model_fingerprint
+from kvflash.models.fingerprint import model_fingerprint, weights_identity
 from kvflash.models.llama import LlamaForCausalLM, pack_weights
 from kvflash.models.rope import Rotary
 from kvflash.models.tokenizer import Tokenizer
@@ -37,14 +37,9 @@ class LoadedModel:
 
     @cached_property
     def weights_id(self) -> str:
-        """sha256 over the weight files' bytes: the weights' identity for the fingerprint."""
+        """sha256 over the weight files' bytes (hashed once per file version): the weights' identity."""
         files = [self.path] if self.path.is_file() else sorted(self.path.glob("*.safetensors"))
-        h = hashlib.sha256()
-        for f in files:
-            with open(f, "rb") as fh:
-                while block := fh.read(1 << 22):
-                    h.update(block)
-        return h.hexdigest()
+        return weights_identity(files)
 
     def fingerprint(self, chunk_tokens: int, kv_dtype: torch.dtype | None = None) -> str:
         return model_fingerprint(self.config, self.weights_id, kv_dtype or self.dtype, chunk_tokens)
@@ -79,8 +74,10 @@ def load_model(
     device: str | torch.device | None = None,
     need_tokenizer: bool = True,
     fetch: bool = True,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> LoadedModel:
-    """path None means the default model (fetched once into the user cache)."""
+    """path None means the default model (fetched once into the user cache). A GGUF is dequantised
+    on the device, tensor by tensor; on_progress(bytes done, total) follows that."""
     from kvflash.models.fetch import default_model_path
 
     dev = torch.device(device) if device is not None else default_device()
@@ -102,7 +99,7 @@ def load_model(
     else:
         from kvflash.models.gguf_loader import load_gguf
 
-        cfg, weights, meta = load_gguf(p)
+        cfg, weights, meta = load_gguf(p, dev, dt, on_progress)
         if need_tokenizer:
             tokenizer = Tokenizer.from_gguf(meta)
     model = build_model(cfg, weights, dt, dev)

@@ -1,0 +1,129 @@
+"""Wall time of a whole `kvflash ask --server` process for turn 2 of a long-document session.
+
+Starts `kvflash serve` on 127.0.0.1 (the default model unless --model), writes a generated document of
+--tokens tokens, runs turn 1 of a named session through `kvflash ask --server` (the cold prefill, on
+the server), then times --repeats new `kvflash ask --server` processes, each asking turn 2 of a copy
+of that session (the document's KV live on the server), from process start to exit. Prints each
+wall time and the turn's stats line, and writes JSON.
+
+  python bench/ask_server.py --tokens 131072 --out out/ask_server
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from kvflash.haystack import filler_sentences
+from kvflash.models.fetch import default_model_path
+from kvflash.models.loader import load_model
+
+QUESTION_1 = "Summarise the document in one sentence."
+QUESTION_2 = "Name one person the document mentions."
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_document(path: Path, tokens: int, model: Path) -> int:
+    """Filler sentences up to `tokens` tokens of the model's tokenizer; returns the count."""
+    tok = load_model(model, device="cpu").tokenizer
+    sentences, text = filler_sentences(random.Random(0)), ""
+    while True:
+        chunk = " ".join(next(sentences) for _ in range(200))
+        if len(tok.encode_plain(text + chunk)) > tokens:
+            break
+        text += chunk + "\n"
+    path.write_text(text)
+    return len(tok.encode_plain(text))
+
+
+def wait_up(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"kvflash serve exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise SystemExit("kvflash serve did not come up") from None
+            time.sleep(0.5)
+
+
+def ask(url: str, doc: Path, question: str, session: str, home: Path, max_tokens: int) -> tuple[float, str]:
+    """One `kvflash ask --server` process: (wall seconds, its stats line)."""
+    cmd = [sys.executable, "-m", "kvflash.cli.app", "ask", str(doc), question, "--server", url,
+           "--session", session, "-n", str(max_tokens)]  # fmt: skip
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "KVFLASH_HOME": str(home)})
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"kvflash ask failed: {proc.stderr.strip()}")
+    return wall, proc.stdout.strip().splitlines()[-1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=131072, help="document length in tokens")
+    ap.add_argument("--model", default=None, help="GGUF (default: the pulled default model)")
+    ap.add_argument("--pool-tokens", default="auto", help="the server's --pool-tokens")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--out", default="out/ask_server")
+    args = ap.parse_args()
+    model = Path(args.model) if args.model else default_model_path(fetch=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="kvflash-ask-server-") as tmp:
+        tmp = Path(tmp)
+        doc, home = tmp / "document.txt", tmp / "home"
+        n = write_document(doc, args.tokens, model)
+        print(f"document: {n:,} tokens")
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        serve = [sys.executable, "-m", "kvflash.cli.app", "serve", "--model", str(model), "--port", str(port),
+                 "--pool-tokens", args.pool_tokens, "--store", str(tmp / "store")]  # fmt: skip
+        server = subprocess.Popen(serve, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_up(url, server, 600)
+            wall1, line1 = ask(url, doc, QUESTION_1, "bench", home, args.max_tokens)
+            print(f"turn 1: {wall1:.2f} s  {line1}")
+            saved = home / "client-sessions"
+            first = {p: p.read_bytes() for p in saved.glob("*.json")}
+            walls = []
+            for i in range(args.repeats):
+                for p, b in first.items():  # every repeat asks turn 2 of the same conversation
+                    p.write_bytes(b)
+                wall, line = ask(url, doc, QUESTION_2, "bench", home, args.max_tokens)
+                walls.append(wall)
+                print(f"turn 2, process {i + 1}: {wall:.2f} s  {line}")
+        finally:
+            server.send_signal(signal.SIGINT)
+            server.wait(120)
+        median = statistics.median(walls)
+        result = {
+            "tokens": n, "turn1_wall_s": wall1, "turn2_wall_s": walls, "turn2_median_s": median,
+            "turn2_stats": line, "date": time.strftime("%Y-%m-%d"), "args": vars(args),
+        }  # fmt: skip
+        (out / "ask_server.json").write_text(json.dumps(result, indent=1))
+        print(f"turn 2 wall, median of {len(walls)}: {median:.2f} s; wrote {out / 'ask_server.json'}")
+
+
+if __name__ == "__main__":
+    main()

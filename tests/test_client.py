@@ -1,0 +1,104 @@
+"""`kvflash ask --server`: client processes against a real `kvflash serve` on 127.0.0.1 (the default
+model on the CPU), checked to import no torch."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+DOC = (
+    "Harbor notes. The lighthouse of Port Elden was built by Mara Quill in 1843 and painted red in "
+    "1901. The Copper Oven bakery on Tide Street is famous for its rye bread, baked before dawn."
+)
+CLIENT = """
+import sys
+from kvflash.cli.app import main
+try:
+    main()
+finally:
+    print("torch imported" if "torch" in sys.modules else "torch not imported", file=sys.stderr)
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(smollm_path, tmp_path_factory):
+    port, store = free_port(), tmp_path_factory.mktemp("store")
+    cmd = [sys.executable, "-m", "kvflash.cli.app", "serve", "--model", str(smollm_path), "--device", "cpu",
+           "--port", str(port), "--store", str(store), "--max-tokens", "8"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "kvflash serve did not come up"
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)
+
+
+def client(*args: str, home: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    """One `kvflash` client process; its stderr ends with whether it imported torch."""
+    environ = {k: v for k, v in os.environ.items() if k != "KVFLASH_SERVER"}
+    environ.update(KVFLASH_HOME=str(home), **(env or {}))
+    cmd = [sys.executable, "-c", CLIENT, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=environ, timeout=300)
+
+
+def test_a_named_session_across_two_client_processes_reuses_the_servers_kv(server, tmp_path) -> None:
+    doc, home = tmp_path / "harbor.txt", tmp_path / "home"
+    doc.write_text(DOC)
+    question = "Who built the lighthouse?"
+    first = client("ask", str(doc), question, "--session", "s", "--server", server, "--json", home=home)
+    assert first.returncode == 0, first.stderr
+    assert first.stderr.strip().endswith("torch not imported")
+    turn1 = json.loads(first.stdout)
+    assert turn1["answer"] and turn1["restored_tokens"] == 0 and turn1["source"] == "cold"
+
+    second = client("ask", str(doc), "And the bakery?", "-s", "s", home=home, env={"KVFLASH_SERVER": server})
+    assert second.returncode == 0, second.stderr
+    assert second.stderr.strip().endswith("torch not imported")
+    *answer, stats = second.stdout.strip().splitlines()
+    assert "".join(answer).strip(), second.stdout
+    assert "(memory)" in stats  # the stats line, from the response's kvflash field
+    restored = int(stats.split("restored ")[1].split(" tok")[0])
+    assert restored >= turn1["prefilled_tokens"]  # turn 1's prompt came from the server's live KV
+
+    (saved,) = (home / "client-sessions").glob("*.json")
+    turns = json.loads(saved.read_text())["turns"]
+    assert [t["role"] for t in turns] == ["user", "assistant"] * 2
+    assert turns[0]["content"] == question and turns[1]["content"] == turn1["answer"]
+
+
+def test_an_unreachable_server_or_an_error_answer_is_one_line_and_a_failure(server, tmp_path) -> None:
+    doc = tmp_path / "d.txt"
+    doc.write_text(DOC)
+    down = client("ask", str(doc), "q", "--server", f"http://127.0.0.1:{free_port()}", home=tmp_path)
+    wrong = client("ask", str(doc), "q", "--server", f"{server}/not-an-api", home=tmp_path)
+    local = client("ask", str(doc), "q", "--server", server, "--pool-tokens", "64", home=tmp_path)
+    for proc, words in ((down, "cannot reach"), (wrong, "answered 404"), (local, "--pool-tokens")):
+        error, verdict = proc.stderr.strip().splitlines()
+        assert proc.returncode == 1 and error.startswith("error:") and words in error, proc.stderr
+        assert verdict == "torch not imported" and proc.stdout == ""
+    assert not (tmp_path / "client-sessions").exists()
