@@ -45,7 +45,7 @@ QUESTIONS = (
 def ask_process(doc: Path, question: str, store: Path, args) -> dict:
     """One `kvflash ask` process: its wall time and its stats."""
     cmd = [sys.executable, "-m", "kvflash.cli.app", "ask", str(doc), question, "--store", str(store),
-           "--pool-tokens", str(args.pool_tokens), "--max-tokens", str(args.max_tokens), "--json"]  # fmt: skip
+           "--pool-tokens", str(args.pool_tokens), "-n", str(args.max_tokens), "--json"]  # fmt: skip
     if args.model:
         cmd += ["--model", args.model]
     t0 = time.perf_counter()

@@ -123,4 +123,3 @@ def test_prefill_over_the_pool_equals_its_steps_one_at_a_time() -> None:
         out.append(eng.prefill(eng.new_sequence(), ids))
     torch.testing.assert_close(out[0], out[1], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out[0], out[2], rtol=1e-5, atol=1e-5)
-
