@@ -29,6 +29,11 @@ class HostTierFull(KVFlashError):
     pass
 
 
+REGISTER_FLAGS = 3
+"""cudaHostRegisterPortable | cudaHostRegisterMapped: pinned for every context, and addressable
+from the device, which the host tier's in-place scoring reads (`kernels.chunk_lse_in_place`)."""
+
+
 def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A page-locked host tensor: touched in parallel, then registered with CUDA (unregistered when
     the tensor is collected); cudaHostAlloc's memory where registering fails."""
@@ -36,7 +41,7 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     t.view(torch.uint8).zero_()
     cudart = torch.cuda.cudart()
     ptr = t.data_ptr()
-    if cudart.cudaHostRegister(ptr, t.numel() * t.element_size(), 0) != cudart.cudaError.success:
+    if cudart.cudaHostRegister(ptr, t.numel() * t.element_size(), REGISTER_FLAGS) != cudart.cudaError.success:
         return torch.empty(shape, dtype=dtype, pin_memory=True)
     weakref.finalize(t, cudart.cudaHostUnregister, ptr)
     return t

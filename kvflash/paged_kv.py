@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 
 import torch
@@ -29,6 +30,9 @@ SCORE_BYTES = 64 << 20
 DECODE_FIELDS = 6
 """`PagedKV.decode_in`: token id, position, write slot, write offset, chunks listed, valid in the last."""
 
+
+_in_place_refused: list[Exception] = []
+"""Set when the Triton launcher refused a pinned host block's address (`PagedKV._host_lse`)."""
 
 _table_writes = itertools.count()
 """Numbers every write of any sequence's slot table: a batch that holds copies of its sequences'
@@ -492,9 +496,15 @@ class PagedKV:
         n = slots.numel()
         if block.device == qs.device:  # on the CPU the host tier is the queries' own memory
             return kernels.chunk_lse(qs, block, slots, rot)
-        if self.uses_triton and block.is_pinned():
-            self.moved["host_to_gpu"] += n * self.chunk_nbytes // 2
-            return kernels.chunk_lse_in_place(qs, block, slots, rot)
+        if self.uses_triton and block.is_pinned() and not _in_place_refused:
+            try:
+                out = kernels.chunk_lse_in_place(qs, block, slots, rot)
+            except ValueError as e:  # Triton could not address the block: stage it, and say so once
+                _in_place_refused.append(e)
+                warnings.warn(f"host-tier chunks are staged to score them: {e}", stacklevel=2)
+            else:
+                self.moved["host_to_gpu"] += n * self.chunk_nbytes // 2
+                return out
         block = block[slots.cpu().long()].to(qs.device)
         slots = torch.arange(n, device=qs.device, dtype=torch.int32)
         self.moved["host_to_gpu"] += n * self.chunk_nbytes
