@@ -168,7 +168,7 @@ def plot(rows: list[dict], path: Path) -> None:
         (f"kvflash paged ({rows[0]['pool_tokens']:,}-token pool)", "paged_s", None),
         ("kvflash, whole context resident", "resident_s", None),
         ("HF transformers (whole KV on the GPU)", "hf_s", "0.5"),
-        ("compute limit", "compute_limit_s", "0.8"),
+        ("compute limit, whole context resident", "compute_limit_s", "0.8"),
     ]
     bars(rows, series, "seconds (log)", f"cold prefill, {torch.cuda.get_device_name()}", path)
 
