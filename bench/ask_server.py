@@ -1,10 +1,10 @@
 """Wall time of a whole `kvflash ask --server` process for turn 2 of a long-document session.
 
-Starts `kvflash serve` on 127.0.0.1 (the default model unless --model), writes a generated document of
---tokens tokens, runs turn 1 of a named session through `kvflash ask --server` (the cold prefill, on
-the server), then times --repeats new `kvflash ask --server` processes, each asking turn 2 of a copy
-of that session (the document's KV live on the server), from process start to exit. Prints each
-wall time and the turn's stats line, and writes JSON.
+Starts `kvflash serve` on 127.0.0.1 (the default model unless --model) and writes a generated
+document of about --tokens tokens. Then, --repeats times, turn 1 of a named session goes through
+`kvflash ask --server` (the first a cold prefill on the server, later ones reuse it) and a new
+`kvflash ask --server` process asks turn 2 of that session (the document's KV live on the server),
+timed from process start to exit. Prints each wall time with the turn's stats line; writes JSON.
 
   python bench/ask_server.py --tokens 131072 --out out/ask_server
 """
@@ -40,16 +40,15 @@ def free_port() -> int:
 
 
 def write_document(path: Path, tokens: int, model: Path) -> int:
-    """Filler sentences up to `tokens` tokens of the model's tokenizer; returns the count."""
+    """Filler sentences up to about `tokens` tokens of the model's tokenizer; returns the exact count."""
     tok = load_model(model, device="cpu").tokenizer
-    sentences, text = filler_sentences(random.Random(0)), ""
-    while True:
-        chunk = " ".join(next(sentences) for _ in range(200))
-        if len(tok.encode_plain(text + chunk)) > tokens:
-            break
-        text += chunk + "\n"
-    path.write_text(text)
-    return len(tok.encode_plain(text))
+    sentences, lines, n = filler_sentences(random.Random(0)), [], 0
+    while n < tokens:
+        line = " ".join(next(sentences) for _ in range(20)) + "\n"
+        n += len(tok.encode_plain(line))
+        lines.append(line)
+    path.write_text("".join(lines))
+    return len(tok.encode_plain(path.read_text()))
 
 
 def wait_up(url: str, proc: subprocess.Popen, timeout: float) -> None:
@@ -102,17 +101,14 @@ def main() -> None:
         server = subprocess.Popen(serve, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             wait_up(url, server, 600)
-            wall1, line1 = ask(url, doc, QUESTION_1, "bench", home, args.max_tokens)
-            print(f"turn 1: {wall1:.2f} s  {line1}")
-            saved = home / "client-sessions"
-            first = {p: p.read_bytes() for p in saved.glob("*.json")}
-            walls = []
-            for i in range(args.repeats):
-                for p, b in first.items():  # every repeat asks turn 2 of the same conversation
-                    p.write_bytes(b)
-                wall, line = ask(url, doc, QUESTION_2, "bench", home, args.max_tokens)
+            walls, wall1 = [], None
+            for i in range(args.repeats):  # turn 2 right after its own turn 1, as a user asks them
+                t1, line1 = ask(url, doc, QUESTION_1, f"bench-{i}", home, args.max_tokens)
+                wall1 = t1 if wall1 is None else wall1
+                print(f"turn 1, session {i + 1}: {t1:.2f} s  {line1}")
+                wall, line = ask(url, doc, QUESTION_2, f"bench-{i}", home, args.max_tokens)
                 walls.append(wall)
-                print(f"turn 2, process {i + 1}: {wall:.2f} s  {line}")
+                print(f"turn 2, session {i + 1}: {wall:.2f} s  {line}")
         finally:
             server.send_signal(signal.SIGINT)
             server.wait(120)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from kvflash.models.loader import load_model
+from kvflash.config import ModelConfig
 from kvflash.pool import chunk_bytes, slots_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,8 +38,9 @@ def test_the_demo_answers_hold_the_documents_facts(smollm_path, tmp_path) -> Non
     assert "Mara Quill" in console.file.getvalue()
 
 
-def test_auto_pool_on_the_cpu_is_sized_from_host_memory(smollm_path) -> None:
-    cfg = load_model(smollm_path, device="cpu").config
+def test_auto_pool_on_the_cpu_is_sized_from_host_memory() -> None:
+    cfg = ModelConfig(arch="llama", vocab_size=256, hidden_size=576, intermediate_size=1536, n_layers=30,
+                      n_heads=9, n_kv_heads=3, head_dim=64)  # fmt: skip
     per_chunk = chunk_bytes(cfg, 64, torch.float32)
     n = slots_for(cfg, "auto", 64, torch.float32, torch.device("cpu"), reserve_bytes=0)
     half_free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
