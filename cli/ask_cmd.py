@@ -12,6 +12,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from kvflash import KVFlashError
+from kvflash.cli.files import read_text
+from kvflash.cli.limits import check_pool_fits
+from kvflash.cli.messages import warn
 from kvflash.cli.options import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, StoreOpt
 from kvflash.config import POLICIES, EngineConfig, ResidencyConfig
 from kvflash.engine import Engine
@@ -20,7 +23,7 @@ from kvflash.models.loader import load_model
 from kvflash.models.tokenizer import StreamDecoder
 from kvflash.paths import snapshots_dir
 from kvflash.session import Document, Session
-from kvflash.storage import SnapshotStore
+from kvflash.storage import SnapshotStore, StoreError
 from kvflash.turn import TurnStats
 
 DocsArg = typer.Argument(..., help="Document files (UTF-8 text).", show_default=False)
@@ -45,15 +48,7 @@ ProcsOpt = typer.Option(
 
 
 def read_documents(paths: list[Path]) -> list[Document]:
-    docs = []
-    for p in paths:
-        try:
-            docs.append(Document(p.name, p.read_text(encoding="utf-8")))
-        except FileNotFoundError:
-            raise KVFlashError(f"document not found: {p}") from None
-        except (UnicodeDecodeError, IsADirectoryError) as e:
-            raise KVFlashError(f"{p}: not a UTF-8 text file ({e.__class__.__name__})") from None
-    return docs
+    return [Document(p.name, read_text(p)) for p in paths]
 
 
 def pool_tokens(value: str | None) -> int | str:
@@ -80,8 +75,14 @@ def open_session(
     lm = load_model(model, dtype=dtype, device=device)
     budget = pool_tokens(pool)
     res = ResidencyConfig(policy=policy, cache_positions=not absolute_positions)
+    check_pool_fits(lm, budget, res.chunk_tokens)
     engine = Engine(lm, EngineConfig(pool_tokens=budget, residency=res, cuda_graphs=cuda_graphs))
-    st = None if no_store else SnapshotStore(store or snapshots_dir(), processes=decode_processes)
+    st = None
+    if not no_store:
+        try:
+            st = SnapshotStore(store or snapshots_dir(), processes=decode_processes)
+        except StoreError as e:  # the store only saves time: answer without it
+            warn(f"snapshot store unusable, answering without it: {e}")
     try:
         return Session(engine, documents, st, name=session, lazy=lazy)
     except BaseException:
@@ -135,7 +136,7 @@ def run_turn(
             warnings.simplefilter("always")
             text, stats = sess.ask(question, max_tokens, Sampling(), on_text, on_prefill, on_restore)
     for w in caught:
-        Console(stderr=True).print(f"[yellow]warning:[/] {w.message}", highlight=False)
+        warn(w.message)
     if stream:
         print(decoder.flush())
     return text, stats
@@ -223,7 +224,7 @@ def chat(
                 sid = sess.save() if sess.kv is not None else None
                 console.print(f"[dim]saved snapshot {sid}[/]" if sid else "[dim]nothing to save[/]")
             elif line.startswith("/"):
-                console.print(f"unknown command {line}; try /stats /reset /save /quit")
+                console.print(f"unknown command {line}; try /stats /reset /save /quit", markup=False)
             else:
                 _, last = run_turn(sess, line, max_tokens, console, stream=True)
                 console.print(f"[dim]{stats_line(last)}[/]", soft_wrap=True)
