@@ -436,6 +436,11 @@ class Index:
                 dead.add(lid)
         return dead, [o for o, a in alive.items() if a is False]
 
+    def lease_owners(self) -> set[str]:
+        """Owner tokens of the leases in the index ('' for leases written without one)."""
+        with self._lock:
+            return {r[0] for r in self.conn.execute("SELECT DISTINCT owner FROM leases")}
+
     # accounting
 
     def totals(self) -> dict[str, int]:
