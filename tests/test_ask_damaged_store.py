@@ -43,7 +43,7 @@ def _tree(top: Path) -> dict[str, tuple[int, int]]:
     return out
 
 
-def _held_index(root: Path) -> Callable[[], None]:
+def _held_index(root: Path, outside: Path) -> Callable[[], None]:
     """Another process's write transaction on the index, released after 8 s (past the 5 s a lease
     waits, so the restore goes cold; the save after the answer then commits)."""
     conn = sqlite3.connect(root / "index.sqlite", isolation_level=None, check_same_thread=False)
