@@ -5,15 +5,17 @@ for torch."""
 from __future__ import annotations
 
 import importlib
+import sqlite3
 import sys
+import warnings
 from collections.abc import Iterator, MutableMapping
 
 import click
 import typer
-from rich.console import Console
 from typer.core import TyperGroup
 
 from kvflash import KVFlashError
+from kvflash.cli.messages import error, show_warning
 
 COMMANDS = {
     "generate": "kvflash.cli.generate_cmd:generate",
@@ -88,14 +90,35 @@ def _root() -> None:
 
 
 def main() -> None:
-    """Errors meant for the user print as one line on stderr with exit status 1, never a traceback."""
+    """Errors meant for the user (bad flags, files the system refuses, a damaged index) print as one
+    line on stderr, never a traceback: status 2 for usage errors, 1 otherwise. Warnings print as one
+    line each."""
+    warnings.showwarning = show_warning
     try:
-        app()
+        code = app(standalone_mode=False)
+    except typer.Exit as e:
+        code = e.exit_code
+    except typer.Abort:
+        code = 130
+    except typer.TyperException as e:  # click's usage errors, as typer vendors them
+        if type(e).__name__ == "NoArgsIsHelpError":
+            print(e.ctx.get_help())
+            code = 0
+        else:
+            error(e.format_message())
+            code = e.exit_code
     except KVFlashError as e:
-        Console(stderr=True).print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
-        sys.exit(1)
+        error(e)
+        code = 1
+    except OSError as e:
+        error(f"{e.filename}: {e.strerror}" if e.filename and e.strerror else e)
+        code = 1
+    except sqlite3.DatabaseError as e:
+        error(f"the snapshot index: {e}")
+        code = 1
     except KeyboardInterrupt:
-        sys.exit(130)
+        code = 130
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ from rich.progress import (
 )
 
 from kvflash import KVFlashError
+from kvflash.cli.files import read_text
+from kvflash.cli.messages import warn
 from kvflash.cli.options import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, StoreOpt
 from kvflash.documents import Document
 from kvflash.policies import POLICIES
@@ -58,15 +60,7 @@ ProcsOpt = typer.Option(
 
 
 def read_documents(paths: list[Path]) -> list[Document]:
-    docs = []
-    for p in paths:
-        try:
-            docs.append(Document(p.name, p.read_text(encoding="utf-8")))
-        except FileNotFoundError:
-            raise KVFlashError(f"document not found: {p}") from None
-        except (UnicodeDecodeError, IsADirectoryError) as e:
-            raise KVFlashError(f"{p}: not a UTF-8 text file ({e.__class__.__name__})") from None
-    return docs
+    return [Document(p.name, read_text(p)) for p in paths]
 
 
 def pool_tokens(value: str | None) -> int | str:
@@ -102,18 +96,25 @@ def open_session(
     absolute_positions: bool = False, decode_processes: int = 0, cuda_graphs: bool = True,
 ) -> Session:  # fmt: skip
     """The session `ask` and `chat` run, from their options (keywords: a dozen of them)."""
+    from kvflash.cli.limits import check_pool_fits
     from kvflash.config import EngineConfig, ResidencyConfig
     from kvflash.engine import Engine
     from kvflash.paths import snapshots_dir
     from kvflash.session import Session
-    from kvflash.storage import SnapshotStore
+    from kvflash.storage import SnapshotStore, StoreError
 
     documents = read_documents(docs)
     lm = load_with_progress(model, dtype, device)
     budget = pool_tokens(pool)
     res = ResidencyConfig(policy=policy, cache_positions=not absolute_positions)
+    check_pool_fits(lm, budget, res.chunk_tokens)
     engine = Engine(lm, EngineConfig(pool_tokens=budget, residency=res, cuda_graphs=cuda_graphs))
-    st = None if no_store else SnapshotStore(store or snapshots_dir(), processes=decode_processes)
+    st = None
+    if not no_store:
+        try:
+            st = SnapshotStore(store or snapshots_dir(), processes=decode_processes)
+        except StoreError as e:  # the store only saves time: answer without it
+            warn(f"snapshot store unusable, answering without it: {e}")
     try:
         return Session(engine, documents, st, name=session, lazy=lazy)
     except BaseException:
@@ -174,7 +175,7 @@ def run_turn(
             warnings.simplefilter("always")
             text, stats = sess.ask(question, max_tokens, Sampling(), on_text, on_prefill, on_restore)
     for w in caught:
-        Console(stderr=True).print(f"[yellow]warning:[/] {w.message}", highlight=False)
+        warn(w.message)
     if stream:
         print(decoder.flush())
     return text, stats
@@ -329,7 +330,7 @@ def chat(
                 sid = sess.save() if sess.kv is not None else None
                 console.print(f"[dim]saved snapshot {sid}[/]" if sid else "[dim]nothing to save[/]")
             elif line.startswith("/"):
-                console.print(f"unknown command {line}; try /stats /reset /save /quit")
+                console.print(f"unknown command {line}; try /stats /reset /save /quit", markup=False)
             else:
                 if sess is None:
                     _, last = r.turn(line, max_tokens, stream=True)

@@ -23,13 +23,17 @@ def generate(
     model: Path = ModelOpt,
     chat: bool = typer.Option(True, "--chat/--raw", help="Wrap the prompt in the model's chat template."),
     temperature: float = typer.Option(0.0, min=0.0, help="0 is greedy."),
-    top_p: float = typer.Option(1.0, "--top-p", min=0.0, max=1.0),
-    seed: int = typer.Option(None, help="Seed for sampling."),
+    top_p: float = typer.Option(1.0, "--top-p", max=1.0, help="Nucleus mass kept, in (0, 1]."),
+    seed: int = typer.Option(None, min=0, max=2**64 - 1, help="Seed for sampling (0 to 2**64 - 1)."),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Generate a reply to PROMPT, greedy by default."""
+    if not top_p > 0:
+        raise typer.BadParameter(
+            f"{top_p} is not in (0, 1]: a nucleus keeps some mass", param_hint="'--top-p'"
+        )
     lm = load_model(model, dtype=dtype, device=device)
     tok = lm.tokenizer
     text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt

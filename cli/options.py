@@ -2,12 +2,33 @@
 
 from __future__ import annotations
 
+import re
+
 import typer
+
+
+def _device(value: str | None) -> str | None:
+    """cpu, cuda or cuda:N, and CUDA only where there is a device: checked before the model loads."""
+    if value is None:
+        return None
+    if not re.fullmatch(r"cpu|cuda(:\d{1,3})?", value):
+        raise typer.BadParameter(f"{value!r:.40} is not cpu, cuda or cuda:N")
+    if value.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise typer.BadParameter("no CUDA device here; use --device cpu")
+        if ":" in value and int(value.split(":")[1]) >= torch.cuda.device_count():
+            raise typer.BadParameter(f"{value}: this machine has {torch.cuda.device_count()} CUDA devices")
+    return value
+
 
 ModelOpt = typer.Option(
     None, "--model", "-m", help="GGUF file or HF safetensors directory (default: SmolLM2-135M-Instruct)."
 )
 DtypeOpt = typer.Option(None, "--dtype", help="fp32, bf16 or fp16 (default: bf16 on CUDA, fp32 on CPU).")
-DeviceOpt = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available).")
+DeviceOpt = typer.Option(
+    None, "--device", callback=_device, help="cpu or cuda (default: cuda when available)."
+)
 StoreOpt = typer.Option(None, "--store", help="Snapshot store directory (default: $KVFLASH_HOME/snapshots).")
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object instead of text.")

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict
+from decimal import Decimal
 from pathlib import Path
 
 import typer
 from rich.console import Console
 from rich.table import Column, Table
+from rich.text import Text
 
 from kvflash import KVFlashError
 from kvflash.cli.options import JsonOpt, ModelOpt
@@ -25,6 +28,8 @@ StoreOpt = typer.Option(None, "--store", help="Store directory (default: $KVFLAS
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+MAX_SIZE = 1 << 62
+MAX_AGE_S = 1000 * 365 * 86400
 
 
 def default_store() -> Path:
@@ -41,18 +46,24 @@ def open_store(store: Path | None) -> SnapshotStore:
 
 def parse_size(text: str) -> int:
     """`10G`, `500M`, `1.5GiB`, `4096`: binary units."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    m = re.fullmatch(r"\s*(\d{1,30}(?:\.\d{1,30})?)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
     if not m:
-        raise KVFlashError(f"not a size: {text!r} (examples: 10G, 500M, 4096)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+        raise KVFlashError(f"not a size: {text!r:.60} (examples: 10G, 500M, 4096)")
+    n = int(Decimal(m.group(1)) * _UNITS[m.group(2).upper()])
+    if n > MAX_SIZE:
+        raise KVFlashError(f"size {text.strip()} is above {MAX_SIZE >> 60} EiB")
+    return n
 
 
 def parse_age(text: str) -> float:
     """`7d`, `12h`, `30m`, `45s`, `2w`."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*", text, re.IGNORECASE)
+    m = re.fullmatch(r"\s*(\d{1,30}(?:\.\d{1,30})?)\s*([smhdw])\s*", text, re.IGNORECASE)
     if not m:
-        raise KVFlashError(f"not an age: {text!r} (examples: 7d, 12h, 30m)")
-    return float(m.group(1)) * _AGE_UNITS[m.group(2).lower()]
+        raise KVFlashError(f"not an age: {text!r:.60} (examples: 7d, 12h, 30m)")
+    age = float(m.group(1)) * _AGE_UNITS[m.group(2).lower()]
+    if not math.isfinite(age) or age > MAX_AGE_S:
+        raise KVFlashError(f"age {text.strip()} is above 1000 years")
+    return age
 
 
 def _bytes(n: int) -> str:
@@ -100,8 +111,9 @@ def _list_table(snaps: list, wide: bool) -> Table:
             t.add_column(col)
         for s in snaps:
             t.add_row(
-                s.id, s.label, f"{s.n_tokens:,}", str(s.n_chunks), _bytes(s.stored_bytes), f"{s.ratio:.2f}x",
-                _when(s.created), _when(s.last_used), str(s.hits), "yes" if s.pinned else "",
+                s.id, Text(s.label), f"{s.n_tokens:,}", str(s.n_chunks), _bytes(s.stored_bytes),
+                f"{s.ratio:.2f}x", _when(s.created), _when(s.last_used), str(s.hits),
+                "yes" if s.pinned else "",
             )  # fmt: skip
         return t
     t = Table(box=None, pad_edge=False, caption="* pinned" if any(s.pinned for s in snaps) else None)
@@ -184,19 +196,19 @@ def inspect(
     def human(con: Console) -> None:
         t = Table(show_header=False, box=None)
         for k in ("id", "label", "fingerprint", "n_tokens", "n_chunks", "pinned", "hits", "meta"):
-            t.add_row(k.replace("_", " "), str(facts[k]))
+            t.add_row(k.replace("_", " "), Text(str(facts[k])))
         t.add_row("created", _when(facts["created"]))
         t.add_row("last used", _when(facts["last_used"]))
         t.add_row("on disk", f"{_bytes(facts['stored_bytes'])} ({facts['ratio']:.2f}x)")
         for k, v in facts["header"].items():
-            t.add_row(k.replace("_", " "), str(v))
+            t.add_row(k.replace("_", " "), Text(str(v)))
         con.print(t)
         c = Table("pos", Column("hash", no_wrap=True), "codec", "stored", "raw", "ratio", "refs", "damaged")
         for r in facts["chunks"]:
             stored, raw = r["stored_bytes"], r["raw_bytes"]
             c.add_row(
                 str(r["position"]), r["hash"][:16], r["codec"], _bytes(stored), _bytes(raw),
-                f"{raw / stored:.2f}x", str(r["refcount"]), r["damaged"] or "",
+                f"{raw / stored:.2f}x" if stored else "-", str(r["refcount"]), Text(r["damaged"] or ""),
             )  # fmt: skip
         con.print(c)
         if "text" in facts:
@@ -223,11 +235,16 @@ def verify(
         con.print(f"checked {report.checked_chunks} chunks in {report.checked_snapshots} snapshots")
         for d in report.damaged:
             held = f" (in {', '.join(d.snapshots)})" if d.snapshots else ""
-            con.print(f"[red]damaged[/] chunk {d.chunk_hash}{held}: {d.reason}")
+            con.print(Text.assemble(("damaged", "red"), f" chunk {d.chunk_hash}{held}: {d.reason}"))
         for e in report.index_errors:
-            con.print(f"[red]index:[/] {e}")
+            con.print(Text.assemble(("index:", "red"), f" {e}"))
+        if report.orphan_files:
+            con.print(
+                f"{report.orphan_files} files ({_bytes(report.orphan_bytes)}) under chunks/ are named by no "
+                "index row (a save was interrupted): `kvflash snapshot prune` removes them"
+            )
         if report.ok:
-            con.print("[green]ok[/]")
+            con.print(Text("ok", "green"))
 
     _emit(as_json, payload, human)
     if not report.ok:
@@ -295,13 +312,14 @@ def du(store: Path = StoreOpt, as_json: bool = JsonOpt) -> None:
 
     def human(con: Console) -> None:
         t = Table(show_header=False, box=None)
-        t.add_row("store", usage.root)
+        t.add_row("store", Text(usage.root))
         t.add_row("snapshots", f"{usage.snapshots} ({usage.pinned} pinned)")
         t.add_row("chunks", f"{usage.chunks} ({usage.damaged_chunks} damaged)")
         t.add_row(
             "chunk files", f"{_bytes(usage.stored_bytes)} ({usage.ratio:.2f}x of {_bytes(usage.raw_bytes)})"
         )
         t.add_row("unreferenced", _bytes(usage.unreferenced_bytes))
+        t.add_row("orphan files", f"{usage.orphan_files} ({_bytes(usage.orphan_bytes)})")
         t.add_row("index", _bytes(usage.index_bytes))
         con.print(t)
 

@@ -3,33 +3,66 @@
 The local backend keeps `<root>/chunks/<2 hex>/<hash>.kvc`. A put is atomic and durable before it
 returns (temp file in the same directory, fsync, rename, fsync of the directory), so the index row
 written after it never names a missing or partial file.
+
+Nothing it does reaches outside `chunks/`: a fan-out directory is opened with O_NOFOLLOW and every
+file is opened, created, renamed or unlinked relative to that descriptor, again without following a
+symlink; a reader takes only regular files (a FIFO would block a read, a directory fail it), opened
+non-blocking so that even opening one cannot hang.
 """
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
+import re
 import secrets
-from collections.abc import Iterator, Sequence
+import stat
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol
 
-import aiofiles
-
-from kvflash.storage.errors import ChunkMissing, DiskFull, SizeMismatch
+from kvflash.storage.errors import (
+    ChunkCorrupt,
+    ChunkError,
+    ChunkMissing,
+    ChunkUnavailable,
+    DiskFull,
+    SizeMismatch,
+    StoreError,
+)
 from kvflash.storage.names import check_hash, is_hash
 
 _FULL = (errno.ENOSPC, errno.EDQUOT)
+_NOT_OURS = (errno.ELOOP, errno.ENOTDIR)
+"""What O_NOFOLLOW and O_DIRECTORY answer for a symlink or a non-directory in the path."""
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_TEMP = re.compile(r"\.[0-9a-f]{64}\.[0-9a-f]+\.tmp")
+
+HeadCheck = Callable[[memoryview, int], object]
+"""Sees a file's first bytes and its size before the rest is read; raises to refuse the file."""
 
 
 class ChunkBackend(Protocol):
     def put(self, chunk_hash: str, parts: Sequence[bytes]) -> None:
         """Stores the concatenation of parts under chunk_hash, atomically and durably."""
 
-    def get(self, chunk_hash: str, max_bytes: int, into: ReadBuffer | None = None) -> memoryview:
-        """The stored bytes (in `into` when given); refuses objects over max_bytes without reading."""
+    def get(
+        self,
+        chunk_hash: str,
+        max_bytes: int,
+        into: ReadBuffer | None = None,
+        head: int = 0,
+        check: HeadCheck | None = None,
+    ) -> memoryview:
+        """The stored bytes (in `into` when given); refuses objects over max_bytes without reading,
+        and those that `check` refuses once it has seen their first `head` bytes."""
 
-    async def aget(self, chunk_hash: str, max_bytes: int) -> bytes:
+    async def aget(
+        self, chunk_hash: str, max_bytes: int, head: int = 0, check: HeadCheck | None = None
+    ) -> bytes:
         """`get` without blocking the event loop."""
 
     def will_need(self, chunk_hashes: Sequence[str]) -> None:
@@ -42,8 +75,11 @@ class ChunkBackend(Protocol):
 
     def delete(self, chunk_hash: str) -> None: ...
 
-    def list_hashes(self) -> Iterator[str]:
-        """Every stored hash, for the orphan sweep."""
+    def list_files(self) -> Iterator[tuple[str, int]]:
+        """(hash, size) of every stored object, for the orphan sweep and accounting."""
+
+    def list_temp(self) -> Iterator[tuple[str, int]]:
+        """(name, size) of every leftover of an interrupted put."""
 
     def sweep_temp(self) -> int:
         """Removes leftovers of interrupted puts; only safe while no put runs. Returns the count."""
@@ -66,51 +102,139 @@ class ReadBuffer:
 class LocalDirBackend:
     def __init__(self, root: Path):
         self.dir = Path(root) / "chunks"
-        self.dir.mkdir(parents=True, exist_ok=True)
         self._dir = str(self.dir)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            if not self.dir.is_dir():  # a read-only store without chunks: every read is a miss
+                raise
 
     def path(self, chunk_hash: str) -> Path:
-        return Path(self._file(chunk_hash))
-
-    def _file(self, chunk_hash: str) -> str:
-        """`path` as a string: pathlib joins cost a read more than its open, all of it under the GIL."""
         h = check_hash(chunk_hash)
-        return f"{self._dir}/{h[:2]}/{h}.kvc"
+        return self.dir / h[:2] / f"{h}.kvc"
+
+    @contextmanager
+    def _fanout(self, chunk_hash: str) -> Iterator[int]:
+        """A descriptor of the chunk's fan-out directory, which must be a directory of the store:
+        ChunkMissing when absent, ChunkCorrupt when a symlink or not a directory."""
+        h = check_hash(chunk_hash)
+        try:
+            dfd = os.open(f"{self._dir}/{h[:2]}", _DIR_FLAGS)
+        except FileNotFoundError:
+            raise ChunkMissing(h, "file missing") from None
+        except OSError as e:
+            if e.errno in _NOT_OURS:
+                raise ChunkCorrupt(h, f"chunks/{h[:2]} is a symlink or not a directory: not read") from None
+            raise ChunkUnavailable(h, f"chunks/{h[:2]}: {e.strerror}") from None
+        try:
+            yield dfd
+        finally:
+            os.close(dfd)
+
+    def _open(self, chunk_hash: str) -> int:
+        """A read descriptor of a regular chunk file inside the store, never a symlink's target."""
+        with self._fanout(chunk_hash) as dfd:
+            try:
+                fd = os.open(f"{chunk_hash}.kvc", _READ_FLAGS, dir_fd=dfd)
+            except FileNotFoundError:
+                raise ChunkMissing(chunk_hash, "file missing") from None
+            except OSError as e:
+                if e.errno == errno.ELOOP:
+                    raise ChunkCorrupt(chunk_hash, "the chunk file is a symlink: not followed") from None
+                raise ChunkUnavailable(chunk_hash, f"cannot open the chunk file: {e.strerror}") from None
+        try:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                raise ChunkCorrupt(chunk_hash, f"not a regular file ({_kind(mode)})")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     def put(self, chunk_hash: str, parts: Sequence[bytes]) -> None:
-        final = self.path(chunk_hash)
-        tmp = final.parent / f".{chunk_hash}.{secrets.token_hex(4)}.tmp"
+        name = f"{check_hash(chunk_hash)}.kvc"
+        tmp = f".{chunk_hash}.{secrets.token_hex(4)}.tmp"
         try:
-            self._ensure_dir(final.parent)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            dfd = self._put_dir(chunk_hash)
+        except OSError as e:
+            raise _write_error(e, self.dir) from e
+        try:
+            fd = os.open(
+                tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd
+            )
             try:
                 for part in parts:
                     _write_all(fd, part)
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            os.replace(tmp, final)
-            _fsync_dir(final.parent)
+            try:
+                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            except OSError as e:
+                if e.errno in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+                    raise StoreError(
+                        f"{self.dir / chunk_hash[:2] / name} is a directory, not a chunk file; remove it"
+                    ) from None
+                raise
+            os.fsync(dfd)
         except BaseException as e:
-            tmp.unlink(missing_ok=True)
-            if isinstance(e, OSError) and e.errno in _FULL:
-                raise DiskFull(f"no space left on the device of {self.dir} while writing a chunk") from e
+            try:
+                os.unlink(tmp, dir_fd=dfd)
+            except OSError:
+                pass
+            if isinstance(e, OSError):
+                raise _write_error(e, self.dir) from e
             raise
+        finally:
+            os.close(dfd)
 
-    def get(self, chunk_hash: str, max_bytes: int, into: ReadBuffer | None = None) -> memoryview:
-        """Plain descriptor calls: a file object costs more Python work than the read needs, and every
-        decode thread queues for the GIL that work holds."""
+    def _put_dir(self, chunk_hash: str) -> int:
+        """The fan-out directory to write into, made (durably) if new; refuses a symlink."""
+        sub = f"{self._dir}/{chunk_hash[:2]}"
         try:
-            fd = os.open(self._file(chunk_hash), os.O_RDONLY)
+            return os.open(sub, _DIR_FLAGS)
         except FileNotFoundError:
-            raise ChunkMissing(chunk_hash, "file missing") from None
+            pass
+        except OSError as e:
+            if e.errno in _NOT_OURS:
+                raise StoreError(
+                    f"{sub} is a symlink or not a directory: the store does not write through it"
+                ) from None
+            raise
+        self.dir.mkdir(parents=True, exist_ok=True)  # `chunks/` itself may have been deleted
+        try:
+            os.mkdir(sub)
+            _fsync_dir(self._dir)
+        except FileExistsError:
+            pass
+        return self._put_dir(chunk_hash)
+
+    def get(
+        self,
+        chunk_hash: str,
+        max_bytes: int,
+        into: ReadBuffer | None = None,
+        head: int = 0,
+        check: HeadCheck | None = None,
+    ) -> memoryview:
+        """Plain descriptor calls: a file object costs more Python work than the read needs, and every
+        decode thread queues for the GIL that work holds. With `check`, the first `head` bytes are read
+        first, so a header whose sizes disagree with the file is refused before the rest is read."""
+        fd = self._open(chunk_hash)
         try:
             size = os.fstat(fd).st_size
             if size > max_bytes:
                 raise SizeMismatch(chunk_hash, f"file of {size} bytes exceeds any valid chunk")
-            view, n = (into or ReadBuffer()).view(size), 0
-            while n < size and (got := os.readv(fd, [view[n:]])):
-                n += got
+            n = 0
+            if check is not None:
+                first = os.pread(fd, min(head, size), 0)
+                check(memoryview(first), size)
+            view = (into or ReadBuffer()).view(size)
+            try:
+                while n < size and (got := os.readv(fd, [view[n:]])):
+                    n += got
+            except OSError as e:
+                raise ChunkUnavailable(chunk_hash, f"read failed: {e.strerror}") from None
         finally:
             os.close(fd)
         return view[:n]
@@ -122,61 +246,119 @@ class LocalDirBackend:
             return
         for h in chunk_hashes:
             try:
-                fd = os.open(self.path(h), os.O_RDONLY)
-            except OSError:
+                fd = self._open(h)
+            except StoreError:
                 continue  # the read itself reports it
             try:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
             finally:
                 os.close(fd)
 
-    async def aget(self, chunk_hash: str, max_bytes: int) -> bytes:
-        path = self.path(chunk_hash)
-        try:
-            async with aiofiles.open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                if size > max_bytes:
-                    raise SizeMismatch(chunk_hash, f"file of {size} bytes exceeds any valid chunk")
-                return await f.read(size)
-        except FileNotFoundError:
-            raise ChunkMissing(chunk_hash, "file missing") from None
+    async def aget(
+        self, chunk_hash: str, max_bytes: int, head: int = 0, check: HeadCheck | None = None
+    ) -> bytes:
+        return await asyncio.to_thread(self.get, chunk_hash, max_bytes, None, head, check)
 
     def get_range(self, chunk_hash: str, start: int, length: int) -> tuple[bytes, int]:
-        try:
-            fd = os.open(self.path(chunk_hash), os.O_RDONLY)
-        except FileNotFoundError:
-            raise ChunkMissing(chunk_hash, "file missing") from None
+        fd = self._open(chunk_hash)
         try:
             return os.pread(fd, length, start), os.fstat(fd).st_size
+        except OSError as e:
+            raise ChunkUnavailable(chunk_hash, f"read failed: {e.strerror}") from None
         finally:
             os.close(fd)
 
     def exists(self, chunk_hash: str) -> bool:
-        return self.path(chunk_hash).is_file()
+        """A regular file under the chunk's name, in a fan-out directory that is not a symlink."""
+        h = check_hash(chunk_hash)
+        try:
+            with self._fanout(h) as dfd:
+                return stat.S_ISREG(os.stat(f"{h}.kvc", dir_fd=dfd, follow_symlinks=False).st_mode)
+        except (StoreError, OSError):
+            return False
 
     def delete(self, chunk_hash: str) -> None:
-        self.path(chunk_hash).unlink(missing_ok=True)
+        """Unlinks the name in the store (a symlink itself, never its target); an empty directory in
+        its place goes too, anything else stays."""
+        h = check_hash(chunk_hash)
+        try:
+            with self._fanout(h) as dfd:
+                _unlink_at(dfd, f"{h}.kvc")
+        except ChunkError:
+            pass  # no fan-out directory of the store: nothing of the store to delete
+
+    def list_files(self) -> Iterator[tuple[str, int]]:
+        for sub, entry in self._entries():
+            if entry.name.endswith(".kvc") and is_hash(h := entry.name[:-4]) and h[:2] == sub:
+                yield h, entry.stat(follow_symlinks=False).st_size
 
     def list_hashes(self) -> Iterator[str]:
-        for sub in self.dir.iterdir():
-            if sub.is_dir():
-                for f in sub.glob("*.kvc"):
-                    if is_hash(f.stem):
-                        yield f.stem
+        for h, _ in self.list_files():
+            yield h
+
+    def list_temp(self) -> Iterator[tuple[str, int]]:
+        for sub, entry in self._entries():
+            if _TEMP.fullmatch(entry.name):
+                yield f"{sub}/{entry.name}", entry.stat(follow_symlinks=False).st_size
 
     def sweep_temp(self) -> int:
-        tmps = list(self.dir.glob("*/.*.tmp"))
-        for t in tmps:
-            t.unlink(missing_ok=True)
-        return len(tmps)
+        n = 0
+        for name, _ in list(self.list_temp()):
+            sub, file = name.split("/")
+            try:
+                dfd = os.open(f"{self._dir}/{sub}", _DIR_FLAGS)
+            except OSError:
+                continue
+            try:
+                n += _unlink_at(dfd, file)
+            finally:
+                os.close(dfd)
+        return n
 
-    def _ensure_dir(self, d: Path) -> None:
-        """A new fan-out directory is itself made durable in its parent before files go in."""
+    def _entries(self) -> Iterator[tuple[str, os.DirEntry]]:
+        """Regular files of the fan-out directories, never through a symlink."""
         try:
-            d.mkdir()
-        except FileExistsError:
+            subs = [e for e in os.scandir(self._dir) if e.is_dir(follow_symlinks=False) and len(e.name) == 2]
+        except FileNotFoundError:
             return
-        _fsync_dir(self.dir)
+        for sub in subs:
+            try:
+                files = list(os.scandir(sub.path))
+            except OSError:
+                continue
+            for entry in files:
+                if entry.is_file(follow_symlinks=False):
+                    yield sub.name, entry
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a file"
+
+
+def _unlink_at(dfd: int, name: str) -> int:
+    """1 if `name` went; an empty directory under it is removed, a full one is left."""
+    try:
+        os.unlink(name, dir_fd=dfd)
+        return 1
+    except FileNotFoundError:
+        return 0
+    except (IsADirectoryError, PermissionError):
+        try:
+            os.rmdir(name, dir_fd=dfd)
+            return 1
+        except OSError:
+            return 0
+
+
+def _write_error(e: OSError, where: Path) -> StoreError:
+    if e.errno in _FULL:
+        return DiskFull(f"no space left on the device of {where} while writing a chunk")
+    if e.errno == errno.EROFS:
+        return StoreError(f"{where} is on a read-only file system: nothing saved")
+    return StoreError(f"cannot write a chunk under {where}: {e.strerror}")
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -185,7 +367,7 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
-def _fsync_dir(d: Path) -> None:
+def _fsync_dir(d: str) -> None:
     fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)

@@ -43,6 +43,11 @@ class SizeMismatch(ChunkCorrupt):
     """A header whose lengths disagree with the file size or the shape: refused before allocating."""
 
 
+class ChunkUnavailable(ChunkError):
+    """A chunk the store cannot serve now, though nothing shows it damaged: a read the system refused,
+    or a lease it could not record (a full disk, a read-only or locked index). Not marked damaged."""
+
+
 class ChunkMismatch(ChunkError):
     """An intact chunk whose shape or dtype is not the one the caller expects."""
 

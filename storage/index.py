@@ -3,6 +3,10 @@
 WAL mode lets many processes read while one writes; writes take the lock up front (`BEGIN IMMEDIATE`)
 and wait out a busy one. `synchronous=FULL` because a prune commits row deletions before it unlinks
 files: a commit lost to a power cut would leave rows naming deleted files.
+
+Opening writes nothing unless the schema is older than this code's, so a store on a full disk or a
+read-only one still opens; a read-only one is opened read-only (`read_only`), and a file that is not
+a database raises `IndexDamaged` (the store then rebuilds the index from its chunk files).
 """
 
 from __future__ import annotations
@@ -17,13 +21,19 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvflash.storage.errors import ChunkMissing, DiskFull, SnapshotNotFound, StoreError
-from kvflash.storage.names import new_snapshot_id
+from kvflash.storage.errors import ChunkCorrupt, ChunkMissing, DiskFull, SnapshotNotFound, StoreError
+from kvflash.storage.names import is_hash, new_snapshot_id
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""2: leases name their owner (a random token per store object, docs/FORMAT.md: Leases)."""
 BUSY_TIMEOUT_S = 60.0
 LEASE_TTL_S = 120.0
-"""A lease not refreshed for this long is dead even where its pid cannot be checked (another host)."""
+"""A lease whose owner cannot be checked (its owner file is gone) is dead this long after its last
+heartbeat. A lease whose owner file exists lives exactly as long as the owner holds its lock, however
+late its heartbeat: a stalled process keeps what it reads."""
+BEST_EFFORT_BUSY_S = 5.0
+"""How long bookkeeping a restore can do without (a lease, a hit, a damage mark) waits for a busy
+index before it gives up: the answer does not wait a minute for a writer that holds the index."""
 _BATCH = 500
 """Hashes per `IN (...)` query, under SQLite's bound-variable limit."""
 
@@ -66,7 +76,8 @@ _SCHEMA = (
         id TEXT PRIMARY KEY,
         pid INTEGER NOT NULL,
         host TEXT NOT NULL,
-        heartbeat REAL NOT NULL)""",
+        heartbeat REAL NOT NULL,
+        owner TEXT NOT NULL DEFAULT '')""",
     """CREATE TABLE IF NOT EXISTS lease_chunks (
         lease_id TEXT NOT NULL REFERENCES leases(id) ON DELETE CASCADE,
         hash TEXT NOT NULL,
@@ -135,41 +146,80 @@ class PruneDecision:
     snapshots: list[str] = field(default_factory=list)
     chunks: list[str] = field(default_factory=list)
     """Chunks left unreferenced and unleased once those snapshots are gone."""
+    gone_owners: list[str] = field(default_factory=list)
+    """Lease owners found gone: their owner files are the caller's to remove."""
+
+
+class IndexDamaged(StoreError):
+    """The index file is not a readable SQLite database."""
 
 
 class Index:
-    def __init__(self, path: Path):
-        self.conn = sqlite3.connect(
-            path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
-        )
+    def __init__(self, path: Path | str, read_only: bool = False):
+        self.path, self.read_only = path, read_only
         self._lock = threading.RLock()
-        self.conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
-        self.conn.execute("PRAGMA journal_mode = WAL")
-        self.conn.execute("PRAGMA synchronous = FULL")
-        self.conn.execute("PRAGMA foreign_keys = ON")
-        with self._write() as c:
-            version = c.execute("PRAGMA user_version").fetchone()[0]
-            if version > SCHEMA_VERSION:
-                raise StoreError(f"index {path} has schema {version}; this kvflash knows {SCHEMA_VERSION}")
+        try:
+            self.conn = _connect(path, read_only)
+        except sqlite3.DatabaseError as e:
+            raise _damage(path, e) from e
+        try:
+            self._init_schema()
+        except sqlite3.DatabaseError as e:
+            self.conn.close()
+            raise _damage(path, e) from e
+        except BaseException:
+            self.conn.close()
+            raise
+
+    def _init_schema(self) -> None:
+        c = self.conn
+        c.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+        version = c.execute("PRAGMA user_version").fetchone()[0]  # reads the file: NOTADB shows here
+        if version > SCHEMA_VERSION:
+            raise StoreError(f"index {self.path} has schema {version}; this kvflash knows {SCHEMA_VERSION}")
+        if self.read_only:
+            if version < SCHEMA_VERSION:
+                raise StoreError(f"index {self.path} has schema {version} and the store is read-only")
+            return
+        if c.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+            c.execute("PRAGMA journal_mode = WAL")
+        c.execute("PRAGMA synchronous = FULL")
+        c.execute("PRAGMA foreign_keys = ON")
+        if version == SCHEMA_VERSION:
+            return  # nothing to write: a full disk does not stop a store from opening
+        with self._write() as w:
+            version = w.execute("PRAGMA user_version").fetchone()[0]
+            if version == 1:
+                w.execute("ALTER TABLE leases ADD COLUMN owner TEXT NOT NULL DEFAULT ''")
             for stmt in _SCHEMA:
-                c.execute(stmt)
-            c.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+                w.execute(stmt)
+            w.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     def close(self) -> None:
         with self._lock:
             self.conn.close()
 
     @contextmanager
-    def _write(self) -> Iterator[sqlite3.Connection]:
+    def _write(self, busy_s: float | None = None) -> Iterator[sqlite3.Connection]:
+        """One write transaction; `busy_s` bounds the wait for another writer (best-effort writes
+        give up sooner than BUSY_TIMEOUT_S)."""
+        if self.read_only:
+            raise StoreError(f"the index {self.path} is read-only")
         with self._lock, _disk_full_as_error():
-            self.conn.execute("BEGIN IMMEDIATE")
+            if busy_s is not None:
+                self.conn.execute(f"PRAGMA busy_timeout = {int(busy_s * 1000)}")
             try:
-                yield self.conn
-                self.conn.execute("COMMIT")
-            except BaseException:
-                if self.conn.in_transaction:
-                    self.conn.execute("ROLLBACK")
-                raise
+                self.conn.execute("BEGIN IMMEDIATE")
+                try:
+                    yield self.conn
+                    self.conn.execute("COMMIT")
+                except BaseException:
+                    if self.conn.in_transaction:
+                        self.conn.execute("ROLLBACK")
+                    raise
+            finally:
+                if busy_s is not None:
+                    self.conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
 
     @contextmanager
     def _read(self) -> Iterator[sqlite3.Connection]:
@@ -201,12 +251,12 @@ class Index:
     def mark_damaged(self, chunk_hash: str, reason: str | None) -> None:
         """A damaged chunk is no longer offered as a prefix, and the next save of it rewrites it.
         None clears the mark (verify found the file intact)."""
-        with self._write() as c:
+        with self._write(BEST_EFFORT_BUSY_S) as c:
             c.execute("UPDATE chunks SET damaged = ? WHERE hash = ?", (reason and reason[:500], chunk_hash))
 
     def record_hit(self, hashes: list[str], now: float) -> None:
         """A committed restore: its chunks and every snapshot ending a shared prefix there move up."""
-        with self._write() as c:
+        with self._write(BEST_EFFORT_BUSY_S) as c:
             for i in range(0, len(hashes), _BATCH):
                 batch = hashes[i : i + _BATCH]
                 marks = ",".join("?" * len(batch))
@@ -215,6 +265,14 @@ class Index:
                 "UPDATE snapshots SET hits = hits + 1, last_used = ? WHERE id IN "
                 "(SELECT snapshot_id FROM snapshot_chunks WHERE hash = ? AND position = ?)",
                 (now, hashes[-1], len(hashes) - 1),
+            )
+
+    def add_chunk_rows(self, rows: list[ChunkRow], now: float) -> None:
+        """Rows of files already durable, referenced by no snapshot yet (an index being rebuilt)."""
+        with self._write() as c:
+            c.executemany(
+                f"INSERT OR IGNORE INTO chunks ({_CHUNK_COLS}) VALUES ({','.join('?' * 12)})",
+                [_row_values(r, now) for r in rows],
             )
 
     # snapshots
@@ -278,6 +336,9 @@ class Index:
                     (snapshot_id,),
                 )
             ]
+        for h in hashes:
+            if not is_hash(h):
+                raise ChunkCorrupt(repr(h), f"snapshot {snapshot_id} lists a malformed chunk hash")
         return Snapshot(**vars(_snapshot_info(row)), chunk_hashes=tuple(hashes))
 
     def set_pinned(self, snapshot_id: str, pinned: bool) -> None:
@@ -296,25 +357,37 @@ class Index:
             return out
 
     def remove(
-        self, decide: Callable[[PruneInput], PruneDecision], dry_run: bool, now: float
+        self,
+        decide: Callable[[PruneInput], PruneDecision],
+        dry_run: bool,
+        now: float,
+        owner_alive: Callable[[str], bool | None],
     ) -> PruneDecision:
         """Runs a removal policy on a consistent view and applies it in the same transaction, so no
         lease or save can slip in between the decision and the deletion. Files are the caller's to
-        unlink after this returns; a crash in between leaves orphan files, never dangling rows."""
-        with self._write() as c:
-            self._reap_leases(c, now)
+        unlink after this returns; a crash in between leaves orphan files, never dangling rows.
+
+        The snapshots' member lists are the truth about references: refcounts that disagree with
+        them are recomputed first, and no chunk a snapshot lists is deleted whatever its refcount."""
+        with self._read() if dry_run else self._write() as c:
+            dead, gone = self._dead_leases(c, now, owner_alive)
+            if not dry_run:
+                c.executemany("DELETE FROM leases WHERE id = ?", [(lid,) for lid in dead])
+            leased = {h for lid, h in c.execute("SELECT lease_id, hash FROM lease_chunks") if lid not in dead}
             decision = decide(
                 PruneInput(
                     snapshots=[_snapshot_info(r) for r in c.execute(_snapshot_query())],
                     members=self.members(),
                     chunks=self.all_chunk_rows(),
-                    leased={r[0] for r in c.execute("SELECT DISTINCT hash FROM lease_chunks")},
+                    leased=leased,
                 )
             )
+            decision.gone_owners = gone
             if not dry_run:
+                c.execute(f"UPDATE chunks SET refcount = ({_REFS}) WHERE refcount != ({_REFS})")
                 c.executemany("DELETE FROM snapshots WHERE id = ?", [(s,) for s in decision.snapshots])
                 c.executemany(
-                    "DELETE FROM chunks WHERE hash = ? AND refcount = 0 "
+                    "DELETE FROM chunks WHERE hash = ? AND hash NOT IN (SELECT hash FROM snapshot_chunks) "
                     "AND hash NOT IN (SELECT hash FROM lease_chunks)",
                     [(h,) for h in decision.chunks],
                 )
@@ -322,9 +395,9 @@ class Index:
 
     # leases
 
-    def add_lease(self, lease_id: str, hashes: list[str], now: float) -> None:
+    def add_lease(self, lease_id: str, owner: str, hashes: list[str], now: float) -> None:
         """Marks chunks as in use by a restore; every one must still be stored, or nothing is leased."""
-        with self._write() as c:
+        with self._write(BEST_EFFORT_BUSY_S) as c:
             for i in range(0, len(hashes), _BATCH):
                 batch = hashes[i : i + _BATCH]
                 marks = ",".join("?" * len(batch))
@@ -332,8 +405,8 @@ class Index:
                 if missing := [h for h in batch if h not in found]:
                     raise ChunkMissing(missing[0], "not stored (pruned or never saved)")
             c.execute(
-                "INSERT INTO leases (id, pid, host, heartbeat) VALUES (?, ?, ?, ?)",
-                (lease_id, os.getpid(), socket.gethostname(), now),
+                "INSERT INTO leases (id, pid, host, heartbeat, owner) VALUES (?, ?, ?, ?, ?)",
+                (lease_id, os.getpid(), socket.gethostname(), now, owner),
             )
             c.executemany(
                 "INSERT OR IGNORE INTO lease_chunks (lease_id, hash) VALUES (?, ?)",
@@ -341,21 +414,32 @@ class Index:
             )
 
     def heartbeat(self, lease_id: str, now: float) -> None:
-        with self._write() as c:
+        with self._write(BEST_EFFORT_BUSY_S) as c:
             c.execute("UPDATE leases SET heartbeat = ? WHERE id = ?", (now, lease_id))
 
     def drop_lease(self, lease_id: str) -> None:
         with self._write() as c:
             c.execute("DELETE FROM leases WHERE id = ?", (lease_id,))
 
-    def _reap_leases(self, c: sqlite3.Connection, now: float) -> None:
-        host = socket.gethostname()
-        dead = [
-            (lid,)
-            for lid, pid, lhost, beat in c.execute("SELECT id, pid, host, heartbeat FROM leases")
-            if beat < now - LEASE_TTL_S or (lhost == host and not _pid_alive(pid))
-        ]
-        c.executemany("DELETE FROM leases WHERE id = ?", dead)
+    def _dead_leases(
+        self, c: sqlite3.Connection, now: float, owner_alive: Callable[[str], bool | None]
+    ) -> tuple[set[str], list[str]]:
+        """(ids of dead leases, tokens of owners known gone). `owner_alive(token)` answers from the
+        owner's lock (True, False) or cannot tell (None: no owner file); only then does the
+        heartbeat decide. No pid is consulted: pids mean nothing across pid namespaces."""
+        alive: dict[str, bool | None] = {}
+        dead = set()
+        for lid, owner, beat in c.execute("SELECT id, owner, heartbeat FROM leases").fetchall():
+            if owner not in alive:
+                alive[owner] = owner_alive(owner) if owner else None
+            if alive[owner] is False or (alive[owner] is None and beat < now - LEASE_TTL_S):
+                dead.add(lid)
+        return dead, [o for o, a in alive.items() if a is False]
+
+    def lease_owners(self) -> set[str]:
+        """Owner tokens of the leases in the index ('' for leases written without one)."""
+        with self._lock:
+            return {r[0] for r in self.conn.execute("SELECT DISTINCT owner FROM leases")}
 
     # accounting
 
@@ -363,7 +447,8 @@ class Index:
         with self._read() as c:
             n_chunks, stored, raw, unref = c.execute(
                 "SELECT COUNT(*), COALESCE(SUM(stored_bytes), 0), COALESCE(SUM(raw_bytes), 0), "
-                "COALESCE(SUM(CASE WHEN refcount = 0 THEN stored_bytes ELSE 0 END), 0) FROM chunks"
+                "COALESCE(SUM(CASE WHEN hash NOT IN (SELECT hash FROM snapshot_chunks) "
+                "THEN stored_bytes ELSE 0 END), 0) FROM chunks"
             ).fetchone()
             n_snap, n_pinned = c.execute(
                 "SELECT COUNT(*), COALESCE(SUM(pinned), 0) FROM snapshots"
@@ -389,6 +474,20 @@ class Index:
                     "GROUP BY c.hash HAVING c.refcount != COUNT(sc.hash)"
                 )
             ]
+
+    def malformed(self) -> list[str]:
+        """Rows no file or snapshot can follow: chunk rows whose hash is not one, snapshots whose meta
+        is not a JSON object."""
+        with self._lock:
+            errors = [
+                f"chunk row {h!r}: not a chunk hash"
+                for (h,) in self.conn.execute("SELECT hash FROM chunks")
+                if not is_hash(h)
+            ]
+            for sid, meta in self.conn.execute("SELECT id, meta FROM snapshots"):
+                if _meta(meta) is _BAD_META:
+                    errors.append(f"snapshot {sid}: meta is not a JSON object")
+            return errors
 
     def dangling_members(self) -> list[str]:
         """Hashes listed by snapshots with no chunk row (foreign keys forbid it; checked anyway)."""
@@ -417,8 +516,21 @@ def _snapshot_query(where: str = "") -> str:
     )
 
 
+_REFS = "SELECT COUNT(*) FROM snapshot_chunks sc WHERE sc.hash = chunks.hash"
+_BAD_META: dict = {}
+"""What a snapshot's meta reads as when the index holds no JSON object there (`malformed` names it)."""
+
+
+def _meta(text: object) -> dict:
+    try:
+        meta = json.loads(text) if isinstance(text, str | bytes) else None
+    except ValueError:
+        return _BAD_META
+    return meta if isinstance(meta, dict) else _BAD_META
+
+
 def _snapshot_info(r: tuple) -> SnapshotInfo:
-    return SnapshotInfo(*r[:8], bool(r[8]), json.loads(r[9]), r[10], r[11])
+    return SnapshotInfo(*r[:8], bool(r[8]), dict(_meta(r[9])), r[10], r[11])
 
 
 def _row_values(r: ChunkRow, now: float) -> tuple:
@@ -428,14 +540,39 @@ def _row_values(r: ChunkRow, now: float) -> tuple:
     )  # fmt: skip
 
 
-def _pid_alive(pid: int) -> bool:
+def _connect(path: Path | str, read_only: bool) -> sqlite3.Connection:
+    """A read-only store is opened `mode=ro`; where SQLite cannot make its shared-memory file there
+    (a read-only file system), `immutable=1`: nobody can write such a store."""
+    kw = dict(timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
+    if not read_only:
+        return sqlite3.connect(path, **kw)
+    uri = Path(path).resolve().as_uri()
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        conn = sqlite3.connect(f"{uri}?mode=ro", uri=True, **kw)
+        conn.execute("PRAGMA user_version").fetchone()
+        return conn
+    except sqlite3.OperationalError:
+        return sqlite3.connect(f"{uri}?mode=ro&immutable=1", uri=True, **kw)
+
+
+def _full(path: Path | str) -> bool:
+    """Whether the index's file system has no block left (SQLite reports a shared-memory file it
+    could not extend as an I/O error)."""
+    try:
+        return os.statvfs(Path(path).parent).f_bavail == 0
+    except OSError:
         return False
-    except PermissionError:
-        return True
-    return True
+
+
+def _damage(path: Path | str, e: sqlite3.DatabaseError) -> StoreError:
+    code = getattr(e, "sqlite_errorcode", None)
+    if code in (sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CORRUPT) or "not a database" in str(e):
+        return IndexDamaged(f"index {path} is damaged: {e}")
+    if code == sqlite3.SQLITE_FULL or (
+        code is not None and code & 0xFF == sqlite3.SQLITE_IOERR and _full(path)
+    ):
+        return DiskFull(f"no space left for the snapshot index {path}: {e}")
+    return StoreError(f"cannot open the index {path}: {e}")
 
 
 @contextmanager

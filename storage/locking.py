@@ -3,14 +3,22 @@
 - `StoreLock`: an flock on `<root>/lock`. Saves hold it shared from their "is this chunk stored?"
   check until their index commit; removals (prune, rm, orphan sweeps) hold it exclusively. So a
   removal never unlinks a file that a save is about to index, and the kernel drops the lock of a
-  killed process by itself.
-- `Heartbeat`: keeps a restore's lease fresh while the restore runs.
+  killed process by itself. It is opened when first held, so a damaged lock file stops only what
+  needs the lock (saves and removals), never a listing, a verify or a restore.
+- `LeaseOwner`: the flock that says a process holding leases is alive. Every store object that
+  leases gets a random token and holds `<root>/owners/<token>` exclusively while it lives; a removal
+  that can take that lock knows the owner is gone (the kernel released it), whatever pid namespace
+  either process runs in, and however long the owner's heartbeat has stalled.
+- `Heartbeat`: keeps a restore's lease fresh while the restore runs (for leases whose owner file
+  cannot be found).
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
+import secrets
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator
@@ -19,11 +27,12 @@ from pathlib import Path
 
 from kvflash.storage.errors import StoreError
 
+_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
+
 
 class StoreLock:
-    def __init__(self, path: Path):
-        self.path = path
-        os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o644))
+    def __init__(self, path: Path, read_only: bool = False):
+        self.path, self.read_only = path, read_only
 
     @contextmanager
     def shared(self) -> Iterator[None]:
@@ -39,12 +48,73 @@ class StoreLock:
     def _hold(self, mode: int) -> Iterator[None]:
         """A fresh open file per holder: flock conflicts between descriptions, so threads of one
         process exclude each other just as processes do."""
-        fd = os.open(self.path, os.O_RDWR)
+        fd = self._open()
         try:
             fcntl.flock(fd, mode)
             yield
         finally:
             os.close(fd)
+
+    def _open(self) -> int:
+        flags = os.O_RDONLY if self.read_only else os.O_RDWR | os.O_CREAT
+        try:
+            return os.open(self.path, flags | _NOFOLLOW, 0o644)
+        except OSError as e:
+            if e.errno in (errno.EISDIR, errno.ELOOP, errno.ENXIO, errno.ENOTDIR):
+                raise StoreError(f"{self.path} is not a plain file (the store's lock); remove it") from None
+            raise StoreError(f"cannot open the store's lock {self.path}: {e.strerror}") from None
+
+
+class LeaseOwner:
+    """This store object's token, proven alive to other processes by an flock on its owner file."""
+
+    def __init__(self, owners_dir: Path):
+        self.dir = owners_dir
+        self.token = secrets.token_hex(8)
+        self._fd: int | None = None
+        self._lock = threading.Lock()
+
+    def hold(self) -> str:
+        """Creates and locks the owner file (once); returns the token to write into leases."""
+        with self._lock:
+            if self._fd is None:
+                try:
+                    self.dir.mkdir(exist_ok=True)
+                    fd = os.open(self.dir / self.token, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
+                except OSError as e:
+                    raise StoreError(
+                        f"cannot create a lease owner file in {self.dir}: {e.strerror}"
+                    ) from None
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                self._fd = fd
+            return self.token
+
+    def release(self) -> None:
+        with self._lock:
+            if self._fd is not None:
+                (self.dir / self.token).unlink(missing_ok=True)
+                os.close(self._fd)
+                self._fd = None
+
+
+def owner_alive(owners_dir: Path, token: str) -> bool | None:
+    """True while the owner holds its lock, False once it has gone (its lock is free), None when
+    there is no owner file to ask."""
+    if not (len(token) == 16 and all(c in "0123456789abcdef" for c in token)):
+        return None
+    try:
+        fd = os.open(owners_dir / token, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return False
 
 
 class Heartbeat:

@@ -5,17 +5,25 @@ Ordering rules that keep the invariants (DESIGN: Disk store):
 - rows are deleted (and committed) before their files are unlinked, under the exclusive store lock,
   which saves hold shared from their existence checks to their commit;
 - chunks leased by a restore in flight and pinned snapshots are never removed.
+
+Damage to the store never stops an answer: a damaged index is set aside and rebuilt from the chunk
+files (storage/rebuild.py), a read-only store opens read-only (listing, verifying and restoring
+work; saving says why it cannot), bookkeeping a restore can do without (its hit, damage marks) is
+best effort, and a removal on a full disk frees the store's reserve file to make room for its own
+index transaction.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import secrets
 import sqlite3
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -34,6 +42,8 @@ from kvflash.storage.errors import (
     ChunkCorrupt,
     ChunkError,
     ChunkMissing,
+    ChunkUnavailable,
+    DiskFull,
     ForeignFingerprint,
     InvalidChunk,
     StoreError,
@@ -52,13 +62,15 @@ from kvflash.storage.index import (
     LEASE_TTL_S,
     ChunkRow,
     Index,
+    IndexDamaged,
     PruneDecision,
     PruneInput,
     Snapshot,
     SnapshotInfo,
 )
-from kvflash.storage.locking import Heartbeat, StoreLock
-from kvflash.storage.names import check_fingerprint, check_hash, check_label, check_snapshot_id
+from kvflash.storage.locking import Heartbeat, LeaseOwner, StoreLock, owner_alive
+from kvflash.storage.names import check_fingerprint, check_hash, check_label, check_snapshot_id, is_hash
+from kvflash.storage.rebuild import rebuild, set_aside
 from kvflash.storage.workers import DecodeWorkers, WorkerFailed
 
 T = TypeVar("T")
@@ -67,6 +79,9 @@ MAX_DEFAULT_WORKERS = 8
 """A decode thread holds the GIL for 12-17% of its CPU time (perf, 2-core VM), so 8 threads come near
 one GIL's worth and 16 are over it: on the H200's 16-core host, 16 threads restored 1.70-1.92 GB/s
 from the page cache, 8 threads 1.85-2.46 GB/s (docs/BENCHMARKS.md, third session)."""
+RESERVE_BYTES = 1 << 20
+"""`<root>/reserve`: space held back so that a removal on a full disk can write its index
+transaction (a WAL of a few hundred pages for thousands of chunks) and so free the rest."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +97,9 @@ class VerifyReport:
     checked_chunks: int
     damaged: list[Damage] = field(default_factory=list)
     index_errors: list[str] = field(default_factory=list)
+    orphan_files: int = 0
+    """Chunk and temp files no index row names (a save killed mid-write): harmless, prune removes them."""
+    orphan_bytes: int = 0
 
     @property
     def ok(self) -> bool:
@@ -110,6 +128,9 @@ class DiskUsage:
     unreferenced_bytes: int
     damaged_chunks: int
     index_bytes: int
+    orphan_files: int
+    """Files under chunks/ that no index row names (prune removes them)."""
+    orphan_bytes: int
 
     @property
     def ratio(self) -> float:
@@ -136,12 +157,19 @@ class SnapshotStore:
         if not -7 <= level <= 22:
             raise StoreError(f"zstd level {level} outside -7..22")
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self.backend = backend or LocalDirBackend(self.root)
+        except OSError as e:
+            raise StoreError(f"cannot use {self.root} as a snapshot store: {e.strerror or e}") from None
+        self.read_only = not os.access(self.root, os.W_OK)
         self.codec = CODEC_NAMES[codec]
         self.level = level
-        self.backend = backend or LocalDirBackend(self.root)
-        self.index = Index(self.root / "index.sqlite")
-        self.lock = StoreLock(self.root / "lock")
+        self.lock = StoreLock(self.root / "lock", self.read_only)
+        self._owner = LeaseOwner(self.root / "owners")
+        self.index = self._with_reserve(self._open_index)
+        if not self.read_only:
+            _make_reserve(self.root / "reserve")
         self.workers = workers or min(MAX_DEFAULT_WORKERS, os.cpu_count() or 1)
         self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="kvflash-store")
         self._hints = ThreadPoolExecutor(1, thread_name_prefix="kvflash-hint")
@@ -159,6 +187,39 @@ class SnapshotStore:
             self._drivers.shutdown()
             self.decoders.close()
         self.index.close()
+        self._owner.release()
+
+    def _open_index(self) -> Index:
+        """The index; one that is not a database is set aside and rebuilt from the chunk files,
+        under the exclusive lock so that one process rebuilds while the others wait for it."""
+        path = self.root / "index.sqlite"
+        try:
+            return Index(path, self.read_only)
+        except IndexDamaged as e:
+            if self.read_only:
+                raise StoreError(f"{e}; the store is read-only, so it cannot be rebuilt") from None
+            damage = e
+        with self.lock.exclusive():
+            try:
+                return Index(path)  # another process may have rebuilt it meanwhile
+            except IndexDamaged:
+                pass
+            aside = set_aside(path)
+            index = Index(path)
+            n = rebuild(index, self.backend)
+        warnings.warn(f"{damage}; set aside as {aside.name} and rebuilt from {n} chunk files", stacklevel=3)
+        return index
+
+    def _with_reserve(self, fn: Callable[[], T]) -> T:
+        """fn(), and on a full disk fn() again once the reserve file is gone."""
+        try:
+            return fn()
+        except DiskFull:
+            reserve = self.root / "reserve"
+            if not reserve.is_file():
+                raise
+            reserve.unlink()
+            return fn()
 
     def __enter__(self) -> SnapshotStore:
         return self
@@ -186,6 +247,8 @@ class SnapshotStore:
         check_label(label)
         check_fingerprint(fingerprint)
         succeeds = [check_snapshot_id(i) for i in succeeds]
+        if self.read_only:
+            raise StoreError(f"the snapshot store {self.root} is read-only: nothing saved")
         meta_json = _check_meta(meta or {})
         written: list[str] = []
         try:
@@ -215,6 +278,8 @@ class SnapshotStore:
                 parent = hashes[-1] if hashes else ROOT_HASH
                 if isinstance(item, str):
                     row = _stored_link(known.get(item), item, fingerprint, pos, parent)
+                    if not self.backend.exists(item):
+                        raise ChunkMissing(item, "given by hash but its file is gone; pass the chunk itself")
                     h, c = row.hash, row.n_tokens
                 else:
                     _check_link(item, fingerprint, pos, parent)
@@ -226,7 +291,7 @@ class SnapshotStore:
                         )
                     h, c = item.chain_hash, len(item.tokens)
                     row = known.get(h)
-                    if row is None or row.damaged:
+                    if row is None or row.damaged or not self.backend.exists(h):
                         written.append(h)
                         pending.append(self.pool.submit(self._store_one, item))
                         while len(pending) >= 2 * self.workers:
@@ -327,7 +392,7 @@ class SnapshotStore:
 
         async def one(h: str, dest: torch.Tensor | None) -> ChunkBlob:
             try:
-                buf = await self.backend.aget(h, MAX_FILE_BYTES)
+                buf = await self.backend.aget(h, MAX_FILE_BYTES, HEADER_SIZE, _header_check(h))
             except ChunkError as e:
                 await loop.run_in_executor(self.pool, self._mark, e)
                 raise
@@ -432,8 +497,8 @@ class SnapshotStore:
         return [results[i] for i in range(n)]
 
     def read_header(self, chunk_hash: str) -> ChunkHeader:
-        buf = self.backend.get(check_hash(chunk_hash), MAX_FILE_BYTES)
-        return parse_header(buf, len(buf), chunk_hash)
+        buf, size = self.backend.get_range(check_hash(chunk_hash), 0, HEADER_SIZE)
+        return parse_header(buf, size, chunk_hash)
 
     def _check_rows(self, hashes: Sequence[str], fingerprint: str) -> None:
         rows = self.index.chunk_rows([check_hash(h) for h in hashes])
@@ -459,7 +524,7 @@ class SnapshotStore:
         if not hasattr(self._local, "buffer"):
             self._local.buffer = ReadBuffer()
         try:
-            buf = self.backend.get(h, MAX_FILE_BYTES, self._local.buffer)
+            buf = self.backend.get(h, MAX_FILE_BYTES, self._local.buffer, HEADER_SIZE, _header_check(h))
         except ChunkError as e:
             self._mark(e)
             raise
@@ -485,10 +550,16 @@ class SnapshotStore:
 
     def _mark(self, e: ChunkError) -> None:
         if isinstance(e, ChunkCorrupt | ChunkMissing | ForeignFingerprint):
-            try:
-                self.index.mark_damaged(e.chunk_hash, e.reason)
-            except (StoreError, sqlite3.Error):
-                pass  # best effort (a full disk, a busy index): the caller still gets the real error
+            self._set_damaged(e.chunk_hash, e.reason)
+
+    def _set_damaged(self, h: str, reason: str | None) -> None:
+        """Best effort (a full disk, a busy or read-only index): the caller still gets the real error."""
+        if self.read_only:
+            return
+        try:
+            self.index.mark_damaged(h, reason)
+        except (StoreError, sqlite3.Error):
+            pass
 
     # restore bookkeeping
 
@@ -500,26 +571,48 @@ class SnapshotStore:
             row = rows.get(h)
             if row is None or row.fingerprint != fingerprint or row.damaged:
                 break
+            if not self.backend.exists(h):  # deleted behind the index: the next save rewrites it
+                self._set_damaged(h, "file missing")
+                break
             n += 1
         return n
 
     @contextmanager
     def lease(self, hashes: Sequence[str]) -> Iterator[None]:
         """Marks chunks as in use by a restore, across processes, until the block exits. Raises
-        ChunkMissing up front if any is no longer stored: the restore then falls back to prefill."""
+        ChunkMissing up front if any is no longer stored, ChunkUnavailable if the lease cannot be
+        written (a full disk, an index another process holds): the restore then falls back to
+        prefill. A read-only store needs no lease: nothing can remove its chunks.
+
+        The rule a removal keeps (docs/FORMAT.md: Leases): a lease lives while this store object
+        holds its owner lock, so a stalled heartbeat never frees what a reader still needs."""
         hashes = [check_hash(h) for h in hashes]
+        if self.read_only:
+            yield
+            return
         lease_id = secrets.token_hex(8)
-        self.index.add_lease(lease_id, hashes, time.time())
+        try:
+            self.index.add_lease(lease_id, self._owner.hold(), hashes, time.time())
+        except ChunkMissing:
+            raise
+        except (StoreError, sqlite3.Error) as e:
+            raise ChunkUnavailable(hashes[0] if hashes else "-", f"cannot lease: {e}") from None
         try:
             with Heartbeat(lambda: self.index.heartbeat(lease_id, time.time()), LEASE_TTL_S / 4):
                 yield
         finally:
-            self.index.drop_lease(lease_id)
+            try:
+                self.index.drop_lease(lease_id)
+            except (StoreError, sqlite3.Error):
+                pass  # the owner lock goes with this store object: a removal then reaps the row
 
     def record_hit(self, hashes: Sequence[str]) -> None:
         """Called when a restore commits: counts a hit and promotes the chunks and snapshots in LRU."""
-        if hashes:
-            self.index.record_hit([check_hash(h) for h in hashes], time.time())
+        if hashes and not self.read_only:
+            try:
+                self.index.record_hit([check_hash(h) for h in hashes], time.time())
+            except (StoreError, sqlite3.Error) as e:
+                warnings.warn(f"the restore was not counted in the store's hits: {e}", stacklevel=2)
 
     # snapshots
 
@@ -550,16 +643,25 @@ class SnapshotStore:
         return self._remove(partial(_plan_prune, max_bytes=max_bytes, cutoff=cutoff), dry_run)
 
     def _remove(self, decide: Callable[[PruneInput], PruneDecision], dry_run: bool) -> PruneReport:
+        if self.read_only and not dry_run:
+            raise StoreError(f"the snapshot store {self.root} is read-only: nothing removed")
+        alive = partial(owner_alive, self.root / "owners")
         with self.lock.exclusive():
             before = self.index.all_chunk_rows()
-            decision = self.index.remove(decide, dry_run, time.time())
+            if dry_run:
+                decision = self.index.remove(decide, True, time.time(), alive)
+            else:
+                decision = self._with_reserve(lambda: self.index.remove(decide, False, time.time(), alive))
             swept = 0
             if not dry_run:
                 still = self.index.chunk_rows(decision.chunks)
                 for h in decision.chunks:
-                    if h not in still:
+                    if h not in still and is_hash(h):  # a malformed row names no file
                         self.backend.delete(h)
                 swept = self._sweep_orphans()
+                for token in decision.gone_owners:
+                    (self.root / "owners" / token).unlink(missing_ok=True)
+                _make_reserve(self.root / "reserve")
         freed = sum(before[h].stored_bytes for h in decision.chunks)
         return PruneReport(
             dry_run=dry_run,
@@ -573,11 +675,20 @@ class SnapshotStore:
     def _sweep_orphans(self) -> int:
         """Files no row names: left by a crash between a file and its row, or a row and its unlink.
         Only under the exclusive lock, where no save is between writing a file and indexing it."""
-        indexed = self.index.all_chunk_rows()
-        orphans = [h for h in self.backend.list_hashes() if h not in indexed]
+        orphans = [h for h, _ in self._orphans()]
         for h in orphans:
             self.backend.delete(h)
         return len(orphans) + self.backend.sweep_temp()
+
+    def _orphans(self) -> list[tuple[str, int]]:
+        """(hash, size) of chunk files no row names."""
+        indexed = self.index.all_chunk_rows()
+        return [(h, n) for h, n in self.backend.list_files() if h not in indexed]
+
+    def _orphan_usage(self) -> tuple[int, int]:
+        """(files, bytes) of orphan chunk files and temp files of interrupted saves."""
+        files = self._orphans() + list(self.backend.list_temp())
+        return len(files), sum(n for _, n in files)
 
     # checking and accounting
 
@@ -586,7 +697,7 @@ class SnapshotStore:
         each snapshot's hash chain and the index's reference counts. Damage is recorded in the index
         so that prefix lookups skip it and the next save rewrites it."""
         if snapshot_id is not None:
-            snap = self.get_snapshot(snapshot_id)
+            snap = self.get_snapshot(check_snapshot_id(snapshot_id))
             members = {snap.id: list(snap.chunk_hashes)}
             fingerprints = {snap.id: snap.fingerprint}
             rows = self.index.chunk_rows(snap.chunk_hashes)
@@ -599,13 +710,13 @@ class SnapshotStore:
             for h in hashes:
                 holders.setdefault(h, []).append(sid)
         report = VerifyReport(checked_snapshots=len(members), checked_chunks=len(rows))
-        checked = list(rows)
+        checked = [h for h in rows if is_hash(h)]  # malformed rows are index errors, below
         reasons = self._map(lambda i: self._check_file(checked[i], rows), len(checked))
         for h, reason in zip(checked, reasons, strict=True):
             if reason is not None:
                 report.damaged.append(Damage(h, reason, tuple(holders.get(h, ()))))
             elif rows[h].damaged:
-                self.index.mark_damaged(h, None)
+                self._set_damaged(h, None)
         for sid, hashes in members.items():
             report.index_errors += _chain_errors(sid, fingerprints.get(sid), hashes, rows)
         if snapshot_id is None:
@@ -613,6 +724,8 @@ class SnapshotStore:
             report.index_errors += [
                 f"chunk {h}: listed but not indexed" for h in self.index.dangling_members()
             ]
+            report.index_errors += self.index.malformed()
+            report.orphan_files, report.orphan_bytes = self._orphan_usage()
         return report
 
     def _check_file(self, h: str, rows: dict[str, ChunkRow]) -> str | None:
@@ -623,14 +736,44 @@ class SnapshotStore:
             return e.reason
         if blob.index != row.index or blob.parent_hash != row.parent_hash:
             reason = "file and index disagree on the chunk's position"
-            self.index.mark_damaged(h, reason)
+            self._set_damaged(h, reason)
             return reason
         return None
 
     def du(self) -> DiskUsage:
         files = [self.root / f"index.sqlite{s}" for s in ("", "-wal", "-shm")]
         index_bytes = sum(f.stat().st_size for f in files if f.exists())
-        return DiskUsage(root=str(self.root), index_bytes=index_bytes, **self.index.totals())
+        n, size = self._orphan_usage()
+        return DiskUsage(
+            root=str(self.root),
+            index_bytes=index_bytes,
+            orphan_files=n,
+            orphan_bytes=size,
+            **self.index.totals(),
+        )
+
+
+def _header_check(h: str) -> Callable[[memoryview, int], object]:
+    """A file's header checked against its size before the rest is read: a padded or truncated file
+    costs a header's read, not its size in memory."""
+    return lambda head, size: parse_header(head, size, h)
+
+
+def _make_reserve(path: Path) -> None:
+    """Best effort: no reserve where there is no room for one."""
+    if path.is_file() and path.stat().st_size >= RESERVE_BYTES:
+        return
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError:
+        return
+    try:
+        os.posix_fallocate(fd, 0, RESERVE_BYTES)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            path.unlink(missing_ok=True)
+    finally:
+        os.close(fd)
 
 
 def _check_out(out: Sequence[torch.Tensor] | None, n: int) -> list[torch.Tensor | None]:
@@ -684,12 +827,21 @@ def _check_meta(meta: dict) -> str:
     return text
 
 
+def _references(inp: PruneInput) -> dict[str, int]:
+    """How many snapshots list each chunk: the member lists, never the stored refcounts, decide."""
+    refs = dict.fromkeys(inp.chunks, 0)
+    for hashes in inp.members.values():
+        for h in hashes:
+            refs[h] = refs.get(h, 0) + 1
+    return refs
+
+
 def _plan_prune(inp: PruneInput, max_bytes: int | None, cutoff: float | None) -> PruneDecision:
     out = PruneDecision()
-    refs = {h: r.refcount for h, r in inp.chunks.items()}
+    refs = _references(inp)
     total = sum(r.stored_bytes for r in inp.chunks.values())
     for h, n in refs.items():
-        if n == 0 and h not in inp.leased:
+        if n == 0 and h not in inp.leased and h in inp.chunks:
             out.chunks.append(h)
             total -= inp.chunks[h].stored_bytes
     for s in sorted(inp.snapshots, key=lambda s: (s.last_used, s.created)):
@@ -703,7 +855,7 @@ def _plan_prune(inp: PruneInput, max_bytes: int | None, cutoff: float | None) ->
         out.snapshots.append(s.id)
         for h in members:
             refs[h] -= 1
-            if refs[h] == 0 and h not in inp.leased:
+            if refs[h] == 0 and h not in inp.leased and h in inp.chunks:
                 out.chunks.append(h)
                 total -= inp.chunks[h].stored_bytes
     return out
@@ -716,7 +868,8 @@ def _plan_rm(inp: PruneInput, snapshot_id: str) -> PruneDecision:
     if snap.pinned:
         raise StoreError(f"snapshot {snapshot_id} is pinned; unpin it first")
     out = PruneDecision(snapshots=[snapshot_id])
+    refs = _references(inp)
     for h in inp.members.get(snapshot_id, []):
-        if inp.chunks[h].refcount == 1 and h not in inp.leased:
+        if refs[h] == 1 and h not in inp.leased and h in inp.chunks:
             out.chunks.append(h)
     return out

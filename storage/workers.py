@@ -28,6 +28,7 @@ import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import IO
 
@@ -38,7 +39,7 @@ from kvflash.storage import errors
 from kvflash.storage.backend import LocalDirBackend, ReadBuffer
 from kvflash.storage.chunk import ChunkBlob
 from kvflash.storage.codec import DTYPE_CODES, DTYPES_BY_CODE
-from kvflash.storage.format import MAX_FILE_BYTES, decode_chunk, parse_header
+from kvflash.storage.format import HEADER_SIZE, MAX_FILE_BYTES, decode_chunk, parse_header
 
 SEGMENT_BYTES = 32 << 20
 """Shared memory per worker: a run of ~20 SmolLM2 chunks or 3 of an 8B Llama's; a chunk larger than
@@ -353,7 +354,7 @@ def _decode_run(
     at = 0
     for h in hashes:
         try:
-            raw = backend.get(h, MAX_FILE_BYTES, buf)
+            raw = backend.get(h, MAX_FILE_BYTES, buf, HEADER_SIZE, partial(parse_header, chunk_hash=h))
             head = parse_header(raw, len(raw), h)
             kv_bytes = int(np.prod(head.shape)) * head.dtype.itemsize
             sum_at = at + kv_bytes

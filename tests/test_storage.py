@@ -746,6 +746,8 @@ def test_labels_are_text_never_paths(tmp_path) -> None:
         "index.sqlite",
         "index.sqlite-wal",
         "index.sqlite-shm",
+        "reserve",
+        "owners",
     }
 
 

@@ -1,0 +1,152 @@
+"""Fuzzing the chunk-file parsers (storage/format.py, storage/codec.py): every mutation of a valid
+file, each of whose bytes lies in a checksummed region, is refused with a ChunkError by `verify`'s
+full check; a restore, which leaves the payload to the zstd frame's own checksum, refuses it or
+decodes exactly the original chunk (a flip of a frame-header bit zstd ignores changes nothing it
+reads). Nothing a file holds makes a parser crash, hang or allocate past a bound. Each property runs
+a few hundred examples in `make test` and many thousands under `make test-reliability`."""
+
+from __future__ import annotations
+
+import tracemalloc
+import zlib
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvflash.storage import ROOT_HASH, ChunkBlob, ChunkError
+from kvflash.storage.codec import Codec, decode
+from kvflash.storage.format import HEADER_SIZE, decode_chunk, encode_chunk, parse_header
+
+FP = "fp-fuzz"
+SHAPE = (2, 2, 2, 16, 8)
+ALLOC_BOUND = 1 << 20
+"""What refusing a file of ~2 KiB may allocate at most (a lying header would ask for gigabytes)."""
+FAST = settings(max_examples=300, deadline=2000)
+LONG = settings(max_examples=10_000, deadline=2000)
+
+
+def _file(codec: Codec) -> tuple[bytes, str]:
+    g = torch.Generator().manual_seed(7)
+    kv = torch.randn(SHAPE, generator=g).to(torch.bfloat16)
+    summary = kv[:, 0].float().reshape(2, 2, 4, 4, 8).mean(3)
+    blob = ChunkBlob.build(FP, 0, ROOT_HASH, list(range(100, 116)), summary, kv)
+    head, payload, _ = encode_chunk(blob, codec, 1)
+    return head + payload, blob.chain_hash
+
+
+FILES = {c: _file(c) for c in (Codec.LOSSLESS, Codec.FP8)}
+ORIGINAL = {c: decode_chunk(data, h, FP) for c, (data, h) in FILES.items()}
+CODECS = st.sampled_from(list(FILES))
+
+
+def _refused(data: bytes, h: str, stored_crc: bool, codec: Codec = Codec.LOSSLESS) -> None:
+    tracemalloc.start()
+    try:
+        blob = decode_chunk(data, h, FP, stored_crc=stored_crc)
+    except ChunkError:
+        blob = None
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert peak < ALLOC_BOUND + 4 * len(data), f"refusing a {len(data)}-byte file allocated {peak} bytes"
+    if blob is not None:
+        assert not stored_crc, "verify's full check accepted a mutated file"
+        assert _same(blob, ORIGINAL[codec]), "a restore accepted a mutation that changed the chunk"
+
+
+def _same(a: ChunkBlob, b: ChunkBlob) -> bool:
+    """Bit-identical: tokens, position, parent, KV and summary."""
+    bits = [
+        (t.contiguous().view(torch.uint8), u.contiguous().view(torch.uint8))
+        for t, u in ((a.kv, b.kv), (a.summary, b.summary))
+    ]
+    same = (a.tokens, a.index, a.parent_hash) == (b.tokens, b.index, b.parent_hash)
+    return same and all(torch.equal(t, u) for t, u in bits)
+
+
+@pytest.mark.parametrize("codec", list(FILES))
+def test_the_valid_file_decodes(codec) -> None:
+    data, h = FILES[codec]
+    assert decode_chunk(data, h, FP).chain_hash == h
+
+
+def single_bit_flips(codec, at, bit, restore) -> None:
+    """Restores skip the stored crc where the zstd frame checks itself: refused all the same."""
+    data, h = FILES[codec]
+    buf = bytearray(data)
+    buf[at % len(buf)] ^= 1 << bit
+    _refused(bytes(buf), h, stored_crc=not restore, codec=codec)
+
+
+def multi_byte_mutations(codec, edits, restore) -> None:
+    data, h = FILES[codec]
+    buf = bytearray(data)
+    for at, xor in edits:
+        buf[at % len(buf)] ^= xor
+    if bytes(buf) != data:  # edits that cancel out leave the valid file
+        _refused(bytes(buf), h, stored_crc=not restore, codec=codec)
+
+
+def truncations_and_extensions(codec, cut, tail) -> None:
+    data, h = FILES[codec]
+    mutated = data[: cut % len(data)] + tail
+    if mutated != data:
+        _refused(mutated, h, stored_crc=True, codec=codec)
+
+
+def headers_of_noise(header, size) -> None:
+    """Noise behind a valid magic and header checksum never allocates by its sizes (a consistent
+    header of noise may pass parsing: the file-size and payload checks follow)."""
+    data, h = FILES[Codec.LOSSLESS]
+    forged = bytearray(data[:10]) + header[10 : HEADER_SIZE - 4]
+    forged += zlib.crc32(forged).to_bytes(4, "little")
+    tracemalloc.start()
+    try:
+        parse_header(bytes(forged), size, h)
+    except ChunkError:
+        pass
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert peak < ALLOC_BOUND
+
+
+def codec_payloads(payload, codec, shape, raw_len, crc) -> None:
+    """Any payload under any claimed shape and length: a ValueError at most, within the bound."""
+    tracemalloc.start()
+    try:
+        decode(payload, codec, torch.bfloat16, (shape[0], 2, *shape[2:]), raw_len, crc)
+    except ValueError:
+        pass
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert peak < ALLOC_BOUND
+
+
+PROPERTIES = {
+    single_bit_flips: dict(
+        codec=CODECS, at=st.integers(0, 10**6), bit=st.integers(0, 7), restore=st.booleans()
+    ),
+    multi_byte_mutations: dict(
+        codec=CODECS,
+        edits=st.lists(st.tuples(st.integers(0, 10**6), st.integers(1, 255)), min_size=1, max_size=8),
+        restore=st.booleans(),
+    ),
+    truncations_and_extensions: dict(codec=CODECS, cut=st.integers(0, 10**6), tail=st.binary(max_size=64)),
+    headers_of_noise: dict(
+        header=st.binary(min_size=HEADER_SIZE, max_size=HEADER_SIZE), size=st.integers(0, 1 << 40)
+    ),
+    codec_payloads: dict(
+        payload=st.binary(max_size=4096),
+        codec=st.sampled_from(list(Codec)),
+        shape=st.tuples(*(st.integers(1, 8) for _ in range(5))),
+        raw_len=st.integers(0, 1 << 40),
+        crc=st.integers(0, 2**32 - 1),
+    ),
+}
+for _prop, _strategies in PROPERTIES.items():
+    globals()[f"test_{_prop.__name__}"] = FAST(given(**_strategies)(_prop))
+    globals()[f"test_{_prop.__name__}_at_length"] = pytest.mark.reliability(LONG(given(**_strategies)(_prop)))
