@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+import sys
 from pathlib import Path
 
 import typer
@@ -14,6 +16,9 @@ from kvflash.models.loader import load_model
 from kvflash.paths import snapshots_dir
 from kvflash.snapshots import KVSnapshots
 from kvflash.storage import SnapshotStore
+
+SHUTDOWN_GRACE_S = 5
+"""How long a stopping server lets open requests finish before it ends them."""
 
 
 def serve(
@@ -31,6 +36,9 @@ def serve(
     max_batch: int = typer.Option(
         1, "--max-batch", min=1, help="Requests decoded together; each gets pool/N (default: all of it)."
     ),
+    max_prompt_tokens: int = typer.Option(
+        None, "--max-prompt-tokens", min=1, help="Longest prompt; longer ones get 400 (default: the model's)."
+    ),
     decode_processes: int = ProcsOpt,
     cuda_graphs: bool = GraphsOpt,
 ) -> None:
@@ -45,9 +53,13 @@ def serve(
     st = None if no_store else SnapshotStore(store or snapshots_dir(), processes=decode_processes)
     snapshots = KVSnapshots(st, lm.fingerprint(engine.cfg.residency.chunk_tokens)) if st else None
     model_name = name or lm.path.name.split(".")[0]
-    server = Server(engine, lm.tokenizer, model_name, snapshots, max_tokens, max_batch)
-    try:
-        uvicorn.run(create_app(server), host=host, port=port, log_level="info")
+    server = Server(engine, lm.tokenizer, model_name, snapshots, max_tokens, max_batch, max_prompt_tokens)
+    # uvicorn stops on SIGTERM, then raises it again: the default action would end the process
+    # before the answers in flight are ended and their snapshots written (Server.close, below).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:  # on SIGTERM or Ctrl-C, requests still open after the grace period are ended (Server.close)
+        uvicorn.run(create_app(server), host=host, port=port, log_level="info",
+                    timeout_graceful_shutdown=SHUTDOWN_GRACE_S)  # fmt: skip
     finally:
         server.close()
         if st is not None:

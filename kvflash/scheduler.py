@@ -119,6 +119,11 @@ class Scheduler:
     def healthy(self) -> bool:
         return self.failure is None and self._thread.is_alive()
 
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted and not yet answered (a snapshot: the loop moves on meanwhile)."""
+        return self._queue.qsize() + len(self._retry) + (self._filling is not None) + len(self._running)
+
     def submit(self, job: Job) -> None:
         """Queues a job; SchedulerDown if the loop has stopped (it would never be answered)."""
         with self._lock:
