@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from kvflash import KVFlashError
-from kvflash.cli.options import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, StoreOpt
+from kvflash.cli.options import DeviceOpt, DtypeOpt, HostBytesOpt, JsonOpt, ModelOpt, StoreOpt
 from kvflash.config import POLICIES, EngineConfig, ResidencyConfig
 from kvflash.engine import Engine
 from kvflash.generate import Sampling
@@ -74,13 +74,15 @@ def open_session(
     docs: list[Path], *, session: str | None, pool: str | None, policy: str, lazy: bool | None,
     model: Path | None, dtype: str | None, device: str | None, store: Path | None, no_store: bool,
     absolute_positions: bool = False, decode_processes: int = 0, cuda_graphs: bool = True,
+    host_bytes: int = EngineConfig.host_bytes,
 ) -> Session:  # fmt: skip
     """The session `ask` and `chat` run, from their options (keywords: a dozen of them)."""
     documents = read_documents(docs)
     lm = load_model(model, dtype=dtype, device=device)
     budget = pool_tokens(pool)
     res = ResidencyConfig(policy=policy, cache_positions=not absolute_positions)
-    engine = Engine(lm, EngineConfig(pool_tokens=budget, residency=res, cuda_graphs=cuda_graphs))
+    cfg = EngineConfig(pool_tokens=budget, host_bytes=host_bytes, residency=res, cuda_graphs=cuda_graphs)
+    engine = Engine(lm, cfg)
     st = None if no_store else SnapshotStore(store or snapshots_dir(), processes=decode_processes)
     try:
         return Session(engine, documents, st, name=session, lazy=lazy)
@@ -146,6 +148,7 @@ def ask(
     question: str = typer.Argument(..., help="The question (after the documents).", show_default=False),
     session: str = SessionOpt,
     pool: str = PoolOpt,
+    host_bytes: int = HostBytesOpt,
     policy: str = PolicyOpt,
     absolute_positions: bool = AbsolutePositionsOpt,
     lazy: bool = LazyOpt,
@@ -163,7 +166,7 @@ def ask(
     sess = open_session(
         docs, session=session, pool=pool, policy=policy, lazy=lazy, model=model, dtype=dtype,
         device=device, store=store, no_store=no_store, absolute_positions=absolute_positions,
-        decode_processes=decode_processes, cuda_graphs=cuda_graphs,
+        decode_processes=decode_processes, cuda_graphs=cuda_graphs, host_bytes=host_bytes,
     )  # fmt: skip
     console = Console(highlight=False)
     try:
@@ -180,6 +183,7 @@ def chat(
     docs: list[Path] = DocsArg,
     session: str = SessionOpt,
     pool: str = PoolOpt,
+    host_bytes: int = HostBytesOpt,
     policy: str = PolicyOpt,
     absolute_positions: bool = AbsolutePositionsOpt,
     lazy: bool = LazyOpt,
@@ -195,7 +199,7 @@ def chat(
     sess = open_session(
         docs, session=session, pool=pool, policy=policy, lazy=lazy, model=model, dtype=dtype,
         device=device, store=store, no_store=False, absolute_positions=absolute_positions,
-        decode_processes=decode_processes, cuda_graphs=cuda_graphs,
+        decode_processes=decode_processes, cuda_graphs=cuda_graphs, host_bytes=host_bytes,
     )  # fmt: skip
     console = Console(highlight=False)
     last: TurnStats | None = None

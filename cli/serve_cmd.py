@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 
 from kvflash.cli.ask_cmd import GraphsOpt, PolicyOpt, PoolOpt, ProcsOpt, pool_tokens
-from kvflash.cli.options import DeviceOpt, DtypeOpt, ModelOpt, StoreOpt
+from kvflash.cli.options import DeviceOpt, DtypeOpt, HostBytesOpt, ModelOpt, StoreOpt
 from kvflash.config import EngineConfig, ResidencyConfig
 from kvflash.engine import Engine
 from kvflash.models.loader import load_model
@@ -26,6 +26,7 @@ def serve(
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
     pool: str = PoolOpt,
+    host_bytes: int = HostBytesOpt,
     policy: str = PolicyOpt,
     store: Path = StoreOpt,
     no_store: bool = typer.Option(False, "--no-store", help="Keep no KV across requests on disk."),
@@ -48,8 +49,10 @@ def serve(
     from kvflash.server import Server, create_app  # FastAPI loads only for `serve`
 
     lm = load_model(model, dtype=dtype, device=device)
-    engine = Engine(lm, EngineConfig(pool_tokens=pool_tokens(pool), residency=ResidencyConfig(policy=policy),
-                                     cuda_graphs=cuda_graphs))  # fmt: skip
+    res = ResidencyConfig(policy=policy)
+    budget = pool_tokens(pool)
+    cfg = EngineConfig(pool_tokens=budget, host_bytes=host_bytes, residency=res, cuda_graphs=cuda_graphs)
+    engine = Engine(lm, cfg)
     st = None if no_store else SnapshotStore(store or snapshots_dir(), processes=decode_processes)
     snapshots = KVSnapshots(st, lm.fingerprint(engine.cfg.residency.chunk_tokens)) if st else None
     model_name = name or lm.path.name.split(".")[0]

@@ -321,3 +321,16 @@ def test_ask_and_chat_choose_the_position_scheme(smollm_path, tmp_path, absolute
             assert sess.snapshots.store.decoders.n == 1
     finally:
         close_session(sess)
+
+
+def test_a_full_host_tier_names_the_flag_that_raises_it(smollm_path, tmp_path) -> None:
+    """A host tier of no chunk under a pool that must evict: the one-line error names --host-bytes,
+    a flag `ask` takes."""
+    doc_file = tmp_path / "town.txt"
+    doc_file.write_text(document(n_sentences=60).text)
+    cmd = [sys.executable, "-m", "kvflash.cli.app", "ask", str(doc_file), Q1, "--host-bytes", "1",
+           "--pool-tokens", "512", "--no-store", "--model", str(smollm_path), "--device", "cpu",
+           "-n", "2"]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 1 and "the host tier is full" in r.stderr and "--host-bytes" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
