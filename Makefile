@@ -7,7 +7,7 @@ KVFLASH := $(VENV)/bin/kvflash
 TORCH   ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 PYTEST  := $(PY) -m pytest -q -p no:cacheprovider
 
-.PHONY: setup model demo test test-slow test-gpu lint clean
+.PHONY: setup model demo test test-slow test-gpu test-reliability lint clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -40,6 +40,9 @@ test-slow: model
 
 test-gpu: model
 	$(PYTEST) -m gpu
+
+test-reliability: model
+	$(PYTEST) -m reliability -s
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -28,8 +28,9 @@ from kvflash.turn import TurnStats
 
 @dataclass
 class Made:
-    """A sequence this cache made, the leases on the stored chunks it came from (a lazy one reads
-    them later), and the chunks whose hit it records once its restore is validated."""
+    """A sequence this cache made, the lease on the stored chunks it came from (held while a lazy
+    one may read them; an eager one's is released once it has read them all), and the chunks whose
+    hit it records once its restore is validated."""
 
     kv: PagedKV
     leases: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
@@ -111,8 +112,9 @@ class PrefixCache:
         stats.source = "lazy" if lazy else "disk"
         stats.restored_tokens = r.tokens
         made.unrecorded = list(hashes)
-        if not lazy:  # every chunk read and validated: the restore has committed
+        if not lazy:  # every chunk read and validated: the restore has committed, and needs no lease
             self._record_hit(made)
+            self._release(made)
 
     def _record_hit(self, made: Made) -> None:
         """Counts the hit; an index that cannot take it only warns (the answer does not need it)."""
@@ -137,10 +139,14 @@ class PrefixCache:
         try:
             kv.free()
         finally:
-            try:
-                made.leases.close()
-            except Exception as e:
-                warnings.warn(f"could not release a snapshot lease: {e}", stacklevel=2)
+            self._release(made)
+
+    @staticmethod
+    def _release(made: Made) -> None:
+        try:
+            made.leases.close()
+        except Exception as e:
+            warnings.warn(f"could not release a snapshot lease: {e}", stacklevel=3)
 
     def close(self) -> None:
         """Frees every sequence this cache made, idle or not."""
