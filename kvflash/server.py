@@ -145,6 +145,13 @@ class StopText:
         return out
 
 
+MAX_UNSAVED = 4
+"""Staged snapshots waiting for the saver, at most: each holds a copy of its new chunks' KV (46 MB
+for 1,000 tokens of the default model in fp32), and short answers come faster than zstd writes
+them, so an unbounded queue grows with every answer the disk has not caught up with. Past it an
+answer's prefix is not saved (its conversation restores the prefix it saved last)."""
+
+
 class Server:
     """The scheduler over the engine, the tokenizer and the snapshot store behind the HTTP routes."""
 
@@ -165,6 +172,8 @@ class Server:
         self.created = int(time.time())
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvflash-save")
         """Writes staged snapshots in order, off the scheduler's thread."""
+        self._unsaved = threading.BoundedSemaphore(MAX_UNSAVED)
+        """A slot per staged snapshot not yet written."""
 
     def close(self, timeout: float = 60.0) -> None:
         """Ends the requests in flight at their next prefill piece or token (their clients are gone
@@ -211,8 +220,15 @@ class Server:
             emit(Completion(stop.text, finish, len(ids), len(out), stats))
             if self.snapshots:
                 self.snapshots.start_prefetch(kv)
-                staged = self.snapshots.stage(kv)  # a store error here only costs the reuse
-                self._saver.submit(self._save, staged, label, len(ids))
+                if not self._unsaved.acquire(blocking=False):
+                    warnings.warn("snapshot writes are behind: this answer is not saved", stacklevel=2)
+                    return
+                try:
+                    staged = self.snapshots.stage(kv)  # a store error here only costs the reuse
+                    self._saver.submit(self._save, staged, label, len(ids))
+                except BaseException:
+                    self._unsaved.release()
+                    raise
 
         sampling = Sampling(req.temperature, req.top_p, req.seed)
         self.scheduler.submit(Job(ids, max_tokens, sampling, on_token, on_done, emit, gone))
@@ -225,6 +241,8 @@ class Server:
             self.snapshots.replace(staged, label, {"prompt_tokens": prompt_tokens})
         except Exception as e:  # on the saver thread: nobody else would hear of it
             warnings.warn(f"could not save the snapshot: {e}", stacklevel=2)
+        finally:
+            self._unsaved.release()
 
 
 class ContextTooLong(KVFlashError):

@@ -131,6 +131,29 @@ def test_the_next_request_does_not_wait_for_the_last_ones_snapshot(lm, tmp_path,
         assert snap.meta["prompt_tokens"] == second.usage.prompt_tokens
 
 
+def test_snapshots_waiting_for_the_disk_are_bounded(lm, tmp_path, monkeypatch) -> None:
+    """Each staged snapshot holds a copy of its KV: with the store's writes held back, seven answers
+    stage at most MAX_UNSAVED snapshots (the rest are not saved) and are all answered."""
+    from kvflash.server import MAX_UNSAVED
+
+    release, real = threading.Event(), SnapshotStore.put_snapshot
+
+    def held(self, *args, **kw):
+        assert release.wait(60), "the write was never let go"
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(SnapshotStore, "put_snapshot", held)
+    with serving(lm, tmp_path / "store", max_tokens=2) as (url, server):
+        try:
+            for i in range(7):
+                conv = [{"role": "system", "content": DOC}, {"role": "user", "content": f"Question {i}?"}]
+                assert ask(url, conv, timeout=30).choices[0].message.content is not None
+        finally:
+            release.set()
+    with SnapshotStore(tmp_path / "store") as st:
+        assert len(st.list_snapshots()) == MAX_UNSAVED < 7
+
+
 def test_streamed_deltas_make_the_whole_answer(lm) -> None:
     with serving(lm, None, max_tokens=24) as (url, _):
         whole = ask(url, TURN1)
