@@ -24,7 +24,15 @@ from rich.progress import (
 from kvflash import KVFlashError
 from kvflash.cli.files import read_text
 from kvflash.cli.messages import warn
-from kvflash.cli.options import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, StoreOpt
+from kvflash.cli.options import (
+    DeviceOpt,
+    DtypeOpt,
+    HostBytesOpt,
+    JsonOpt,
+    ModelOpt,
+    StoreOpt,
+    with_host_bytes,
+)
 from kvflash.documents import Document
 from kvflash.policies import POLICIES
 
@@ -94,6 +102,7 @@ def open_session(
     docs: list[Path], *, session: str | None, pool: str | None, policy: str, lazy: bool | None,
     model: Path | None, dtype: str | None, device: str | None, store: Path | None, no_store: bool,
     absolute_positions: bool = False, decode_processes: int = 0, cuda_graphs: bool = True,
+    host_bytes: int | None = None,
 ) -> Session:  # fmt: skip
     """The session `ask` and `chat` run, from their options (keywords: a dozen of them)."""
     from kvflash.cli.limits import check_pool_fits
@@ -108,7 +117,8 @@ def open_session(
     budget = pool_tokens(pool)
     res = ResidencyConfig(policy=policy, cache_positions=not absolute_positions)
     check_pool_fits(lm, budget, res.chunk_tokens)
-    engine = Engine(lm, EngineConfig(pool_tokens=budget, residency=res, cuda_graphs=cuda_graphs))
+    cfg = EngineConfig(pool_tokens=budget, residency=res, cuda_graphs=cuda_graphs)
+    engine = Engine(lm, with_host_bytes(cfg, host_bytes))
     st = None
     if not no_store:
         try:
@@ -230,6 +240,7 @@ def ask(
     session: str = SessionOpt,
     server: str = ServerOpt,
     pool: str = PoolOpt,
+    host_bytes: int | None = HostBytesOpt,
     policy: str = PolicyOpt,
     absolute_positions: bool = AbsolutePositionsOpt,
     lazy: bool = LazyOpt,
@@ -255,7 +266,7 @@ def ask(
         sess = open_session(
             docs, session=session, pool=pool, policy=policy, lazy=lazy, model=model, dtype=dtype,
             device=device, store=store, no_store=no_store, absolute_positions=absolute_positions,
-            decode_processes=decode_processes, cuda_graphs=cuda_graphs,
+            decode_processes=decode_processes, cuda_graphs=cuda_graphs, host_bytes=host_bytes,
         )  # fmt: skip
         try:
             text, turn_stats = run_turn(sess, question, max_tokens, console, stream=not as_json)
@@ -273,6 +284,7 @@ def chat(
     session: str = SessionOpt,
     server: str = ServerOpt,
     pool: str = PoolOpt,
+    host_bytes: int | None = HostBytesOpt,
     policy: str = PolicyOpt,
     absolute_positions: bool = AbsolutePositionsOpt,
     lazy: bool = LazyOpt,
@@ -297,7 +309,7 @@ def chat(
         sess = open_session(
             docs, session=session, pool=pool, policy=policy, lazy=lazy, model=model, dtype=dtype,
             device=device, store=store, no_store=False, absolute_positions=absolute_positions,
-            decode_processes=decode_processes, cuda_graphs=cuda_graphs,
+            decode_processes=decode_processes, cuda_graphs=cuda_graphs, host_bytes=host_bytes,
         )  # fmt: skip
         turns = len(sess.messages) // 2
     last: dict | None = None

@@ -32,3 +32,15 @@ DeviceOpt = typer.Option(
 )
 StoreOpt = typer.Option(None, "--store", help="Snapshot store directory (default: $KVFLASH_HOME/snapshots).")
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object instead of text.")
+HostBytesOpt = typer.Option(
+    None, "--host-bytes", min=1,
+    help="Host memory for KV paged out of the GPU or restored from disk, in bytes (default: 8 GiB).",
+)  # fmt: skip
+
+
+def with_host_bytes(cfg, host_bytes: int | None):
+    """cfg (an EngineConfig) with --host-bytes where it was given (the option's default stays the
+    engine's, and this module stays free of torch)."""
+    import dataclasses
+
+    return cfg if host_bytes is None else dataclasses.replace(cfg, host_bytes=host_bytes)

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import signal
+import sys
 from pathlib import Path
 
 import typer
 
 from kvflash.cli.ask_cmd import GraphsOpt, PolicyOpt, PoolOpt, ProcsOpt, load_with_progress, pool_tokens
-from kvflash.cli.options import DeviceOpt, DtypeOpt, ModelOpt, StoreOpt
+from kvflash.cli.options import DeviceOpt, DtypeOpt, HostBytesOpt, ModelOpt, StoreOpt, with_host_bytes
 from kvflash.config import EngineConfig, ResidencyConfig
 from kvflash.engine import Engine
 from kvflash.paths import snapshots_dir
 from kvflash.snapshots import KVSnapshots
 from kvflash.storage import SnapshotStore
+
+SHUTDOWN_GRACE_S = 5
+"""How long a stopping server lets open requests finish before it ends them."""
 
 
 def serve(
@@ -20,6 +25,7 @@ def serve(
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
     pool: str = PoolOpt,
+    host_bytes: int | None = HostBytesOpt,
     policy: str = PolicyOpt,
     store: Path = StoreOpt,
     no_store: bool = typer.Option(False, "--no-store", help="Keep no KV across requests on disk."),
@@ -30,6 +36,9 @@ def serve(
     max_batch: int = typer.Option(
         1, "--max-batch", min=1, help="Requests decoded together; each gets pool/N (default: all of it)."
     ),
+    max_prompt_tokens: int = typer.Option(
+        None, "--max-prompt-tokens", min=1, help="Longest prompt; longer ones get 400 (default: the model's)."
+    ),
     decode_processes: int = ProcsOpt,
     cuda_graphs: bool = GraphsOpt,
 ) -> None:
@@ -39,14 +48,20 @@ def serve(
     from kvflash.server import Server, create_app  # FastAPI loads only for `serve`
 
     lm = load_with_progress(model, dtype, device)
-    engine = Engine(lm, EngineConfig(pool_tokens=pool_tokens(pool), residency=ResidencyConfig(policy=policy),
-                                     cuda_graphs=cuda_graphs))  # fmt: skip
+    res = ResidencyConfig(policy=policy)
+    budget = pool_tokens(pool)
+    cfg = EngineConfig(pool_tokens=budget, residency=res, cuda_graphs=cuda_graphs)
+    engine = Engine(lm, with_host_bytes(cfg, host_bytes))
     st = None if no_store else SnapshotStore(store or snapshots_dir(), processes=decode_processes)
     snapshots = KVSnapshots(st, lm.fingerprint(engine.cfg.residency.chunk_tokens)) if st else None
     model_name = name or lm.path.name.split(".")[0]
-    server = Server(engine, lm.tokenizer, model_name, snapshots, max_tokens, max_batch)
-    try:
-        uvicorn.run(create_app(server), host=host, port=port, log_level="info")
+    server = Server(engine, lm.tokenizer, model_name, snapshots, max_tokens, max_batch, max_prompt_tokens)
+    # uvicorn stops on SIGTERM, then raises it again: the default action would end the process
+    # before the answers in flight are ended and their snapshots written (Server.close, below).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:  # on SIGTERM or Ctrl-C, requests still open after the grace period are ended (Server.close)
+        uvicorn.run(create_app(server), host=host, port=port, log_level="info",
+                    timeout_graceful_shutdown=SHUTDOWN_GRACE_S)  # fmt: skip
     finally:
         server.close()
         if st is not None:

@@ -37,10 +37,13 @@ class Sampler:
         """logits [V] fp32 -> one token id."""
         if self.greedy:
             return int(logits.argmax())
-        probs = torch.softmax(logits / self.cfg.temperature, dim=-1)
+        # shifted first, in fp64: a tiny temperature sends the other logits to -inf, never to nan
+        logits = logits.double()
+        probs = torch.softmax((logits - logits.max()) / self.cfg.temperature, dim=-1)
         if self.cfg.top_p < 1.0:
             sorted_p, order = probs.sort(descending=True)
             keep = sorted_p.cumsum(-1) - sorted_p < self.cfg.top_p
+            keep[0] = True  # the likeliest token is always in (a tiny top_p rounds to 0 in fp32)
             probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
         return int(torch.multinomial(probs, 1, generator=self.gen))
 

@@ -4,6 +4,12 @@ longest chunk-aligned prefix in the disk store, else nothing (a cold prefill).
 A session keeps its one conversation live between turns; the server keeps as many as it runs at
 once, so a client that resends a conversation with one more question reuses it from the GPU, and any
 other conversation it has seen (in this process or an earlier one) from disk.
+
+Taking a stored prefix is a transaction (DESIGN: Scheduler): whatever fails on the way (a damaged or
+missing chunk, a full host tier, a full disk, an index error) frees the sequence and its leases
+before `take` returns an empty one, with a warning, and the prompt is prefilled cold. The store
+counts a hit only for a validated restore: an eager one once its chunks are read, a lazy one (whose
+chunks are validated as they are read) when its turn completes (`keep`).
 """
 
 from __future__ import annotations
@@ -12,12 +18,23 @@ import contextlib
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from kvflash.engine import Engine
 from kvflash.paged_kv import PagedKV
 from kvflash.snapshots import KVSnapshots, StoredSummaries
-from kvflash.storage import ChunkError
 from kvflash.turn import TurnStats
+
+
+@dataclass
+class Made:
+    """A sequence this cache made, the lease on the stored chunks it came from (held while a lazy
+    one may read them; an eager one's is released once it has read them all), and the chunks whose
+    hit it records once its restore is validated."""
+
+    kv: PagedKV
+    leases: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+    unrecorded: list[str] = field(default_factory=list)
 
 
 class PrefixCache:
@@ -36,9 +53,8 @@ class PrefixCache:
         self.budget_tokens, self.lazy, self.capacity = budget_tokens, lazy, capacity
         self.idle: list[PagedKV] = []
         """Sequences kept live after their turn, oldest first."""
-        self._made: dict[int, tuple[PagedKV, contextlib.ExitStack]] = {}
-        """Every sequence this cache made and has not freed, with the leases on the stored chunks it
-        came from (a lazy one reads them later)."""
+        self._made: dict[int, Made] = {}
+        """Every sequence this cache made and has not freed."""
 
     @property
     def latest(self) -> PagedKV | None:
@@ -50,55 +66,95 @@ class PrefixCache:
         stats: TurnStats,
         on_restore: Callable[[int, int], None] | None = None,
         ahead: StoredSummaries | None = None,
+        reuse: bool = True,
     ) -> PagedKV:
         """A sequence holding the longest prefix of ids that is live or stored, leaving at least one
-        token to prefill; it is the caller's until `keep` or `drop`. A damaged snapshot warns and
-        gives an empty sequence (a cold prefill)."""
-        for kv in reversed(self.idle):
-            if len(kv.seq) < len(ids) and kv.seq.tokens == ids[: len(kv.seq)]:
-                self.idle.remove(kv)
-                stats.source, stats.restored_tokens = "memory", len(kv.seq)
-                return kv
+        token to prefill; it is the caller's until `keep` or `drop`. A stored prefix that cannot be
+        restored warns and gives an empty sequence (a cold prefill); so does `reuse` False."""
+        stats.source, stats.restored_tokens, stats.restore_s = "cold", 0, 0.0
+        if reuse:
+            for kv in reversed(self.idle):
+                if len(kv.seq) < len(ids) and kv.seq.tokens == ids[: len(kv.seq)]:
+                    self.idle.remove(kv)
+                    stats.source, stats.restored_tokens = "memory", len(kv.seq)
+                    return kv
         while self.idle and len(self._made) >= self.capacity:
             self.drop(self.idle.pop(0))
         kv = self._new()
-        if not self.snapshots:
+        if not (reuse and self.snapshots):
             return kv
+        try:
+            self._restore(self._made[id(kv)], ids, stats, on_restore, ahead)
+        except Exception as e:
+            warnings.warn(f"snapshot unusable ({type(e).__name__}: {e}); prefilling cold", stacklevel=2)
+            self.drop(kv)
+            return self._new()
+        return kv
+
+    def _restore(
+        self,
+        made: Made,
+        ids: list[int],
+        stats: TurnStats,
+        on_restore: Callable[[int, int], None] | None,
+        ahead: StoredSummaries | None,
+    ) -> None:
+        kv = made.kv
         c = self.engine.cfg.residency.chunk_tokens
         evicts = -(-len(ids) // c) > kv.budget
         fp, hashes = self.snapshots.lookup(ids, c, approximate=evicts)
         if not hashes:
-            return kv
+            return
         lazy = len(hashes) > kv.budget if self.lazy is None else self.lazy
         t0 = time.perf_counter()
-        try:
-            r = self.snapshots.restore(kv, fp, hashes, lazy, self._made[id(kv)][1], on_restore, ahead=ahead)
-        except ChunkError as e:
-            warnings.warn(f"snapshot unusable ({e}); prefilling cold", stacklevel=2)
-            self.drop(kv)
-            return self._new()
+        r = self.snapshots.restore(kv, fp, hashes, lazy, made.leases, on_restore, ahead=ahead)
         stats.restore_s = time.perf_counter() - t0
         stats.source = "lazy" if lazy else "disk"
         stats.restored_tokens = r.tokens
-        return kv
+        made.unrecorded = list(hashes)
+        if not lazy:  # every chunk read and validated: the restore has committed, and needs no lease
+            self._record_hit(made)
+            self._release(made)
+
+    def _record_hit(self, made: Made) -> None:
+        """Counts the hit; an index that cannot take it only warns (the answer does not need it)."""
+        hashes, made.unrecorded = made.unrecorded, []
+        try:
+            self.snapshots.store.record_hit(hashes)
+        except Exception as e:
+            warnings.warn(f"could not record the snapshot's hit: {e}", stacklevel=3)
 
     def keep(self, kv: PagedKV) -> None:
-        """Keeps a sequence live after its turn, for a prompt that extends it."""
+        """Keeps a sequence live after its turn, for a prompt that extends it. A lazy restore's
+        chunks were validated as the turn read them: its hit counts now."""
+        made = self._made[id(kv)]
         self.idle.append(kv)
+        if made.unrecorded:
+            self._record_hit(made)
 
     def drop(self, kv: PagedKV) -> None:
-        """Frees a sequence (its slots and leases)."""
-        kv, leases = self._made.pop(id(kv))
-        kv.free()
-        leases.close()
+        """Frees a sequence (its slots and leases); a lease the index cannot release only warns (it
+        expires when its heartbeat stops)."""
+        made = self._made.pop(id(kv))
+        try:
+            kv.free()
+        finally:
+            self._release(made)
+
+    @staticmethod
+    def _release(made: Made) -> None:
+        try:
+            made.leases.close()
+        except Exception as e:
+            warnings.warn(f"could not release a snapshot lease: {e}", stacklevel=3)
 
     def close(self) -> None:
         """Frees every sequence this cache made, idle or not."""
-        for kv, _ in list(self._made.values()):
-            self.drop(kv)
+        for made in list(self._made.values()):
+            self.drop(made.kv)
         self.idle.clear()
 
     def _new(self) -> PagedKV:
         kv = self.engine.new_sequence(self.budget_tokens)
-        self._made[id(kv)] = kv, contextlib.ExitStack()
+        self._made[id(kv)] = Made(kv)
         return kv

@@ -8,10 +8,18 @@ one batched forward (`Engine.decode_batch`). A request ends at a stop id, at max
 consumer says so; its sequence goes back to the prefix cache, live. Each sequence's budget is the
 pool divided by `max_batch`, and the prefix cache holds at most `max_batch` sequences, so the pool
 never runs out.
+
+Isolation: whatever a request's admission, prefill piece, sampling or callbacks raise fails that
+request alone. A batched forward that raises is run again one request at a time, so only the
+requests that fail alone fail. A lazily restored chunk found damaged when it is read sends its
+request back to prefill what it has (prompt and answer so far) from the valid stored prefix, then
+cold, instead of failing it. Should the loop itself ever fail, every request it holds and every
+later one gets `SchedulerDown` at once: nothing waits on a thread that is gone.
 """
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import time
@@ -27,10 +35,22 @@ from kvflash.generate import Sampler, Sampling
 from kvflash.paged_kv import PagedKV
 from kvflash.prefix_cache import PrefixCache
 from kvflash.snapshots import KVSnapshots
+from kvflash.storage import ChunkError
 from kvflash.turn import Generation, TurnStats
 
 FILLING, DECODING, ENDED = range(3)
 """Where a job stands after a round of its prefill (`Scheduler._fill`)."""
+RECOVERIES = 2
+"""Re-prefills a request gets after damaged lazy chunks: the first from the valid stored prefix (the
+store marks a damaged chunk when it reads one), the second into a new sequence, reading nothing."""
+
+
+class SchedulerDown(KVFlashError):
+    """The scheduler's thread has stopped: the server cannot answer."""
+
+
+class Cancelled(KVFlashError):
+    """The request ended before its first token: its client left, or the server is stopping."""
 
 
 @dataclass
@@ -41,10 +61,12 @@ class Job:
     max_tokens: int
     sampling: Sampling
     on_token: Callable[[int], bool]
-    """Each generated id as it comes; True ends the answer (a stop string, a client gone)."""
+    """Each generated id as it comes; True ends the answer (a stop string)."""
     on_done: Callable[[list[int], TurnStats, PagedKV], None]
     """The answer's ids and stats, with its sequence (kept live by then, to snapshot)."""
     on_error: Callable[[BaseException], None]
+    gone: threading.Event = field(default_factory=threading.Event)
+    """Set when the client has left: the request ends at its next prefill piece or token."""
     stats: TurnStats = field(default_factory=TurnStats)
     t0: float = field(default_factory=time.perf_counter)
     kv: PagedKV | None = None
@@ -53,6 +75,12 @@ class Job:
     gen: Generation | None = None
     next: int = 0
     """The token to feed at the next step."""
+    recoveries: int = 0
+
+    @property
+    def context(self) -> list[int]:
+        """The ids its sequence must hold before its next step: the prompt and the answer so far."""
+        return self.ids + (self.gen.out if self.gen else [])
 
 
 class Scheduler:
@@ -73,82 +101,169 @@ class Scheduler:
         """Batched forwards run."""
         self.batched = 0
         """Tokens they decoded: batched / steps is the mean batch."""
+        self.failure: BaseException | None = None
+        """What stopped the loop, if anything did."""
         self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._retry: collections.deque[Job] = collections.deque()
+        """Requests sent back to prefill (damaged lazy chunks), admitted before the queue."""
+        self._running: list[Job] = []
+        self._filling: Job | None = None
+        self._closed = False
+        """The queue has been closed (`close`): the loop ends once nothing is left to answer."""
+        self._cancel = threading.Event()
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="kvflash-scheduler", daemon=True)
         self._thread.start()
 
-    def submit(self, job: Job) -> None:
-        self._queue.put(job)
+    @property
+    def healthy(self) -> bool:
+        return self.failure is None and self._thread.is_alive()
 
-    def close(self) -> None:
-        """Answers what was submitted, then stops and frees every sequence."""
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted and not yet answered (a snapshot: the loop moves on meanwhile)."""
+        return self._queue.qsize() + len(self._retry) + (self._filling is not None) + len(self._running)
+
+    def submit(self, job: Job) -> None:
+        """Queues a job; SchedulerDown if the loop has stopped (it would never be answered)."""
+        with self._lock:
+            if not self.healthy:
+                raise SchedulerDown(f"the scheduler has stopped ({self.failure or 'closed'})")
+            self._queue.put(job)
+
+    def close(self, cancel: bool = False, timeout: float | None = None) -> None:
+        """Answers what was submitted (with `cancel`, ends every request at its next piece or token
+        instead), then stops and frees every sequence."""
+        if cancel:
+            self._cancel.set()
         self._queue.put(None)
-        self._thread.join()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            warnings.warn(f"the scheduler did not stop within {timeout} s", stacklevel=2)
 
     def _loop(self) -> None:
-        running: list[Job] = []
-        filling: Job | None = None
-        closing = False
-        while running or filling or not closing:
-            if filling is None and not closing and len(running) < self.max_batch:
-                try:  # waits only when there is nothing else to do
-                    job = self._queue.get(block=not running)
-                except queue.Empty:
-                    pass
-                else:
-                    if job is None:
-                        closing = True
-                    elif self._start(job):
-                        filling = job
-            if filling is not None:
-                state = self._fill(filling)
+        try:
+            self._serve()
+        except BaseException as e:  # a fault of the loop itself: answer everyone, never hang them
+            with self._lock:
+                self.failure = e
+            down = SchedulerDown(f"the scheduler stopped: {type(e).__name__}: {e}")
+            for job in self._held():
+                self._fail(job, down)
+        finally:
+            try:
+                self.cache.close()
+            except Exception as e:
+                warnings.warn(f"freeing the scheduler's sequences failed: {e}", stacklevel=2)
+
+    def _held(self) -> list[Job]:
+        """Every job not yet answered: running, filling, sent back and queued."""
+        jobs = [*self._running, *([self._filling] if self._filling else []), *self._retry]
+        self._running, self._filling = [], None
+        self._retry.clear()
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                return jobs
+            if job is not None:
+                jobs.append(job)
+
+    def _serve(self) -> None:
+        while self._running or self._filling or self._retry or not self._closed:
+            if self._filling is None and len(self._running) < self.max_batch:
+                job = self._next_job()
+                if job is not None and self._start(job):
+                    self._filling = job
+            if self._filling is not None:
+                state = self._fill(self._filling)
                 if state != FILLING:
                     if state == DECODING:
-                        running.append(filling)
-                    filling = None
-            if running:
-                running = self._step(running)
-        self.cache.close()
+                        self._running.append(self._filling)
+                    self._filling = None
+            if self._running:
+                self._running = self._step(self._running)
+
+    def _next_job(self) -> Job | None:
+        """A job sent back first, else the next queued one (waiting only when nothing else runs)."""
+        if self._retry:
+            return self._retry.popleft()
+        if self._closed:
+            return None
+        try:
+            job = self._queue.get(block=not self._running)
+        except queue.Empty:
+            return None
+        self._closed = job is None
+        return job
+
+    def _ended_early(self, job: Job) -> bool:
+        """Fails a job whose client left, or every job when the server stops, before it decodes."""
+        if not (job.gone.is_set() or self._cancel.is_set()):
+            return False
+        why = "the server is stopping" if self._cancel.is_set() else "the client went away"
+        self._fail(job, Cancelled(why))
+        return True
 
     def _start(self, job: Job) -> bool:
         """Takes a sequence for the job and sets up its prefill; False if that failed."""
+        if self._ended_early(job):
+            return False
         try:
-            job.kv = self.cache.take(job.ids, job.stats)
-            rest = job.ids[len(job.kv.seq) :]
+            context = job.context
+            job.kv = self.cache.take(context, job.stats, reuse=job.recoveries < RECOVERIES)
+            rest = context[len(job.kv.seq) :]
             job.stats.prefilled_tokens = len(rest)
             job.pieces = self.engine.prefill_pieces(job.kv, rest)
             return True
         except Exception as e:
-            self._fail(job, e)
+            self._failed(job, e)
             return False
 
     def _fill(self, job: Job) -> int:
-        """Runs one piece of the job's prefill: FILLING while pieces remain. After the last the first
+        """Runs one piece of the job's prefill: FILLING while pieces remain. After the last the next
         token is sampled: DECODING, or ENDED (the answer ended there, or the job failed)."""
+        if self._ended_early(job):
+            return ENDED
         try:
             next(job.pieces)
             return FILLING
         except StopIteration as last:
             logits = last.value
         except Exception as e:
-            self._fail(job, e)
+            self._failed(job, e)
             return ENDED
-        sampler = Sampler(job.sampling, self.engine.lm.device)
-        job.gen = Generation(job.max_tokens, sampler, self.stop_ids, job.stats, job.t0, job.on_token)
+        if job.gen is None:  # else a job sent back goes on with its answer
+            try:
+                sampler = Sampler(job.sampling, self.engine.lm.device)
+            except Exception as e:
+                self._failed(job, e)
+                return ENDED
+            job.gen = Generation(job.max_tokens, sampler, self.stop_ids, job.stats, job.t0, job.on_token)
         return DECODING if self._advance(job, logits) else ENDED
 
     def _step(self, running: list[Job]) -> list[Job]:
+        """One token for each running job, in one forward; if that raises, each job alone."""
         try:
             logits = self.engine.decode_batch([j.kv for j in running], [j.next for j in running])
             argmax = logits.argmax(-1).tolist()  # every greedy job's token in one read back
-        except Exception as e:  # one forward for all: all of them fail
-            for job in running:
-                self._fail(job, e)
-            return []
+        except Exception as e:
+            if len(running) == 1:
+                self._failed(running[0], e)
+                return []
+            return [j for j in running if self._step_alone(j)]
         self.steps += 1
         self.batched += len(running)
         rows = zip(running, logits, argmax, strict=True)
         return [j for j, row, top in rows if self._advance(j, row, top)]
+
+    def _step_alone(self, job: Job) -> bool:
+        try:
+            logits = self.engine.decode_batch([job.kv], [job.next])[0]
+        except Exception as e:
+            self._failed(job, e)
+            return False
+        return self._advance(job, logits)
 
     def _advance(self, job: Job, logits: torch.Tensor, argmax: int | None = None) -> bool:
         """Samples the job's next token (a greedy job takes `argmax` where given); whether it goes on.
@@ -157,23 +272,43 @@ class Scheduler:
             sampler = job.gen.sampler
             tok = job.gen.push(argmax if argmax is not None and sampler.greedy else sampler(logits))
         except Exception as e:
-            self._fail(job, e)
+            self._failed(job, e)
             return False
-        if tok is not None:
+        if tok is not None and not (job.gone.is_set() or self._cancel.is_set()):
             job.next = tok
             return True
-        out = job.gen.finish(job.kv)
-        self.cache.keep(job.kv)  # before on_done: whoever hears of the answer finds it live
+        try:
+            out = job.gen.finish(job.kv)
+            self.cache.keep(job.kv)  # before on_done: whoever hears of the answer finds it live
+        except Exception as e:
+            self._failed(job, e)
+            return False
         try:
             job.on_done(out, job.stats, job.kv)
         except Exception as e:  # the answer is out; its consumer's trouble is not the engine's
             warnings.warn(f"request callback failed: {e}", stacklevel=2)
         return False
 
-    def _fail(self, job: Job, e: BaseException) -> None:
+    def _failed(self, job: Job, e: BaseException) -> None:
+        """A job's step raised: a damaged stored chunk sends it back to prefill; else it fails."""
+        if isinstance(e, ChunkError) and job.recoveries < RECOVERIES:
+            warnings.warn(f"a stored chunk is unusable ({e}); prefilling the request again", stacklevel=2)
+            self._free(job)
+            job.recoveries += 1
+            self._retry.append(job)
+            return
+        self._fail(job, e)
+
+    def _free(self, job: Job) -> None:
         if job.kv is not None:
-            self.cache.drop(job.kv)
-            job.kv = None
+            kv, job.kv, job.pieces = job.kv, None, None
+            try:
+                self.cache.drop(kv)
+            except Exception as e:
+                warnings.warn(f"freeing a failed request's sequence failed: {e}", stacklevel=2)
+
+    def _fail(self, job: Job, e: BaseException) -> None:
+        self._free(job)
         try:
             job.on_error(e)
         except Exception as again:

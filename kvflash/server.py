@@ -24,13 +24,15 @@ import warnings
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, Field
+from pydantic import AfterValidator, BaseModel, Field
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Message as Message_
 
 from kvflash import KVFlashError
 from kvflash.engine import Engine
@@ -38,19 +40,35 @@ from kvflash.generate import Sampling
 from kvflash.models.tokenizer import StreamDecoder, Tokenizer
 from kvflash.paged_kv import PagedKV
 from kvflash.prompt import encode_messages
-from kvflash.scheduler import Job, Scheduler
+from kvflash.scheduler import Job, Scheduler, SchedulerDown
 from kvflash.snapshots import KVSnapshots, StagedSnapshot
 from kvflash.turn import TurnStats
 
 
+def _utf8(text: str) -> str:
+    """JSON can carry lone surrogates (`"\\ud800"`), which are no text: refused as bad input."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"not valid Unicode text ({e.reason} at {e.start})") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
+MAX_STOPS = 16
+MAX_STOP_CHARS = 256
+"""Stop strings are searched for at every token: their number and length are bounded."""
+StopString = Annotated[Text, Field(max_length=MAX_STOP_CHARS)]
+
+
 class TextPart(BaseModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class Message(BaseModel):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: Text | list[TextPart]
 
     def as_template_message(self) -> dict[str, str]:
         """`developer` is the newer name of `system`; text parts are joined."""
@@ -65,14 +83,14 @@ class StreamOptions(BaseModel):
 class ChatRequest(BaseModel):
     """The fields of OpenAI's chat completion request that kvflash honours; others are ignored."""
 
-    model: str
+    model: Text
     messages: list[Message] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOPS)] | None = None
     n: Literal[1] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -127,6 +145,13 @@ class StopText:
         return out
 
 
+MAX_UNSAVED = 4
+"""Staged snapshots waiting for the saver, at most: each holds a copy of its new chunks' KV (46 MB
+for 1,000 tokens of the default model in fp32), and short answers come faster than zstd writes
+them, so an unbounded queue grows with every answer the disk has not caught up with. Past it an
+answer's prefix is not saved (its conversation restores the prefix it saved last)."""
+
+
 class Server:
     """The scheduler over the engine, the tokenizer and the snapshot store behind the HTTP routes."""
 
@@ -138,21 +163,34 @@ class Server:
         snapshots: KVSnapshots | None,
         default_max_tokens: int = 512,
         max_batch: int = 1,
+        max_prompt_tokens: int | None = None,
     ):
         self.tok, self.model_name, self.snapshots = tokenizer, model_name, snapshots
         self.default_max_tokens = default_max_tokens
+        self.max_prompt_tokens = max_prompt_tokens or engine.lm.config.max_position
         self.scheduler = Scheduler(engine, snapshots, tokenizer.eos_ids, max_batch)
         self.created = int(time.time())
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvflash-save")
         """Writes staged snapshots in order, off the scheduler's thread."""
+        self._unsaved = threading.BoundedSemaphore(MAX_UNSAVED)
+        """A slot per staged snapshot not yet written."""
 
-    def close(self) -> None:
-        """Answers the requests in flight, then waits for the snapshots still being written."""
-        self.scheduler.close()
+    def close(self, timeout: float = 60.0) -> None:
+        """Ends the requests in flight at their next prefill piece or token (their clients are gone
+        by now: the HTTP server has stopped), then waits for the snapshots still being written."""
+        self.scheduler.close(cancel=True, timeout=timeout)
         self._saver.shutdown()
 
     def prompt_ids(self, req: ChatRequest) -> list[int]:
-        return encode_messages(self.tok, [m.as_template_message() for m in req.messages])
+        """The prompt's ids; KVFlashError for a template that refuses the messages or a prompt longer
+        than `max_prompt_tokens` (refused before it takes the engine's time)."""
+        ids = encode_messages(self.tok, [m.as_template_message() for m in req.messages])
+        if len(ids) > self.max_prompt_tokens:
+            raise ContextTooLong(
+                f"context too long: the prompt has {len(ids)} tokens, this server takes at most "
+                f"{self.max_prompt_tokens} (kvflash serve --max-prompt-tokens)"
+            )
+        return ids
 
     def submit(
         self,
@@ -164,15 +202,16 @@ class Server:
         """Queues one request: `emit` gets the answer's text piece by piece, then the Completion (or
         the error). The sealed prefix is then staged (its new chunks copied) and written by the
         saver thread, so neither this client nor the requests decoding beside it wait for the disk.
-        `gone` set (the client left) ends the answer at the next token. Callbacks run on the
-        scheduler's thread."""
+        `gone` set (the client left) ends the request at its next prefill piece or token. Callbacks
+        run on the scheduler's thread. SchedulerDown if the scheduler has stopped."""
         max_tokens = req.max_completion_tokens or req.max_tokens or self.default_max_tokens
         stop, decoder = StopText(req.stop_strings()), StreamDecoder(self.tok)
+        label = conversation_label(req.messages)
 
         def on_token(tok: int) -> bool:
             if piece := stop.push(decoder.push(tok)):
                 emit(piece)
-            return stop.stopped or gone.is_set()
+            return stop.stopped
 
         def on_done(out: list[int], stats: TurnStats, kv: PagedKV) -> None:
             if not stop.stopped and (tail := stop.push(decoder.flush()) + stop.flush()):
@@ -181,34 +220,110 @@ class Server:
             emit(Completion(stop.text, finish, len(ids), len(out), stats))
             if self.snapshots:
                 self.snapshots.start_prefetch(kv)
-                staged = self.snapshots.stage(kv)  # a store error here only costs the reuse
-                self._saver.submit(self._save, staged, req.messages[0], len(ids))
+                if not self._unsaved.acquire(blocking=False):
+                    warnings.warn("snapshot writes are behind: this answer is not saved", stacklevel=2)
+                    return
+                try:
+                    staged = self.snapshots.stage(kv)  # a store error here only costs the reuse
+                    self._saver.submit(self._save, staged, label, len(ids))
+                except BaseException:
+                    self._unsaved.release()
+                    raise
 
         sampling = Sampling(req.temperature, req.top_p, req.seed)
-        self.scheduler.submit(Job(ids, max_tokens, sampling, on_token, on_done, emit))
+        self.scheduler.submit(Job(ids, max_tokens, sampling, on_token, on_done, emit, gone))
 
-    def _save(self, staged: StagedSnapshot, first: Message, prompt_tokens: int) -> None:
-        """Writes a staged snapshot under a label naming the conversation's first message (its
-        document, as a rule), replacing the older snapshot of that label: chunks are shared, so a
-        conversation that lost its snapshot still finds the document's. A full disk only warns."""
-        first_text = json.dumps(first.as_template_message(), sort_keys=True)
-        label = "serve:" + hashlib.sha256(first_text.encode()).hexdigest()[:16]
-        previous = [s.id for s in self.snapshots.store.list_snapshots() if s.label == label]
+    def _save(self, staged: StagedSnapshot, label: str, prompt_tokens: int) -> None:
+        """Writes a staged snapshot under its conversation's label, replacing the older snapshot of
+        that conversation (`KVSnapshots.replace`): chunks are shared, so a conversation that lost
+        its snapshot still finds the document's. A full disk only warns."""
         try:
-            self.snapshots.put(staged, label, {"prompt_tokens": prompt_tokens}, succeeds=previous)
-            for old in previous:
-                self.snapshots.store.rm(old)
+            self.snapshots.replace(staged, label, {"prompt_tokens": prompt_tokens})
         except Exception as e:  # on the saver thread: nobody else would hear of it
             warnings.warn(f"could not save the snapshot: {e}", stacklevel=2)
+        finally:
+            self._unsaved.release()
 
 
-def error(status: int, message: str, kind: str, param: str | None = None, code: str | None = None):
+class ContextTooLong(KVFlashError):
+    pass
+
+
+def conversation_label(messages: list[Message]) -> str:
+    """The snapshot label of a conversation: a hash of its messages up to its first user message
+    (the document and the first question, as a rule), which every later turn resends unchanged.
+    Two conversations over one document get two labels, so neither replaces the other's snapshot."""
+    head = []
+    for m in messages:
+        head.append(m.as_template_message())
+        if m.role == "user":
+            break
+    text = json.dumps(head, sort_keys=True, ensure_ascii=False)
+    return "serve:" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+MAX_BODY_BYTES = 8 << 20
+"""Largest request body read: a 128K-token document is about 0.5 MB of JSON."""
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+ERRORS = {status: {"model": ErrorBody, "description": why} for status, why in (
+    (400, "A bad request: the message names the field"),
+    (404, "The model is not served here"),
+    (413, f"The body is larger than {MAX_BODY_BYTES} bytes"),
+    (500, "The request failed in the engine"),
+    (503, "The scheduler has stopped: the server cannot answer"),
+)}  # fmt: skip
+"""What the routes answer besides 200, as the OpenAPI schema declares it."""
+
+
+def error(status: int, message: str, kind: str, param: str | None = None, code: str | None = None, **kw):
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(body, status_code=status, **kw)
 
 
-def create_app(server: Server) -> FastAPI:
+class BodyLimit:
+    """Refuses a body larger than max_bytes with 413: at once when Content-Length says so, else when
+    the bytes read pass it (a chunked body), before it is parsed or kept."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"0")
+        if not length.isdigit():
+            return await error(400, "bad Content-Length", "invalid_request_error")(scope, receive, send)
+        too_large = f"the body is larger than {self.max_bytes} bytes"
+        if int(length) > self.max_bytes:
+            return await error(413, too_large, "invalid_request_error")(scope, receive, send)
+        seen = 0
+
+        async def counted() -> Message_:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise HTTPException(413, too_large)  # FastAPI passes HTTPExceptions through
+            return message
+
+        await self.app(scope, counted, send)
+
+
+def create_app(server: Server, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     app = FastAPI(title="kvflash", docs_url=None, redoc_url=None)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -225,33 +340,50 @@ def create_app(server: Server) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
-        return error(exc.status_code, str(exc.detail), "invalid_request_error")
+        return error(exc.status_code, str(exc.detail), "invalid_request_error", headers=exc.headers)
 
-    @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
+    @app.get("/health", responses={503: ERRORS[503]})
+    async def health():
+        if not server.scheduler.healthy:
+            return error(503, f"the scheduler has stopped ({server.scheduler.failure})", "server_error")
+        return {"status": "ok", "requests": server.scheduler.in_flight}
 
     @app.get("/v1/models")
     async def models() -> dict:
         card = {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "kvflash"}
         return {"object": "list", "data": [card]}
 
-    @app.post("/v1/chat/completions")
-    async def chat(req: ChatRequest):
+    ok = {"description": "The answer, or with `stream` its server-sent events",
+          "content": {"application/json": {}, "text/event-stream": {}}}  # fmt: skip
+
+    @app.post("/v1/chat/completions", responses={200: ok, **ERRORS})
+    async def chat(req: ChatRequest, request: Request):
         if req.model != server.model_name:
             msg = f"model {req.model!r} is not served here; this server serves {server.model_name!r}"
             return error(404, msg, "invalid_request_error", "model", "model_not_found")
-        try:
-            ids = server.prompt_ids(req)
+        try:  # off the event loop: a long prompt takes a while to tokenise
+            ids = await asyncio.to_thread(server.prompt_ids, req)
+        except ContextTooLong as e:
+            return error(400, str(e), "invalid_request_error", "messages", "context_length_exceeded")
         except KVFlashError as e:
             return error(400, str(e), "invalid_request_error", "messages")
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": server.model_name}
+        gone = threading.Event()
+        try:
+            items = _submit(server, req, ids, gone)
+        except SchedulerDown as e:
+            return error(503, str(e), "server_error")
         if req.stream:
-            events = _stream(server, req, ids, head)
-            return StreamingResponse(events, media_type="text/event-stream")
-        items = _submit(server, req, ids, threading.Event())
-        while isinstance(done := await items.get(), str):
-            pass
+            return StreamingResponse(_stream(req, items, head, gone), media_type="text/event-stream")
+        watch = asyncio.create_task(_watch_disconnect(request, gone))
+        try:
+            while isinstance(done := await items.get(), str):
+                pass
+        finally:
+            gone.set()  # a handler cancelled (the server stopping) ends its request too
+            watch.cancel()
+        if isinstance(done, SchedulerDown):
+            return error(503, str(done), "server_error")
         if isinstance(done, KVFlashError):
             return error(400, str(done), "invalid_request_error")
         if isinstance(done, BaseException):
@@ -264,17 +396,26 @@ def create_app(server: Server) -> FastAPI:
     return app
 
 
-async def _stream(server: Server, req: ChatRequest, ids: list[int], head: dict) -> AsyncIterator[str]:
+async def _watch_disconnect(request: Request, gone: threading.Event) -> None:
+    """Sets `gone` when the client of a non-streamed request disconnects: its request then ends at
+    the next prefill piece or token instead of decoding an answer nobody reads."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    gone.set()
+
+
+async def _stream(
+    req: ChatRequest, items: asyncio.Queue, head: dict, gone: threading.Event
+) -> AsyncIterator[str]:
     """Server-sent events: a role chunk, one chunk per text piece, the finish chunk, usage if asked,
     then [DONE]. An error after the first byte can only be reported as an event. A client that
-    disconnects cancels this generator (Starlette listens for it), which ends the answer."""
-    gone = threading.Event()
+    disconnects cancels this generator (Starlette listens for it), which ends the request at its
+    next prefill piece or token."""
 
     def chunk(delta: dict, finish: str | None = None, **extra) -> str:
         choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
         return _event({**head, "object": "chat.completion.chunk", "choices": [choice], **extra})
 
-    items = _submit(server, req, ids, gone)
     try:
         yield chunk({"role": "assistant", "content": ""})
         while isinstance(piece := await items.get(), str):
@@ -289,7 +430,7 @@ async def _stream(server: Server, req: ChatRequest, ids: list[int], head: dict) 
             yield _event({**head, "object": "chat.completion.chunk", "choices": [], "usage": done.usage()})
         yield "data: [DONE]\n\n"
     finally:
-        gone.set()  # a client that left ends the answer at the scheduler's next step
+        gone.set()
 
 
 def _submit(server: Server, req: ChatRequest, ids: list[int], gone: threading.Event) -> asyncio.Queue:
@@ -297,7 +438,10 @@ def _submit(server: Server, req: ChatRequest, ids: list[int], gone: threading.Ev
     loop, items = asyncio.get_running_loop(), asyncio.Queue()
 
     def emit(item: str | Completion | BaseException) -> None:
-        loop.call_soon_threadsafe(items.put_nowait, item)
+        try:
+            loop.call_soon_threadsafe(items.put_nowait, item)
+        except RuntimeError:  # the event loop has stopped (the server is stopping): nobody listens
+            pass
 
     server.submit(req, ids, emit, gone)
     return items

@@ -22,7 +22,7 @@ from kvflash.pool import summary_shape
 from kvflash.prefix_cache import PrefixCache
 from kvflash.prompt import content_start, encode_continuation, encode_messages
 from kvflash.snapshots import KVSnapshots, StoredSummaries
-from kvflash.storage import ChunkError, SnapshotStore, StoreError
+from kvflash.storage import ChunkError, SnapshotInfo, SnapshotStore, StoreError
 from kvflash.turn import TurnStats, answer
 
 
@@ -67,8 +67,9 @@ class Session:
         return f"session:{self.name}" if self.name else f"ask:{self.docs_hash}"
 
     def _resume(self) -> None:
-        """Takes the conversation of the newest snapshot of this named session, if its documents match."""
-        ours = [s for s in self.snapshots.store.list_snapshots() if s.label == self.label]
+        """Takes the conversation of the newest snapshot of this named session that this engine can
+        use (`KVSnapshots.usable`: its token ids are this model's), if its documents match."""
+        ours = self._own_snapshots()
         if not ours:
             return
         latest = max(ours, key=lambda s: s.created)
@@ -116,9 +117,7 @@ class Session:
         all: tokenising a 128K-token document took 0.38 s of a 2.4 s turn on the H200's host."""
         if not self.snapshots:
             return None
-        fps, docs = (self.snapshots.fp, self.snapshots.approx_fp), self.docs_hash
-        ours = [s for s in self.snapshots.store.list_snapshots() if s.label == self.label]
-        ours = [s for s in ours if s.fingerprint in fps and s.meta.get("docs") == docs]
+        ours = [s for s in self._own_snapshots() if s.meta.get("docs") == self.docs_hash]
         if not ours:
             return None
         latest = max(ours, key=lambda s: s.created)
@@ -131,6 +130,11 @@ class Session:
             return (self._stored_ids(latest.id) + tail)[span[0] : span[1]]
         except StoreError:  # the restore meets the same damage, warns and goes cold
             return None
+
+    def _own_snapshots(self) -> list[SnapshotInfo]:
+        """This conversation's snapshots that this engine can restore."""
+        snaps = self.snapshots.store.list_snapshots()
+        return [s for s in snaps if s.label == self.label and self.snapshots.usable(s.fingerprint)]
 
     def _resumed_ids(self) -> list[int]:
         """The stored chunks' tokens plus the tail; if the chunks are unreadable, the re-rendered text."""
@@ -157,10 +161,22 @@ class Session:
         ids = self._prompt_ids(question)
         ahead, self._ahead = self._ahead, None
         kv = self.cache.take(ids, stats, on_restore, ahead)
+        out: list[int] = []
+
+        def on_token(tok: int) -> None:
+            out.append(tok)
+            if on_text:
+                on_text(tok)
+
         try:
-            rest = ids[len(kv.seq) :]
-            eos = self.tok.eos_ids
-            out = answer(self.engine, kv, rest, max_tokens, sampling, eos, stats, t0, on_text, on_prefill)
+            try:
+                self._answer(kv, ids, max_tokens, sampling, stats, t0, on_token, on_prefill)
+            except ChunkError as e:  # a lazily restored chunk, damaged when read: go on cold
+                warnings.warn(f"snapshot unusable ({e}); prefilling cold", stacklevel=2)
+                self.cache.drop(kv)
+                kv = self.cache.take(ids + out, stats, reuse=False)
+                self._answer(kv, ids + out, max_tokens - len(out), sampling, stats, t0, on_token, on_prefill)
+                stats.generated_tokens = len(out)
         except BaseException:
             self.cache.drop(kv)
             raise
@@ -173,9 +189,24 @@ class Session:
             stats.snapshot_id = self.save()
         return text, stats
 
+    def _answer(
+        self,
+        kv: PagedKV,
+        ids: list[int],
+        max_tokens: int,
+        sampling: Sampling,
+        stats: TurnStats,
+        t0: float,
+        on_token: Callable[[int], None],
+        on_prefill: Callable[[int, int], None] | None,
+    ) -> None:
+        rest, eos = ids[len(kv.seq) :], self.tok.eos_ids
+        answer(self.engine, kv, rest, max_tokens, sampling, eos, stats, t0, on_token, on_prefill)
+
     def save(self) -> str | None:
-        """Snapshots the sealed prefix under this session's label, replacing its older snapshot (whose
-        hits carry over: `snapshot list` counts the session's restores)."""
+        """Snapshots the sealed prefix under this session's label, replacing the older snapshots it
+        supersedes (`KVSnapshots.replace`: their hits carry over, so `snapshot list` counts the
+        session's restores). A store error warns: the answer is not lost for it."""
         c = self.chunk_tokens
         n = self.kv.seq.n_sealed
         meta = {
@@ -184,14 +215,11 @@ class Session:
             "messages": self.messages[1:],
             "tail": self.ids[n * c :],
         }
-        previous = [s.id for s in self.snapshots.store.list_snapshots() if s.label == self.label]
         try:
-            sid = self.snapshots.save(self.kv, self.label, meta, succeeds=previous)
+            sid = self.snapshots.save(self.kv, self.label, meta)
         except Exception as e:  # a full disk or a store error must not lose the answer
             warnings.warn(f"could not save the session snapshot: {e}", stacklevel=2)
             return None
-        for old in previous:
-            self.snapshots.store.rm(old)
         self._snapshot_id = sid
         return sid
 

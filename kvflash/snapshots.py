@@ -1,8 +1,9 @@
 """Between a live sequence and the disk store: save a chunk-aligned prefix, find and restore one.
 
 A restore is a transaction (DESIGN: Scheduler): chunks are leased, read and validated into host-tier
-slots, and only then does the sequence adopt them and the store count a hit. Any ChunkError leaves
-the sequence empty and the stored copy untouched, and the caller prefills cold. A lazy restore reads
+slots, and only then does the sequence adopt them (the caller counts the hit once the restore is
+validated). Any failure leaves the sequence empty and the stored copy untouched, and the caller
+prefills cold. A lazy restore reads
 only token ids and summaries up front; chunk KV is read when residency selects the chunk, and a
 background thread prefetches the rest into the host tier after the answer.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -19,7 +21,7 @@ import torch
 
 from kvflash.paged_kv import PagedKV
 from kvflash.pool import chunk_shape
-from kvflash.storage import ROOT_HASH, ChunkBlob, SnapshotStore, chain_hashes
+from kvflash.storage import ROOT_HASH, ChunkBlob, InvalidChunk, SnapshotInfo, SnapshotStore, chain_hashes
 
 APPROX_SUFFIX = "+approx"
 """Fingerprint suffix of chunks whose KV was computed without every earlier chunk resident (a budget
@@ -68,10 +70,10 @@ class KVSnapshots:
         got = self.store.read_summaries(hashes, fp, rows)
         return StoredSummaries(list(hashes), [s.tokens for s in got], rows)
 
-    def save(self, kv: PagedKV, label: str, meta: dict | None = None, succeeds: Sequence[str] = ()) -> str:
-        """Snapshots the sealed prefix, writing only chunks the store does not already hold; it takes
-        over the hits of the snapshots it `succeeds`."""
-        return self.put(self.stage(kv), label, meta, succeeds)
+    def save(self, kv: PagedKV, label: str, meta: dict | None = None) -> str:
+        """Snapshots the sealed prefix as its label's newest (`replace`), writing only chunks the
+        store does not already hold."""
+        return self.replace(self.stage(kv), label, meta)
 
     def stage(self, kv: PagedKV) -> StagedSnapshot:
         """The sealed prefix's chain, with a copy of the KV of every chunk the store lacks: `put`
@@ -98,6 +100,32 @@ class KVSnapshots:
         """Writes a staged snapshot (compressing its new chunks); returns its id."""
         return self.store.put_snapshot(label, staged.fp, staged.items, meta, succeeds)
 
+    def usable(self, fp: str) -> bool:
+        """Whether this engine can restore KV stored under fp: exact KV, or approximate KV (which a
+        sequence that evicts anyway takes)."""
+        return fp in (self.fp, self.approx_fp)
+
+    def superseded(self, label: str, fp: str) -> list[SnapshotInfo]:
+        """The label's snapshots that a new one under fp replaces: unpinned, of this engine, and
+        exact KV replaces approximate KV (it stands in for it) but approximate KV never exact. A
+        snapshot of another model, dtype or chunk size stays: its engine still needs it."""
+        kinds = (self.fp, self.approx_fp) if fp == self.fp else (fp,)
+        snaps = self.store.list_snapshots()
+        return [s for s in snaps if s.label == label and s.fingerprint in kinds and not s.pinned]
+
+    def replace(self, staged: StagedSnapshot, label: str, meta: dict | None = None) -> str:
+        """Writes a staged snapshot as its label's newest, taking over the hits of the snapshots it
+        `superseded`, then removes those. A store error raises with nothing changed; a removal that
+        fails only warns: the new snapshot is written and the old one is still valid."""
+        previous = [s.id for s in self.superseded(label, staged.fp)]
+        sid = self.put(staged, label, meta, succeeds=previous)
+        for old in previous:
+            try:
+                self.store.rm(old)
+            except Exception as e:
+                warnings.warn(f"could not remove the replaced snapshot {old}: {e}", stacklevel=2)
+        return sid
+
     def lookup(self, ids: list[int], chunk_tokens: int, approximate: bool) -> tuple[str, list[str]]:
         """(fingerprint, hashes) of the longest stored chunk-aligned prefix of ids, leaving one token
         to compute: exact KV, or with `approximate` (a sequence that evicts anyway) approximate KV
@@ -121,8 +149,10 @@ class KVSnapshots:
         batch: int = 64,
         ahead: StoredSummaries | None = None,
     ) -> RestoreStats:
-        """Restores the chunks named by hashes (stored under `fp`) into an empty sequence; ChunkError
-        on any failure.
+        """Restores the chunks named by hashes (stored under `fp`) into an empty sequence. Anything
+        that fails (ChunkError, a full host tier, an index error) raises with the sequence still
+        empty and the host slots it took released; the sequence adopts the chunks only once
+        everything is read and checked. The caller records the hit (`SnapshotStore.record_hit`).
 
         The lease is entered on `leases`, which the caller closes when the sequence is done with
         the store (a lazy sequence reads from it until then). on_progress(chunks done, total)
@@ -132,18 +162,20 @@ class KVSnapshots:
         assert not len(kv.seq), "restore needs an empty sequence"
         if not hashes:
             return RestoreStats()
-        cfg = kv.pool.cfg
-        shape = chunk_shape(cfg, kv.cfg.chunk_tokens)
+        c = kv.cfg.chunk_tokens
+        shape = chunk_shape(kv.pool.cfg, c)
         leases.enter_context(self.store.lease(hashes))
-        stats = RestoreStats()
-        if ahead is not None and ahead.hashes[: len(hashes)] == list(hashes):
-            summaries = ahead.head(len(hashes))
-        else:
-            summaries = self.read_summaries(fp, hashes, tuple(kv.summary_shape))
         slots: list[int] = []
         try:
+            if ahead is not None and ahead.hashes[: len(hashes)] == list(hashes):
+                summaries = ahead.head(len(hashes))
+            else:
+                summaries = self.read_summaries(fp, hashes, tuple(kv.summary_shape))
+            if any(len(t) != c for t in summaries.tokens):
+                raise InvalidChunk(f"a stored chunk does not hold {c} tokens")
             if not lazy:
-                slots = [kv.host.alloc() for _ in hashes]
+                for _ in hashes:  # one by one: slots taken before a full host tier are released
+                    slots.append(kv.host.alloc())
                 for lo in range(0, len(hashes), batch):
                     outs = [kv.host.view(h) for h in slots[lo : lo + batch]]
                     self.store.read_chunks_parallel(
@@ -151,12 +183,13 @@ class KVSnapshots:
                     )
                     if on_progress:
                         on_progress(min(lo + batch, len(hashes)), len(hashes))
+            rows = summaries.rows.to(kv.pool.kv.device)
         except BaseException:
             for h in slots:
                 kv.host.release(h)
             raise
-        kv.seq.ensure_chunks(len(hashes) * kv.cfg.chunk_tokens)
-        kv.seq.set_summaries(summaries.rows.to(kv.pool.kv.device))
+        kv.seq.ensure_chunks(len(hashes) * c)
+        kv.seq.set_summaries(rows)
         for i, (h, tokens) in enumerate(zip(hashes, summaries.tokens, strict=True)):
             ch = kv.seq.chunks[i]
             kv.seq.tokens.extend(tokens)
@@ -168,11 +201,9 @@ class KVSnapshots:
         kv.approximate = fp == self.approx_fp
         if lazy:
             kv.fetch = self._fetcher(fp, shape, kv.pool.kv.dtype)
-        self.store.record_hit(hashes)
-        stats.tokens = len(hashes) * kv.cfg.chunk_tokens
-        if not lazy:
+        else:
             kv.moved["disk"] += len(hashes) * kv.chunk_nbytes
-        return stats
+        return RestoreStats(len(hashes) * c)
 
     def _fetcher(self, fp, shape, dtype):
         def fetch(hashes: list[str], outs: list[torch.Tensor]) -> None:

@@ -188,3 +188,99 @@ def test_a_request_whose_consumer_fails_leaves_the_others_and_the_scheduler_runn
 def test_a_pool_too_small_for_the_batch_is_refused(lm) -> None:
     with pytest.raises(KVFlashError, match="max_batch"):
         Scheduler(engine(lm, pool_tokens=256), None, frozenset(), max_batch=8)
+
+
+def outcome(i: int, results: dict, done: threading.Semaphore, **kw) -> dict:
+    """Callbacks that put request i's answer, or its error, in results."""
+
+    def finished(out, stats, kv) -> None:
+        results[i] = (out, stats)
+        done.release()
+
+    def failed(e: BaseException) -> None:
+        results[i] = e
+        done.release()
+
+    return {"on_done": finished, "on_error": failed, **kw}
+
+
+def test_a_request_whose_sampler_cannot_start_fails_alone(lm) -> None:
+    """A seed outside int64 makes the sampler raise after the prefill: that request fails with the
+    error, the one decoding beside it answers as it does alone, and the scheduler goes on serving."""
+    ids = prompt(60, 4)
+    sched = Scheduler(engine(lm), None, frozenset(), max_batch=2)
+    try:
+        (alone,) = run_jobs(sched, [ids], 8)
+        results, done = {}, threading.Semaphore(0)
+        sched.submit(Job(ids, 8, Sampling(), lambda t: False, **outcome(0, results, done)))
+        sched.submit(
+            Job(prompt(40, 3), 8, Sampling(1.0, 1.0, 2**64), lambda t: False, **outcome(1, results, done))
+        )
+        assert done.acquire(timeout=30) and done.acquire(timeout=30), "a request was never answered"
+        assert results[0][0] == alone
+        assert isinstance(results[1], RuntimeError | OverflowError | ValueError), results[1]
+        assert run_jobs(sched, [prompt(30, 5)], 3)[0]
+        assert len(sched.cache._made) <= 2  # the failed request's sequence was freed
+    finally:
+        sched.close()
+    assert sched.engine.pool.n_free == sched.engine.pool.n_slots
+
+
+def test_a_request_that_fails_inside_a_batched_forward_fails_alone(lm) -> None:
+    """Under policy `full` an answer that grows past its budget (256 tokens here) raises inside the
+    batched forward; the request decoding beside it answers as it does alone."""
+    res = ResidencyConfig(chunk_tokens=16, tail_chunks=1, tau=8, tau_history_div=1 << 30, policy="full")
+    eng = Engine(lm, EngineConfig(pool_tokens=512, residency=res))
+    short = prompt(30, 6)
+    sched = Scheduler(eng, None, frozenset(), max_batch=2)
+    try:
+        (alone,) = run_jobs(sched, [short], 30)
+        results, done = {}, threading.Semaphore(0)
+        sched.submit(Job(prompt(240, 7), 40, Sampling(), lambda t: False, **outcome(0, results, done)))
+        sched.submit(Job(short, 30, Sampling(), lambda t: False, **outcome(1, results, done)))
+        assert done.acquire(timeout=60) and done.acquire(timeout=60)
+        assert isinstance(results[0], KVFlashError) and "policy" in str(results[0])
+        assert results[1][0] == alone
+        assert run_jobs(sched, [prompt(30, 8)], 3)[0]
+    finally:
+        sched.close()
+
+
+def test_a_request_whose_client_left_stops_at_the_next_prefill_piece(lm) -> None:
+    """The long prompt prefills in 8 pieces of 32 tokens, one per round beside a decoding request;
+    its client leaving at that request's third token ends it within a round, before any token."""
+    eng = Engine(lm, EngineConfig(pool_tokens=512, residency=RES, prefill_step_tokens=32))
+    sched = Scheduler(eng, None, frozenset(), max_batch=2)
+    events: list[str] = []
+    submitted, long_gone, ended = threading.Event(), threading.Event(), threading.Event()
+
+    def short_token(tok: int) -> bool:
+        events.append("short: token")
+        if len(events) == 1:  # hold the scheduler until the long request is queued
+            assert submitted.wait(30)
+        if events.count("short: token") == 3:
+            long_gone.set()
+        return False
+
+    def long_token(tok: int) -> bool:
+        events.append("long: token")
+        return False
+
+    def long_error(e: BaseException) -> None:
+        events.append(f"long: {e}")
+        ended.set()
+
+    try:
+        sched.submit(Job(prompt(20, 1), 12, Sampling(), short_token, lambda *a: None, events.append))
+        sched.submit(
+            Job(prompt(250, 2), 4, Sampling(), long_token, lambda *a: ended.set(), long_error, long_gone)
+        )
+        submitted.set()
+        assert ended.wait(60)
+        assert run_jobs(sched, [prompt(30, 5)], 3)[0]
+    finally:
+        sched.close()
+    assert "long: token" not in events, events
+    (end,) = [i for i, e in enumerate(events) if e.startswith("long:")]
+    assert "went away" in events[end] and events[:end].count("short: token") <= 4, events
+    assert eng.pool.n_free == eng.pool.n_slots

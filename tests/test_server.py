@@ -43,14 +43,17 @@ def lm(smollm_path):
 
 
 @contextmanager
-def serving(lm, store: Path | None, max_tokens: int = 16) -> Iterator[tuple[str, Server]]:
+def serving(
+    lm, store: Path | None, max_tokens: int = 16, max_prompt_tokens: int | None = None, **app
+) -> Iterator[tuple[str, Server]]:
     """A server on a free port of 127.0.0.1, in a thread of this process, over a new engine whose
     pool (4,096 tokens) gives each of the 4 requests that may decode together 1,024."""
     engine = Engine(lm, EngineConfig(pool_tokens=4096))
     st = SnapshotStore(store) if store else None
     snapshots = KVSnapshots(st, lm.fingerprint(engine.cfg.residency.chunk_tokens)) if st else None
-    server = Server(engine, lm.tokenizer, MODEL, snapshots, max_tokens, max_batch=4)
-    uv = uvicorn.Server(uvicorn.Config(create_app(server), host="127.0.0.1", port=0, log_level="warning"))
+    server = Server(engine, lm.tokenizer, MODEL, snapshots, max_tokens, 4, max_prompt_tokens)
+    config = uvicorn.Config(create_app(server, **app), host="127.0.0.1", port=0, log_level="warning")
+    uv = uvicorn.Server(config)
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -128,6 +131,29 @@ def test_the_next_request_does_not_wait_for_the_last_ones_snapshot(lm, tmp_path,
         assert snap.meta["prompt_tokens"] == second.usage.prompt_tokens
 
 
+def test_snapshots_waiting_for_the_disk_are_bounded(lm, tmp_path, monkeypatch) -> None:
+    """Each staged snapshot holds a copy of its KV: with the store's writes held back, seven answers
+    stage at most MAX_UNSAVED snapshots (the rest are not saved) and are all answered."""
+    from kvflash.server import MAX_UNSAVED
+
+    release, real = threading.Event(), SnapshotStore.put_snapshot
+
+    def held(self, *args, **kw):
+        assert release.wait(60), "the write was never let go"
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(SnapshotStore, "put_snapshot", held)
+    with serving(lm, tmp_path / "store", max_tokens=2) as (url, server):
+        try:
+            for i in range(7):
+                conv = [{"role": "system", "content": DOC}, {"role": "user", "content": f"Question {i}?"}]
+                assert ask(url, conv, timeout=30).choices[0].message.content is not None
+        finally:
+            release.set()
+    with SnapshotStore(tmp_path / "store") as st:
+        assert len(st.list_snapshots()) == MAX_UNSAVED < 7
+
+
 def test_streamed_deltas_make_the_whole_answer(lm) -> None:
     with serving(lm, None, max_tokens=24) as (url, _):
         whole = ask(url, TURN1)
@@ -176,7 +202,14 @@ def body(**fields) -> bytes:
 
 
 IMAGE = [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]
+SURROGATE = [{"role": "user", "content": "\ud800"}]  # json.dumps writes it as the escape \ud800
 BAD = [
+    (body(seed=2**64), 400, "seed"),
+    (body(stop=[f"s{i}" for i in range(1000)]), 400, "stop"),
+    (body(stop="x" * 10_000), 400, "stop"),
+    (body(messages=SURROGATE), 400, "messages.0.content"),
+    (body(messages=[{"role": "user", "content": [{"type": "text", "text": "a\udfff"}]}]), 400, "messages.0"),
+    (body(stop=["\ud800"]), 400, "stop"),
     (b"{not json", 400, None),
     (json.dumps({"model": MODEL}).encode(), 400, "messages"),
     (body(messages=[]), 400, "messages"),
@@ -193,7 +226,7 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(lm) -> None:
     with serving(lm, None, max_tokens=2) as (url, _):
         for body, status, param in BAD:
             r = httpx.post(
-                f"{url}/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+                f"{url}/v1/chat/completions", content=body, headers={"content-type": JSON}, timeout=30
             )
             assert r.status_code == status, (body, r.text)
             err = r.json()["error"]
@@ -216,8 +249,11 @@ def test_concurrent_requests_get_the_answers_they_get_alone(lm, tmp_path) -> Non
     assert together == alone
 
 
+STORY = [{"role": "system", "content": DOC}, {"role": "user", "content": "Tell a long story about Mara."}]
+
+
 def test_a_client_that_leaves_mid_stream_ends_its_answer(lm) -> None:
-    story = [{"role": "system", "content": DOC}, {"role": "user", "content": "Tell a long story about Mara."}]
+    story = STORY
     body = {"model": MODEL, "messages": story, "temperature": 0, "max_tokens": 80, "stream": True}
     with serving(lm, None) as (url, server):
         whole = ask(url, story, max_tokens=80).usage.completion_tokens
@@ -244,10 +280,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_serve_command_answers_and_stops_cleanly(smollm_path, tmp_path) -> None:
-    port, store = free_port(), tmp_path / "store"
+@contextmanager
+def serve_process(smollm_path: Path, store: Path, *flags: str) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`kvflash serve` in a process of its own, on a free port, once /health answers."""
+    port = free_port()
     cmd = [sys.executable, "-m", "kvflash.cli.app", "serve", "--model", str(smollm_path), "--device", "cpu",
-           "--port", str(port), "--store", str(store), "--max-tokens", "4"]  # fmt: skip
+           "--port", str(port), "--store", str(store), *flags]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -260,11 +298,180 @@ def test_serve_command_answers_and_stops_cleanly(smollm_path, tmp_path) -> None:
                     break
             except httpx.TransportError:
                 time.sleep(0.2)
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def test_serve_command_answers_and_stops_cleanly(smollm_path, tmp_path) -> None:
+    store = tmp_path / "store"
+    with serve_process(smollm_path, store, "--max-tokens", "4") as (url, proc):
         r = ask(url, TURN1)
         assert 1 <= r.usage.completion_tokens <= 4
-    finally:
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out
     with SnapshotStore(store) as st:
         assert [s.label.startswith("serve:") for s in st.list_snapshots()] == [True]
+
+
+def test_sigterm_stops_a_server_with_a_request_in_flight(smollm_path, tmp_path) -> None:
+    """A request that would decode for minutes: SIGTERM ends it after the grace period, its answer's
+    snapshot is written, and the process exits."""
+    store = tmp_path / "store"
+    with serve_process(smollm_path, store, "--max-tokens", "100000") as (url, proc):
+        body = {"model": MODEL, "messages": STORY, "stream": True, "temperature": 1.0, "seed": 1}
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as r:
+            lines = r.iter_lines()
+            next(lines)
+            proc.send_signal(signal.SIGTERM)
+            t0 = time.monotonic()
+            out, _ = proc.communicate(timeout=60)
+            stopped = time.monotonic() - t0
+    assert proc.returncode == 0, out
+    assert stopped < 30, stopped
+    with SnapshotStore(store) as st:
+        assert len(st.list_snapshots()) == 1
+
+
+def post(url: str, timeout: float = 60, **fields) -> httpx.Response:
+    return httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, **fields}, timeout=timeout)
+
+
+def settled(server: Server, timeout: float = 60) -> None:
+    """Waits until the scheduler holds no request."""
+    deadline = time.monotonic() + timeout
+    while server.scheduler.in_flight:
+        assert time.monotonic() < deadline, "a request never ended"
+        time.sleep(0.05)
+
+
+def test_a_tiny_temperature_or_top_p_samples_as_greedy_decoding(lm) -> None:
+    with serving(lm, None, max_tokens=8) as (url, _):
+        greedy = post(url, messages=TURN1, temperature=0).json()["choices"][0]["message"]["content"]
+        for fields in ({"temperature": 1e-300}, {"top_p": 1e-300}, {"temperature": 5e-324, "top_p": 1e-45}):
+            r = post(url, messages=TURN1, seed=1, **fields)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"] == greedy
+
+
+def test_a_prompt_over_the_limit_is_refused_up_front(lm) -> None:
+    with serving(lm, None, max_prompt_tokens=64) as (url, _):
+        r = post(url, messages=TURN1)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "context_length_exceeded" and "context too long" in err["message"]
+        assert "--max-prompt-tokens" in err["message"]
+        assert post(url, messages=[{"role": "user", "content": "Hi"}], max_tokens=2).status_code == 200
+
+
+def test_bodies_over_the_limit_get_413_before_they_are_read(lm) -> None:
+    limit = 1 << 16
+    big = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x" * limit}]}).encode()
+    with serving(lm, None, max_body_bytes=limit) as (url, _):
+        sized = httpx.post(f"{url}/v1/chat/completions", content=big, headers={"content-type": JSON})
+        chunked = httpx.post(  # no Content-Length: counted as it is read
+            f"{url}/v1/chat/completions",
+            content=iter([big[:1000], big[1000:]]),
+            headers={"content-type": JSON},
+        )
+        for r in (sized, chunked):
+            assert r.status_code == 413, r.text
+            assert "larger than" in r.json()["error"]["message"]
+        assert post(url, messages=TURN1, max_tokens=2).status_code == 200
+
+
+def test_undeclared_methods_get_405_naming_the_allowed_one(lm) -> None:
+    with serving(lm, None) as (url, _):
+        for method in ("GET", "DELETE", "PUT"):
+            r = httpx.request(method, f"{url}/v1/chat/completions")
+            assert r.status_code == 405 and r.headers["allow"] == "POST", (method, r.headers)
+        assert httpx.post(f"{url}/health").headers["allow"] == "GET"
+
+
+def test_a_non_streamed_client_that_leaves_ends_its_request(lm) -> None:
+    """A client that gives up on a non-streamed answer: its request ends at the next token, not at
+    max_tokens (the sequence is kept live with the tokens it had)."""
+    with serving(lm, None) as (url, server):
+        whole = post(url, messages=STORY, temperature=0, max_tokens=80).json()["usage"]["completion_tokens"]
+        assert whole > 20, "the story must be long enough to leave in the middle of"
+        post(url, messages=TURN1, max_tokens=1)  # the live sequence is another conversation's now
+        ids = server.prompt_ids(ChatRequest(model=MODEL, messages=STORY))
+        before = list(server.scheduler.cache.idle)
+        with pytest.raises(httpx.ReadTimeout):
+            post(url, timeout=0.5, messages=STORY, temperature=0, max_tokens=80)
+        settled(server)
+        kept = [kv for kv in server.scheduler.cache.idle if not any(kv is b for b in before)]
+        assert all(len(kv.seq) - len(ids) < whole - 1 for kv in kept), [len(kv.seq) - len(ids) for kv in kept]
+        assert post(url, messages=TURN1, max_tokens=2).status_code == 200
+
+
+def test_a_streamed_client_that_leaves_mid_prefill_ends_it_before_its_first_token(lm) -> None:
+    """A prompt of some 3,000 tokens prefills in 512-token pieces; its client leaves as soon as the
+    role chunk arrives. The request ends at the next piece: no answer, no live sequence kept."""
+    long_doc = [{"role": "system", "content": " ".join([DOC] * 40)}, {"role": "user", "content": "Who?"}]
+    body = {"model": MODEL, "messages": long_doc, "max_tokens": 4, "stream": True}
+    with serving(lm, None) as (url, server):
+        ids = server.prompt_ids(ChatRequest(model=MODEL, messages=long_doc))
+        assert len(ids) > 2500
+        t0 = time.monotonic()
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
+            assert next(r.iter_lines()).startswith("data: ")
+        settled(server)
+        ended = time.monotonic() - t0
+        assert not [kv for kv in server.scheduler.cache.idle if kv.seq.tokens[:64] == ids[:64]]
+        assert server.scheduler.engine.pool.n_free == server.scheduler.engine.pool.n_slots
+        t0 = time.monotonic()
+        post(url, messages=long_doc, max_tokens=1)  # the whole prefill, for scale
+        whole = time.monotonic() - t0
+    assert ended < whole, (ended, whole)
+
+
+def test_health_and_new_requests_say_503_once_the_scheduler_has_stopped(lm) -> None:
+    """The scheduler's thread stopped by a callback that raises past every handler (SystemExit):
+    /health turns unhealthy, and requests are refused with 503 instead of hanging."""
+    from kvflash.generate import Sampling
+    from kvflash.scheduler import Job
+
+    def die(tok: int) -> bool:
+        raise SystemExit("stopped")
+
+    with serving(lm, None) as (url, server):
+        assert httpx.get(f"{url}/health").json()["status"] == "ok"
+        ids = server.prompt_ids(ChatRequest(model=MODEL, messages=TURN1))
+        errors: list[BaseException] = []
+        server.scheduler.submit(Job(ids, 4, Sampling(), die, lambda *a: None, errors.append))
+        deadline = time.monotonic() + 30
+        while (health := httpx.get(f"{url}/health")).status_code == 200:
+            assert time.monotonic() < deadline, "the scheduler never reported its failure"
+            time.sleep(0.05)
+        assert health.status_code == 503 and "stopped" in health.json()["error"]["message"]
+        r = post(url, timeout=10, messages=TURN1)
+        assert r.status_code == 503, r.text
+        streamed = httpx.post(
+            f"{url}/v1/chat/completions", json={"model": MODEL, "messages": TURN1, "stream": True}
+        )
+        assert streamed.status_code == 503
+        assert errors and "stopped" in str(errors[0])
+
+
+def test_two_conversations_over_one_document_keep_their_own_snapshots(lm, tmp_path) -> None:
+    """Each conversation's snapshot is its own (labelled by its first messages), so after a restart
+    each restores its whole prefix, not the other's document prefix alone."""
+    store = tmp_path / "store"
+    convs = [[{"role": "system", "content": DOC}, {"role": "user", "content": q}] for q in ("Who?", "When?")]
+    with serving(lm, store) as (url, _):
+        grown = []
+        for conv in convs:
+            reply = ask(url, conv).choices[0].message.content
+            grown.append(
+                [*conv, {"role": "assistant", "content": reply}, {"role": "user", "content": "More."}]
+            )
+    with SnapshotStore(store) as st:
+        assert len({s.label for s in st.list_snapshots()}) == 2
+    with serving(lm, store) as (url, _):
+        for conv in grown:
+            r = ask(url, conv)
+            assert r.usage.prompt_tokens_details.cached_tokens >= (r.usage.prompt_tokens - 16) // 64 * 64 - 64

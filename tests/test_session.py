@@ -191,6 +191,52 @@ def test_corrupted_snapshot_warns_and_prefills_cold(lm, cold, tmp_path) -> None:
         assert store.verify().ok
 
 
+def test_damaged_lazy_restore_warns_and_answers_as_cold(lm, cold, tmp_path) -> None:
+    """A lazy restore reads chunk KV only when it is selected: the damaged chunk fails its check
+    mid-prefill; the turn goes on cold, and the damaged snapshot counts no hit."""
+    doc = document()
+    with SnapshotStore(tmp_path) as store:
+        turns(Session(engine(lm), [doc], store), [Q1])
+        _damage_one_chunk(tmp_path)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ((b, sb),) = turns(Session(engine(lm), [doc], store, lazy=True), [Q2])
+        assert b == cold["q2_only"]
+        assert sb.source == "cold" and sb.restored_tokens == 0
+        assert any("unusable" in str(w.message) for w in caught)
+        assert [s.hits for s in store.list_snapshots()] == [0]
+
+
+def test_a_session_keeps_and_skips_snapshots_another_engine_made(lm, cold, tmp_path) -> None:
+    """One session name on one store, run with another chunk size (another fingerprint): that run
+    neither resumes the conversation from KV it cannot use nor deletes it, so the first engine's
+    next turn still restores its snapshot."""
+    doc = document()
+    other = Engine(lm, EngineConfig(pool_tokens=4096, residency=ResidencyConfig(chunk_tokens=32)))
+    with SnapshotStore(tmp_path) as store:
+        turns(Session(engine(lm), [doc], store, name="s"), [Q1])
+        (mine,) = store.list_snapshots()
+        sess = Session(other, [doc], store, name="s")
+        assert len(sess.messages) == 1  # a new conversation: the stored one is another engine's
+        turns(sess, [Q1])
+        assert mine.id in {s.id for s in store.list_snapshots()} and len(store.list_snapshots()) == 2
+        ((a2, s2),) = turns(Session(engine(lm), [doc], store, name="s"), [Q2])
+    assert s2.source == "disk" and a2 == cold["two"][1]
+
+
+def test_a_pinned_snapshot_is_kept_and_the_turn_still_answers(lm, cold, tmp_path) -> None:
+    doc = document()
+    with SnapshotStore(tmp_path) as store:
+        sess = Session(engine(lm), [doc], store, name="s")
+        sess.ask(Q1, MAX)
+        (pinned,) = store.list_snapshots()
+        store.pin(pinned.id)
+        a2, s2 = sess.ask(Q2, MAX)
+        sess.close()
+        assert a2 == cold["two"][1] and s2.snapshot_id not in (None, pinned.id)
+        assert {s.id for s in store.list_snapshots()} == {pinned.id, s2.snapshot_id}
+
+
 def test_damage_is_reported_by_verify(lm, tmp_path) -> None:
     with SnapshotStore(tmp_path) as store:
         turns(Session(engine(lm), [document()], store), [Q1])
@@ -234,6 +280,8 @@ def test_kv_computed_under_eviction_never_stands_in_for_exact_kv(lm, tmp_path) -
         # A sequence that evicts anyway takes exact KV too.
         ((_, again),) = turns(Session(engine(lm, pool_tokens=512), [doc], store, lazy=True), [Q2])
         assert again.source == "lazy" and again.restored_tokens >= small.prefilled_tokens // 64 * 64 - 64
+        # Its approximate snapshot does not replace the exact one that a full budget needs.
+        assert sorted(s.fingerprint.endswith(APPROX_SUFFIX) for s in store.list_snapshots()) == [False, True]
 
 
 def test_closing_a_lazy_session_stops_its_prefetch(lm, tmp_path) -> None:
@@ -273,3 +321,16 @@ def test_ask_and_chat_choose_the_position_scheme(smollm_path, tmp_path, absolute
             assert sess.snapshots.store.decoders.n == 1
     finally:
         close_session(sess)
+
+
+def test_a_full_host_tier_names_the_flag_that_raises_it(smollm_path, tmp_path) -> None:
+    """A host tier of no chunk under a pool that must evict: the one-line error names --host-bytes,
+    a flag `ask` takes."""
+    doc_file = tmp_path / "town.txt"
+    doc_file.write_text(document(n_sentences=60).text)
+    cmd = [sys.executable, "-m", "kvflash.cli.app", "ask", str(doc_file), Q1, "--host-bytes", "1",
+           "--pool-tokens", "512", "--no-store", "--model", str(smollm_path), "--device", "cpu",
+           "-n", "2"]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 1 and "the host tier is full" in r.stderr and "--host-bytes" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr

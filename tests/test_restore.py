@@ -1,0 +1,172 @@
+"""The restore transaction on a tiny random-weight model over a real store: a restore that fails
+in any way leaves nothing behind and the prompt goes cold; the store counts only validated restores;
+a save replaces only the snapshots it supersedes."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvflash.config import EngineConfig, ResidencyConfig
+from kvflash.engine import Engine
+from kvflash.generate import Sampling
+from kvflash.models.loader import LoadedModel
+from kvflash.pool import chunk_bytes
+from kvflash.prefix_cache import PrefixCache
+from kvflash.scheduler import Job, Scheduler
+from kvflash.snapshots import KVSnapshots
+from kvflash.storage import SnapshotStore
+from kvflash.turn import TurnStats
+from tests.tiny import tiny_config, tiny_model
+
+CFG = tiny_config()
+RES = ResidencyConfig(chunk_tokens=16, tail_chunks=1, tau=8, tau_history_div=1 << 30)
+FP = "7" * 32
+
+
+@pytest.fixture(scope="module")
+def lm() -> LoadedModel:
+    return LoadedModel(tiny_model(CFG), None, CFG, Path("tiny"), torch.float32, torch.device("cpu"))
+
+
+@pytest.fixture
+def store(tmp_path):
+    with SnapshotStore(tmp_path / "store") as st:
+        yield st
+
+
+def engine(lm, pool_tokens: int = 512, host_bytes: int = 8 << 30) -> Engine:
+    return Engine(lm, EngineConfig(pool_tokens=pool_tokens, host_bytes=host_bytes, residency=RES))
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, CFG.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def saved(lm, snapshots: KVSnapshots, ids: list[int], label: str = "doc", budget: int | None = None) -> str:
+    """Prefills ids in a new sequence and snapshots its sealed prefix; returns the snapshot id."""
+    eng = engine(lm)
+    kv = eng.new_sequence(budget)
+    eng.prefill(kv, ids)
+    try:
+        return snapshots.save(kv, label)
+    finally:
+        kv.free()
+
+
+def live_leases(store: SnapshotStore) -> int:
+    return store.index.conn.execute("SELECT COUNT(*) FROM leases").fetchone()[0]
+
+
+def damage_payloads(store: SnapshotStore, snapshot_id: str) -> None:
+    """Flips a KV payload byte of every chunk of the snapshot (their summaries stay intact)."""
+    for h in store.get_snapshot(snapshot_id).chunk_hashes:
+        path = store.root / "chunks" / h[:2] / f"{h}.kvc"
+        data = bytearray(path.read_bytes())
+        data[-20] ^= 0xFF
+        path.write_bytes(bytes(data))
+
+
+def test_a_restore_that_fills_the_host_tier_leaves_nothing_behind(lm, store) -> None:
+    """Twelve stored chunks restored eagerly into a host tier of four: HostTierFull (no ChunkError)
+    must free the sequence, its host slots and its lease before the prompt goes cold."""
+    snapshots = KVSnapshots(store, FP)
+    ids = prompt(200, 1)
+    sid = saved(lm, snapshots, ids)
+    eng = engine(lm, host_bytes=4 * chunk_bytes(CFG, 16, torch.float32))
+    cache = PrefixCache(eng, snapshots, lazy=False)
+    stats = TurnStats()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kv = cache.take(ids + [1, 2], stats)
+    assert any("HostTierFull" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    assert len(kv.seq) == 0 and stats.source == "cold" and stats.restored_tokens == 0
+    assert list(cache._made) == [id(kv)]  # the failed restore's sequence is gone
+    assert live_leases(store) == 0
+    assert store.get_snapshot(sid).hits == 0  # nothing was restored
+    for h in [eng.host.alloc() for _ in range(4)]:  # the host tier's four slots are free again
+        eng.host.release(h)
+    eng.prefill(kv, ids + [1, 2])  # the cold prefill has the whole pool
+    cache.close()
+    assert eng.pool.n_free == eng.pool.n_slots
+
+
+def run_one(sched: Scheduler, ids: list[int], max_tokens: int) -> tuple[list[int], TurnStats]:
+    box: list = []
+    done = threading.Event()
+
+    def finished(out, stats, kv) -> None:
+        box.append((out, stats))
+        done.set()
+
+    def failed(e: BaseException) -> None:
+        box.append(e)
+        done.set()
+
+    sched.submit(Job(ids, max_tokens, Sampling(), lambda t: False, finished, failed))
+    assert done.wait(60), "the request was never answered"
+    assert not isinstance(box[0], BaseException), box[0]
+    return box[0]
+
+
+def test_damaged_lazy_chunks_fall_back_to_a_cold_prefill_with_no_hit(lm, store) -> None:
+    """A prompt over 18 stored chunks with a budget of 8 restores lazily: the summaries are intact,
+    every payload is damaged. The chunks read during the prefill fail their checks; the request
+    answers as a cold one does, and the snapshot counts no hit."""
+    snapshots = KVSnapshots(store, FP)
+    doc = prompt(300, 2)
+    ids = doc + prompt(20, 3)
+    sid = saved(lm, snapshots, doc, budget=128)  # the serving budget: approximate KV
+    damage_payloads(store, sid)
+    cold_sched = Scheduler(engine(lm), None, frozenset(), max_batch=4)
+    try:
+        cold, _ = run_one(cold_sched, ids, 8)
+    finally:
+        cold_sched.close()
+    sched = Scheduler(engine(lm), snapshots, frozenset(), max_batch=4)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out, stats = run_one(sched, ids, 8)
+    finally:
+        sched.close()
+    assert any("unusable" in str(w.message) for w in caught)
+    assert out == cold
+    assert stats.source == "cold" and stats.restored_tokens == 0
+    assert store.get_snapshot(sid).hits == 0
+    assert live_leases(store) == 0
+
+
+def test_a_lazy_restore_counts_its_hit_when_its_turn_completes(lm, store) -> None:
+    snapshots = KVSnapshots(store, FP)
+    doc = prompt(300, 2)
+    sid = saved(lm, snapshots, doc, budget=128)
+    sched = Scheduler(engine(lm), snapshots, frozenset(), max_batch=4)
+    try:
+        _, stats = run_one(sched, doc + prompt(20, 3), 4)
+    finally:
+        sched.close()
+    assert stats.source == "lazy" and stats.restored_tokens == 288
+    assert store.get_snapshot(sid).hits == 1
+
+
+def test_a_save_replaces_only_the_snapshots_it_supersedes(lm, store) -> None:
+    """Under one label: another engine's snapshot (another fingerprint) stays, approximate KV never
+    replaces exact KV, exact KV replaces approximate KV, and a pinned snapshot stays (its removal
+    refused) while the new one is written."""
+    ids = prompt(100, 4)
+    other = saved(lm, KVSnapshots(store, "8" * 32), ids)
+    snapshots = KVSnapshots(store, FP)
+    exact = saved(lm, snapshots, ids)
+    approx = saved(lm, snapshots, ids, budget=64)
+    fps = {s.id: s.fingerprint for s in store.list_snapshots()}
+    assert fps == {other: "8" * 32, exact: FP, approx: snapshots.approx_fp}
+    store.pin(exact)
+    newer = saved(lm, snapshots, ids)
+    assert {s.id for s in store.list_snapshots()} == {other, exact, newer}  # approx replaced, pin kept
+    newest = saved(lm, snapshots, ids)
+    assert {s.id for s in store.list_snapshots()} == {other, exact, newest}

@@ -1,0 +1,189 @@
+"""The server under bad and hostile traffic, over real HTTP on 127.0.0.1 with the real default model:
+generated requests from the OpenAPI schema, malformed and oversized bodies, clients that leave mid-
+stream and mid-prefill, many requests at once. After each, the server answers the next request and
+the pool, the host tier and the leases are back where they started. Marked `reliability`: `make
+test-reliability` runs them."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import hypothesis
+import pytest
+import schemathesis
+from schemathesis import GenerationMode
+
+from kvflash.server import Server
+from tests.test_server import DOC, JSON, MODEL, STORY, TURN1, serving, settled
+
+pytestmark = pytest.mark.reliability
+
+MAX_EXAMPLES = 25
+"""Generated requests per operation and mode: enough to cover every field's bounds in a few minutes."""
+
+
+@pytest.fixture(scope="module")
+def lm(smollm_path):
+    from kvflash.models.loader import load_model
+
+    return load_model(smollm_path, device="cpu")
+
+
+def stray(server: Server) -> tuple[int, int, int]:
+    """Pool slots, host-tier slots and store leases held by no live sequence kept for reuse: every
+    request must give these back when it ends, however it ends."""
+    eng, idle = server.scheduler.engine, server.scheduler.cache.idle
+    chunks = [ch for kv in idle for ch in kv.seq.chunks]
+    pool = eng.pool.n_slots - eng.pool.n_free - sum(ch.gpu is not None for ch in chunks)
+    host = eng.host.n_used - sum(ch.host is not None for ch in chunks)
+    store = server.snapshots.store if server.snapshots else None
+    leases = store.index.conn.execute("SELECT COUNT(*) FROM leases").fetchone()[0] if store else 0
+    return pool, host, leases - sum(kv.fetch is not None for kv in idle)
+
+
+def still_serves(url: str) -> None:
+    r = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": TURN1, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert httpx.get(f"{url}/health").json()["status"] == "ok"
+
+
+def test_requests_generated_from_the_openapi_schema_conform_to_it(lm, tmp_path) -> None:
+    """Valid and invalid requests for every operation: no 5xx, every status and body as declared,
+    405 with Allow for methods not declared."""
+    tried = 0
+    with serving(lm, tmp_path / "store", max_tokens=2) as (url, server):
+        schema = schemathesis.openapi.from_url(f"{url}/openapi.json")
+        for result in schema.get_all_operations():
+            op = result.ok()
+            for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+
+                @hypothesis.settings(
+                    max_examples=MAX_EXAMPLES, deadline=None, database=None, derandomize=True,
+                    suppress_health_check=list(hypothesis.HealthCheck),
+                )  # fmt: skip
+                @hypothesis.given(case=op.as_strategy(generation_mode=mode))
+                def check(case) -> None:
+                    nonlocal tried
+                    tried += 1
+                    case.validate_response(case.call(base_url=url, timeout=60))
+
+                try:
+                    check()
+                except hypothesis.errors.Unsatisfiable:  # no input to make invalid (GET /health)
+                    assert mode == GenerationMode.NEGATIVE
+        settled(server)
+        still_serves(url)
+    print(f"schemathesis: {tried} generated requests")
+    assert tried >= MAX_EXAMPLES
+
+
+MALFORMED = [
+    b"",
+    b"{",
+    b"[]",
+    b"null",
+    b'{"model": 1}',
+    json.dumps({"model": MODEL, "messages": "hi"}).encode(),
+    json.dumps({"model": MODEL, "messages": [{"role": "user"}]}).encode(),
+    json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "\ud800"}]}).encode(),
+    json.dumps({"model": MODEL, "messages": TURN1, "seed": -(2**70)}).encode(),
+    json.dumps({"model": MODEL, "messages": TURN1, "top_p": 0}).encode(),
+    json.dumps({"model": MODEL, "messages": TURN1, "temperature": float("nan")}).encode(),
+    json.dumps({"model": MODEL, "messages": TURN1, "stop": ["x"] * 17}).encode(),
+    b"\xff\xfe\x00garbage",
+]
+
+
+def test_sixty_four_requests_at_once_some_malformed(lm, tmp_path) -> None:
+    """48 good requests (streamed or not, with and without a stored prefix) and 16 malformed, all at
+    once: each good one answers, each bad one gets 400 or 413, then usage is back at its baseline."""
+    rng = random.Random(0)
+    with serving(lm, tmp_path / "store", max_tokens=4) as (url, server):
+        still_serves(url)  # what the baseline includes: the model warm, one conversation stored
+        settled(server)
+        assert stray(server) == (0, 0, 0)
+        bad = [MALFORMED[i % len(MALFORMED)] for i in range(16)]
+
+        def question(i: int) -> list[dict]:
+            return [{"role": "system", "content": DOC}, {"role": "user", "content": f"Question {i}?"}]
+
+        good = [
+            {"model": MODEL, "messages": question(i), "max_tokens": rng.randint(1, 6), "stream": i % 3 == 0,
+             "temperature": rng.choice([0, 0.7])}
+            for i in range(48)
+        ]  # fmt: skip
+        jobs = [("bad", b) for b in bad] + [("good", g) for g in good]
+        rng.shuffle(jobs)
+
+        def send(job):
+            kind, payload = job
+            if kind == "bad":
+                return kind, httpx.post(
+                    f"{url}/v1/chat/completions", content=payload, headers={"content-type": JSON}, timeout=300
+                )
+            return kind, httpx.post(f"{url}/v1/chat/completions", json=payload, timeout=300)
+
+        with ThreadPoolExecutor(64) as pool:
+            answers = list(pool.map(send, jobs))
+        for kind, r in answers:
+            if kind == "bad":
+                assert r.status_code in (400, 413), r.text
+                assert r.json()["error"]["message"]
+            else:
+                assert r.status_code == 200, r.text
+                assert "error" not in r.text
+        settled(server)
+        server._saver.submit(lambda: None).result()  # the snapshots queued so far are written
+        assert stray(server) == (0, 0, 0)
+        still_serves(url)
+
+
+def test_clients_that_leave_mid_stream_and_mid_prefill_give_everything_back(lm, tmp_path) -> None:
+    long_doc = [{"role": "system", "content": " ".join([DOC] * 40)}, {"role": "user", "content": "Who?"}]
+    with serving(lm, tmp_path / "store", max_tokens=200) as (url, server):
+        still_serves(url)
+        settled(server)
+        assert stray(server) == (0, 0, 0)
+        for messages in (STORY, long_doc) * 3:
+            body = {"model": MODEL, "messages": messages, "stream": True}
+            with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
+                lines = r.iter_lines()
+                next(lines)
+        for _ in range(3):  # non-streamed clients that give up
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(
+                    f"{url}/v1/chat/completions", json={"model": MODEL, "messages": long_doc}, timeout=0.3
+                )
+        settled(server)
+        assert stray(server) == (0, 0, 0)
+        still_serves(url)
+
+
+def test_slow_and_oversized_bodies_are_refused_and_the_server_goes_on(lm) -> None:
+    with serving(lm, None, max_tokens=2, max_body_bytes=1 << 20) as (url, server):
+        huge = b'{"model": "' + b"x" * (2 << 20) + b'"}'
+        assert (
+            httpx.post(f"{url}/v1/chat/completions", content=huge, headers={"content-type": JSON}).status_code
+            == 413
+        )
+
+        def trickle():  # a slow client: a body in small pieces, past the limit
+            for _ in range(40):
+                time.sleep(0.01)
+                yield b" " * 32768
+
+        r = httpx.post(
+            f"{url}/v1/chat/completions", content=trickle(), headers={"content-type": JSON}, timeout=60
+        )
+        assert r.status_code == 413
+        threads = [threading.Thread(target=still_serves, args=(url,)) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        still_serves(url)
