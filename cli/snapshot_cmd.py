@@ -123,7 +123,7 @@ def _list_table(snaps: list, wide: bool) -> Table:
         t.add_column(col, justify="right", no_wrap=True)
     for s in snaps:
         pin, used = "*" if s.pinned else "", time.strftime("%m-%d %H:%M", time.localtime(s.last_used))
-        t.add_row(s.id + pin, s.label, f"{s.n_tokens:,}", _bytes(s.stored_bytes), used, str(s.hits))
+        t.add_row(s.id + pin, Text(s.label), f"{s.n_tokens:,}", _bytes(s.stored_bytes), used, str(s.hits))
     return t
 
 

@@ -158,8 +158,8 @@ class HostTier:
             if b is None:
                 self.release_many(out)
                 raise HostTierFull(
-                    f"the host tier is full ({self.max_slots} chunks); give the engine more host memory "
-                    "(EngineConfig.host_bytes) or a larger pool"
+                    f"the host tier is full ({self.max_slots} chunks); raise --host-bytes "
+                    "(EngineConfig.host_bytes) or --pool-tokens"
                 )
             self._fill_block(b)
         return sorted(out)
