@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
+
+from tests.test_server import free_port, serve_process
 
 DOC = (
     "Harbor notes. The lighthouse of Port Elden was built by Mara Quill in 1843 and painted red in "
@@ -29,31 +28,10 @@ finally:
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(smollm_path, tmp_path_factory):
-    port, store = free_port(), tmp_path_factory.mktemp("store")
-    cmd = [sys.executable, "-m", "kvflash.cli.app", "serve", "--model", str(smollm_path), "--device", "cpu",
-           "--port", str(port), "--store", str(store), "--max-tokens", "8"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "kvflash serve did not come up"
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+    with serve_process(smollm_path, tmp_path_factory.mktemp("store"), "--max-tokens", "8") as (url, proc):
         yield url
-    finally:
         proc.send_signal(signal.SIGINT)
         proc.communicate(timeout=60)
 
