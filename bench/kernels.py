@@ -7,7 +7,7 @@ contiguously, and next to the read limit: a plain streaming read of the same byt
 buffer, timed the same way, which is the most any single kernel reading that many bytes reaches
 (small reads fall short of the copy rate: the launch, the ramp-up and the last partial wave are
 a fixed few microseconds). Prefill attention is compute bound: TFLOP/s against SDPA's flash path on the same
-causal shape. Targets (issue 4): decode >= 85% of copy at long context and >= SDPA; prefill >= 80%.
+causal shape. Targets: decode >= 85% of copy at long context and >= SDPA; prefill >= 80%.
 
 Times are GPU times: each side's calls are replayed from one CUDA graph, so Python launch overhead
 (tens of microseconds, larger than the whole kernel at small shapes) is left out: this measures the

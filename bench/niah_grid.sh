@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 7's NIAH grid: each arm runs `kvflash niah` into ROOT/<arm>, then bench/niah_table.py merges
+# The NIAH grid: each arm runs `kvflash niah` into ROOT/<arm>, then bench/niah_table.py merges
 # the arms' summary.json into ROOT/table.md (the table for docs/BENCHMARKS.md). Rerunning resumes.
 #
 #   bench/niah_grid.sh out/niah                        # the full grid (lengths 2K,4K,8K x 11 depths x 4)

@@ -2,7 +2,7 @@
 
 Accuracy per length and overall, the gap to the full-attention cold arm in points, mean TTFT per
 length, and for restore arms the share of answers identical to the cold arm with the same settings
-(issue 7: restore must answer exactly as cold).
+(restore must answer exactly as cold).
 
     python bench/niah_table.py out/niah/*/summary.json > table.md
 """

@@ -9,7 +9,7 @@ Kinds: into fresh tensors, into destinations allocated before the clock starts (
 restores into its host-tier slots), and the same with the store's threads only (no decode
 processes). Then warm restores (files in the page cache: what decoding sustains) and the async
 path. The raw write (fsync'd files of the chunk files' sizes) is measured at the end.
-Target (issue 5): a cold restore reaches >= 80% of the raw read speed, counting stored bytes.
+Target: a cold restore reaches >= 80% of the raw read speed, counting stored bytes.
 
 Input: `--kv-file` safetensors whose 5-D tensors are chunks `[L, 2, Hkv, C, D]` (in name order) or
 whose 6-D tensor stacks them; otherwise synthetic bf16 KV with SmolLM2-135M's shape (the output
