@@ -211,13 +211,16 @@ class Answerer(Protocol):
 class ModelArm:
     """Answers trials with a loaded model under the config's policy, pool and mode.
 
-    A new Engine per trial (a pool sized for that trial is cheap); in restore modes one store under
-    `<out>/store`, emptied after each trial so a full grid does not fill the disk.
+    One Engine while the trials' pool size stays the same (an engine pins its host tier and warms
+    its kernels when it starts; a fixed --pool-tokens grid pays that once), a new one when it
+    changes; in restore modes one store under `<out>/store`, emptied after each trial so a full grid
+    does not fill the disk.
     """
 
     def __init__(self, cfg: NiahConfig, lm: LoadedModel):
         self.cfg, self.lm, self.tok = cfg, lm, lm.tokenizer
         self.store = SnapshotStore(Path(cfg.out) / "store", cfg.codec) if cfg.mode != "cold" else None
+        self._engine: Engine | None = None
 
     def count_tokens(self, text: str) -> int:
         return len(self.tok.encode_plain(text))
@@ -226,8 +229,7 @@ class ModelArm:
         docs = [Document("haystack.txt", document)]
         prompt = encode_messages(self.tok, [system_message(docs), {"role": "user", "content": question}])
         pool = self.cfg.pool_for(length, len(prompt))
-        res = ResidencyConfig(policy=self.cfg.policy, cache_positions=self.cfg.cache_positions)
-        engine = Engine(self.lm, EngineConfig(pool_tokens=pool, residency=res))
+        engine = self._engine_for(pool)
         if self.store is not None:
             self._ask(Session(engine, docs, self.store), NEUTRAL_QUESTION, 1)
         lazy = {"cold": None, "restore": False, "lazy": True}[self.cfg.mode]
@@ -237,6 +239,13 @@ class ModelArm:
             for s in self.store.list_snapshots():
                 self.store.rm(s.id)
         return Answer(text, stats, pool, len(prompt))
+
+    def _engine_for(self, pool: int) -> Engine:
+        if self._engine is None or self._engine.cfg.pool_tokens != pool:
+            self._engine = None  # the old pool's memory goes before the new one is allocated
+            res = ResidencyConfig(policy=self.cfg.policy, cache_positions=self.cfg.cache_positions)
+            self._engine = Engine(self.lm, EngineConfig(pool_tokens=pool, residency=res))
+        return self._engine
 
     @staticmethod
     def _ask(sess: Session, question: str, max_tokens: int) -> tuple[str, TurnStats]:
