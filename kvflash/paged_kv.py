@@ -533,6 +533,21 @@ class PagedKV:
             self.seq.set_summary(ch.index, summary)
             ch.sealed = True
 
+    def truncate(self, n_chunks: int) -> None:
+        """Keeps the first n_chunks chunks (sealed) and drops every later token, giving back the
+        dropped chunks' slots: a prompt that shares only that prefix with this sequence reuses it.
+        A kept chunk's KV depends only on the tokens before it, so it is what a prefill of the prompt
+        would compute (under the same residency); the next step selects again."""
+        assert n_chunks <= self.seq.n_sealed, "only whole sealed chunks can be kept"
+        with self._fetch_lock:  # a prefetch in flight finishes its batch first
+            dropped = self.seq.chunks[n_chunks:]
+            for ch in dropped:
+                ch.disk = None  # a prefetch that listed it no longer reads it
+            self._release(dropped)
+            del self.seq.chunks[n_chunks:]
+            del self.seq.tokens[n_chunks * self.cfg.chunk_tokens :]
+        self._scores, self._scouted, self._dirty, self._since_select = None, False, True, 0
+
     def free(self) -> None:
         """Returns every GPU and host slot of this sequence."""
         # Cleared before taking the lock: a prefetch re-takes it batch after batch (locks are not
@@ -540,7 +555,10 @@ class PagedKV:
         self.fetch = None
         with self._fetch_lock:  # waits for the batch in flight
             pass
-        for ch in self.seq.chunks:
+        self._release(self.seq.chunks)
+
+    def _release(self, chunks: list[Chunk]) -> None:
+        for ch in chunks:
             if ch.gpu is not None:
                 self.pool.release(ch.gpu)
                 ch.gpu = None

@@ -72,12 +72,11 @@ class PrefixCache:
         token to prefill; it is the caller's until `keep` or `drop`. A stored prefix that cannot be
         restored warns and gives an empty sequence (a cold prefill); so does `reuse` False."""
         stats.source, stats.restored_tokens, stats.restore_s = "cold", 0, 0.0
-        if reuse:
-            for kv in reversed(self.idle):
-                if len(kv.seq) < len(ids) and kv.seq.tokens == ids[: len(kv.seq)]:
-                    self.idle.remove(kv)
-                    stats.source, stats.restored_tokens = "memory", len(kv.seq)
-                    return kv
+        live = self._live(ids) if reuse else None
+        if live is not None:
+            self.idle.remove(live)
+            stats.source, stats.restored_tokens = "memory", len(live.seq)
+            return live
         while self.idle and len(self._made) >= self.capacity:
             self.drop(self.idle.pop(0))
         kv = self._new()
@@ -90,6 +89,23 @@ class PrefixCache:
             self.drop(kv)
             return self._new()
         return kv
+
+    def _live(self, ids: list[int]) -> PagedKV | None:
+        """The idle sequence sharing the longest prefix with ids, cut to what it shares: all of it
+        where ids extend it, else its whole chunks before the first difference (a client resends
+        the conversation with the answer re-encoded from text, whose ids may differ from the ones
+        generated), leaving at least one token to prefill. None where none shares a whole chunk."""
+        c = self.engine.cfg.residency.chunk_tokens
+        best, best_n = None, 0
+        for kv in reversed(self.idle):
+            n = _common_prefix(kv.seq.tokens, ids[: len(ids) - 1])
+            if n < len(kv.seq):
+                n = min(n // c, kv.seq.n_sealed) * c
+            if n > best_n:
+                best, best_n = kv, n
+        if best is not None and best_n < len(best.seq):
+            best.truncate(best_n // c)
+        return best
 
     def _restore(
         self,
@@ -158,3 +174,18 @@ class PrefixCache:
         kv = self.engine.new_sequence(self.budget_tokens)
         self._made[id(kv)] = Made(kv)
         return kv
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of a and b."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
