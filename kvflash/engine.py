@@ -56,6 +56,14 @@ class Engine:
             finally:
                 kv.free()
 
+    def expect(self, tokens: int) -> None:
+        """Starts pinning host memory for the chunks beyond the pool of a prompt of about `tokens`
+        tokens, before its ids exist (while a document is tokenised): its prefill's page-outs then
+        find the memory pinned instead of waiting for it. The prefill reserves what is still short."""
+        leaving = -(-tokens // self.cfg.residency.chunk_tokens) - self.pool.n_slots
+        if leaving > 0:
+            self.host.reserve(self.host.n_used + leaving)
+
     def new_sequence(self, budget_tokens: int | None = None) -> PagedKV:
         c = self.cfg.residency.chunk_tokens
         budget = self.pool.n_slots if budget_tokens is None else -(-budget_tokens // c)

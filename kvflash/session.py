@@ -25,6 +25,10 @@ from kvflash.snapshots import KVSnapshots, StoredSummaries
 from kvflash.storage import ChunkError, SnapshotInfo, SnapshotStore, StoreError
 from kvflash.turn import TurnStats, answer
 
+CHARS_PER_TOKEN = 4
+"""About the most characters a token of prose covers: a document's length over it underestimates its
+tokens, so the host memory pinned ahead of its prefill is not more than the prefill uses."""
+
 
 class Session:
     """One conversation over fixed documents; `name` makes it resumable from another process."""
@@ -96,7 +100,8 @@ class Session:
         user = {"role": "user", "content": question}
         if len(self.messages) == 1:
             docs = self._stored_document_ids()
-            if docs is None:
+            if docs is None:  # a cold prefill follows: its host memory is pinned while tokenising
+                self.engine.expect(len(self.messages[0]["content"]) // CHARS_PER_TOKEN)
                 docs = self.tok.encode_plain(self.messages[0]["content"])
             start = content_start(self.tok, self.messages)
             self._doc_span = [start, start + len(docs)]

@@ -123,3 +123,13 @@ def test_prefill_over_the_pool_equals_its_steps_one_at_a_time() -> None:
         out.append(eng.prefill(eng.new_sequence(), ids))
     torch.testing.assert_close(out[0], out[1], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out[0], out[2], rtol=1e-5, atol=1e-5)
+
+
+def test_expect_pins_ahead_the_host_memory_a_long_prompt_pages_out() -> None:
+    eng = _engine(pool_tokens=8 * 16)
+    eng.expect(8 * 16)  # fits the pool: nothing leaves it
+    assert eng.host._n_slots == 0
+    eng.expect(200 * 16)
+    with eng.host._grown:
+        eng.host._grown.wait_for(lambda: not eng.host._growing, timeout=60)
+    assert 192 <= eng.host._n_slots <= 256  # the chunks beyond the pool, in whole blocks of 64
