@@ -97,6 +97,10 @@ class Scheduler:
             )
         budget = chunks * res.chunk_tokens
         self.cache = PrefixCache(engine, snapshots, budget_tokens=budget, capacity=max_batch)
+        host = engine.host.max_slots * res.chunk_tokens
+        self.max_context_tokens = budget if res.policy == "full" else max(budget, host)
+        """The most tokens one sequence is sure to hold: its budget, or under an evicting policy the
+        host tier (a chunk paged back in keeps its host copy, so sealed chunks all end up there)."""
         self.steps = 0
         """Batched forwards run."""
         self.batched = 0

@@ -284,3 +284,29 @@ def test_a_request_whose_client_left_stops_at_the_next_prefill_piece(lm) -> None
     (end,) = [i for i, e in enumerate(events) if e.startswith("long:")]
     assert "went away" in events[end] and events[:end].count("short: token") <= 4, events
     assert eng.pool.n_free == eng.pool.n_slots
+
+
+@pytest.mark.parametrize("policy", ["qk", "full"])
+def test_max_context_tokens_is_what_one_sequence_holds(lm, policy: str) -> None:
+    """A prompt of max_context_tokens prefills, and one longer by the budget cannot (pool and host
+    tier hold fewer chunks): the server's default prompt limit is what the engine holds, not the
+    model's trained context."""
+    res = ResidencyConfig(chunk_tokens=16, tail_chunks=1, policy=policy)
+    chunk = CFG.kv_bytes_per_token(torch.float32) * 16
+    eng = Engine(lm, EngineConfig(pool_tokens=256, residency=res, host_bytes=20 * chunk))
+    sched = Scheduler(eng, None, frozenset(), max_batch=2)
+    try:
+        limit = sched.max_context_tokens
+        assert limit == (20 if policy == "qk" else 8) * 16
+        over = limit + (9 * 16 if policy == "qk" else 16)  # qk: more chunks than host and pool hold
+        for n, fits in ((limit, True), (over, False)):
+            kv = sched.cache._new()
+            try:
+                eng.prefill(kv, prompt(n, 0))
+                assert fits
+            except KVFlashError:
+                assert not fits
+            finally:
+                sched.cache.drop(kv)
+    finally:
+        sched.close()

@@ -1,0 +1,51 @@
+"""Ids of long message contents a server saw recently, by content hash.
+
+An OpenAI client resends the whole conversation every turn, documents included: tokenising a long
+document again would cost more than the turn's own prefill. `encode_messages` encodes each content
+on its own, so the cached ids are exactly the ids the content encodes to.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from typing import Any
+
+from kvflash.models.tokenizer import Tokenizer
+
+MIN_CHARS = 4096
+"""Contents shorter than this are encoded again: hashing and keeping them would save nothing."""
+
+
+class ContentIds:
+    def __init__(self, tok: Tokenizer, max_ids: int = 1 << 22):
+        self.tok, self.max_ids = tok, max_ids
+        self._ids: OrderedDict[bytes, list[int]] = OrderedDict()
+        self._held = 0
+        self._lock = threading.Lock()  # prompts are rendered on several threads at once
+
+    def known(self, messages: list[dict[str, Any]]) -> dict[int, list[int]]:
+        """`encode_messages`'s `known` for these messages: each long content's ids, encoded now
+        where not seen before (least recently used ones go past `max_ids` held)."""
+        out = {}
+        for i, m in enumerate(messages):
+            content = m.get("content")
+            if isinstance(content, str) and len(content) >= MIN_CHARS:
+                out[i] = self._get(content)
+        return out
+
+    def _get(self, content: str) -> list[int]:
+        key = hashlib.blake2b(content.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+        with self._lock:
+            if key in self._ids:
+                self._ids.move_to_end(key)
+                return self._ids[key]
+        ids = self.tok.encode_plain(content)
+        with self._lock:
+            if key not in self._ids and len(ids) <= self.max_ids:
+                self._ids[key] = ids
+                self._held += len(ids)
+                while self._held > self.max_ids:
+                    self._held -= len(self._ids.popitem(last=False)[1])
+        return ids
