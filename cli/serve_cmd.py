@@ -37,7 +37,13 @@ def serve(
         1, "--max-batch", min=1, help="Requests decoded together; each gets pool/N (default: all of it)."
     ),
     max_prompt_tokens: int = typer.Option(
-        None, "--max-prompt-tokens", min=1, help="Longest prompt; longer ones get 400 (default: the model's)."
+        None,
+        "--max-prompt-tokens",
+        min=1,
+        help="Longest prompt; longer ones get 400 (default: what one sequence can hold).",
+    ),
+    api_key: str = typer.Option(
+        None, "--api-key", envvar="KVFLASH_API_KEY", help="Require `Authorization: Bearer KEY` (not /health)."
     ),
     decode_processes: int = ProcsOpt,
     cuda_graphs: bool = GraphsOpt,
@@ -60,7 +66,7 @@ def serve(
     # before the answers in flight are ended and their snapshots written (Server.close, below).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:  # on SIGTERM or Ctrl-C, requests still open after the grace period are ended (Server.close)
-        uvicorn.run(create_app(server), host=host, port=port, log_level="info",
+        uvicorn.run(create_app(server, api_key=api_key), host=host, port=port, log_level="info",
                     timeout_graceful_shutdown=SHUTDOWN_GRACE_S)  # fmt: skip
     finally:
         server.close()

@@ -24,6 +24,8 @@ from kvflash.documents import Document, system_message
 from kvflash.paths import kvflash_home
 
 SERVER_ENV = "KVFLASH_SERVER"
+API_KEY_ENV = "KVFLASH_API_KEY"
+"""The key a server started with --api-key wants (`kvflash serve` reads the same variable)."""
 
 
 def server_url(flag: str | None) -> str | None:
@@ -81,7 +83,10 @@ class Server:
 
     def _open(self, path: str, body: dict | None = None):
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data, {"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json"}
+        if key := os.environ.get(API_KEY_ENV):
+            headers["Authorization"] = f"Bearer {key}"
+        req = urllib.request.Request(self.url + path, data, headers)
         try:
             return urllib.request.urlopen(req, timeout=self.timeout)
         except urllib.error.HTTPError as e:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 import json
 import threading
 import time
@@ -28,15 +29,17 @@ from typing import Annotated, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import AfterValidator, BaseModel, Field
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.types import Message as Message_
 
 from kvflash import KVFlashError
+from kvflash.content_ids import ContentIds
 from kvflash.engine import Engine
 from kvflash.generate import Sampling
+from kvflash.metrics import ServerMetrics
 from kvflash.models.tokenizer import StreamDecoder, Tokenizer
 from kvflash.paged_kv import PagedKV
 from kvflash.prompt import encode_messages
@@ -167,8 +170,10 @@ class Server:
     ):
         self.tok, self.model_name, self.snapshots = tokenizer, model_name, snapshots
         self.default_max_tokens = default_max_tokens
-        self.max_prompt_tokens = max_prompt_tokens or engine.lm.config.max_position
         self.scheduler = Scheduler(engine, snapshots, tokenizer.eos_ids, max_batch)
+        self.content_ids = ContentIds(tokenizer)
+        self.metrics = ServerMetrics()
+        self.max_prompt_tokens = max_prompt_tokens or self.scheduler.max_context_tokens - default_max_tokens
         self.created = int(time.time())
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvflash-save")
         """Writes staged snapshots in order, off the scheduler's thread."""
@@ -184,7 +189,8 @@ class Server:
     def prompt_ids(self, req: ChatRequest) -> list[int]:
         """The prompt's ids; KVFlashError for a template that refuses the messages or a prompt longer
         than `max_prompt_tokens` (refused before it takes the engine's time)."""
-        ids = encode_messages(self.tok, [m.as_template_message() for m in req.messages])
+        messages = [m.as_template_message() for m in req.messages]
+        ids = encode_messages(self.tok, messages, known=self.content_ids.known(messages))
         if len(ids) > self.max_prompt_tokens:
             raise ContextTooLong(
                 f"context too long: the prompt has {len(ids)} tokens, this server takes at most "
@@ -208,16 +214,22 @@ class Server:
         stop, decoder = StopText(req.stop_strings()), StreamDecoder(self.tok)
         label = conversation_label(req.messages)
 
+        def relay(item: str | Completion | BaseException) -> None:
+            if isinstance(item, BaseException):
+                self.metrics.failed()
+            emit(item)
+
         def on_token(tok: int) -> bool:
             if piece := stop.push(decoder.push(tok)):
-                emit(piece)
+                relay(piece)
             return stop.stopped
 
         def on_done(out: list[int], stats: TurnStats, kv: PagedKV) -> None:
             if not stop.stopped and (tail := stop.push(decoder.flush()) + stop.flush()):
-                emit(tail)
+                relay(tail)
             finish = "length" if len(out) >= max_tokens and not stop.stopped else "stop"
-            emit(Completion(stop.text, finish, len(ids), len(out), stats))
+            self.metrics.answered(finish, stats)
+            relay(Completion(stop.text, finish, len(ids), len(out), stats))
             if self.snapshots:
                 self.snapshots.start_prefetch(kv)
                 if not self._unsaved.acquire(blocking=False):
@@ -231,7 +243,25 @@ class Server:
                     raise
 
         sampling = Sampling(req.temperature, req.top_p, req.seed)
-        self.scheduler.submit(Job(ids, max_tokens, sampling, on_token, on_done, emit, gone))
+        self.scheduler.submit(Job(ids, max_tokens, sampling, on_token, on_done, relay, gone))
+
+    def readings(self) -> dict[str, tuple[str, str, float]]:
+        """The engine's and the scheduler's state for /metrics: name -> (type, help, value)."""
+        sched, pool, host = self.scheduler, self.scheduler.engine.pool, self.scheduler.engine.host
+        return {
+            "requests_in_flight": ("gauge", "Requests submitted and not yet answered.", sched.in_flight),
+            "live_sequences": (
+                "gauge",
+                "Sequences kept live on the GPU for a next turn.",
+                len(sched.cache.idle),
+            ),
+            "pool_slots": ("gauge", "Chunk slots of the GPU pool.", pool.n_slots),
+            "pool_slots_used": ("gauge", "GPU pool slots holding a chunk.", pool.n_slots - pool.n_free),
+            "host_tier_slots": ("gauge", "Chunk slots the host tier may grow to.", host.max_slots),
+            "host_tier_slots_used": ("gauge", "Host tier slots holding a chunk.", host.n_used),
+            "forward_steps_total": ("counter", "Batched decode forwards run.", sched.steps),
+            "batched_tokens_total": ("counter", "Tokens those forwards decoded.", sched.batched),
+        }
 
     def _save(self, staged: StagedSnapshot, label: str, prompt_tokens: int) -> None:
         """Writes a staged snapshot under its conversation's label, replacing the older snapshot of
@@ -279,6 +309,7 @@ class ErrorBody(BaseModel):
 
 ERRORS = {status: {"model": ErrorBody, "description": why} for status, why in (
     (400, "A bad request: the message names the field"),
+    (401, "A missing or wrong API key (a server started with --api-key)"),
     (404, "The model is not served here"),
     (413, f"The body is larger than {MAX_BODY_BYTES} bytes"),
     (500, "The request failed in the engine"),
@@ -321,9 +352,29 @@ class BodyLimit:
         await self.app(scope, counted, send)
 
 
-def create_app(server: Server, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+class ApiKey:
+    """Every route but /health answers 401 unless the request carries `Authorization: Bearer KEY`
+    (as OpenAI clients send their api_key); checked before the body is read."""
+
+    def __init__(self, app: ASGIApp, key: str):
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                why = "a missing or wrong API key (send Authorization: Bearer <the server's --api-key>)"
+                reply = error(401, why, "invalid_request_error", code="invalid_api_key",
+                              headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+                return await reply(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def create_app(server: Server, max_body_bytes: int = MAX_BODY_BYTES, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="kvflash", docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    if api_key:
+        app.add_middleware(ApiKey, key=api_key)  # added last: runs first
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -348,6 +399,11 @@ def create_app(server: Server, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
             return error(503, f"the scheduler has stopped ({server.scheduler.failure})", "server_error")
         return {"status": "ok", "requests": server.scheduler.in_flight}
 
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics() -> str:
+        """Prometheus's text format."""
+        return server.metrics.render(server.readings())
+
     @app.get("/v1/models")
     async def models() -> dict:
         card = {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "kvflash"}
@@ -359,14 +415,15 @@ def create_app(server: Server, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     @app.post("/v1/chat/completions", responses={200: ok, **ERRORS})
     async def chat(req: ChatRequest, request: Request):
         if req.model != server.model_name:
+            server.metrics.failed("refused")
             msg = f"model {req.model!r} is not served here; this server serves {server.model_name!r}"
             return error(404, msg, "invalid_request_error", "model", "model_not_found")
         try:  # off the event loop: a long prompt takes a while to tokenise
             ids = await asyncio.to_thread(server.prompt_ids, req)
-        except ContextTooLong as e:
-            return error(400, str(e), "invalid_request_error", "messages", "context_length_exceeded")
         except KVFlashError as e:
-            return error(400, str(e), "invalid_request_error", "messages")
+            server.metrics.failed("refused")
+            code = "context_length_exceeded" if isinstance(e, ContextTooLong) else None
+            return error(400, str(e), "invalid_request_error", "messages", code)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": server.model_name}
         gone = threading.Event()
         try:

@@ -260,14 +260,13 @@ def test_a_client_that_leaves_mid_stream_ends_its_answer(lm) -> None:
         assert whole > 20, "the story must be long enough to leave in the middle of"
         ask(url, TURN1, max_tokens=1)  # the live sequence is another conversation's now
         ids = server.prompt_ids(ChatRequest(model=MODEL, messages=story))
-        before = list(server.scheduler.cache.idle)  # the two conversations so far, live
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
             for line in r.iter_lines():  # leaves at the first text: the answer has begun
                 if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
                     break
         settled(server)  # the streamed answer ends; its sequence is kept live with what it had
-        kept = [kv for kv in server.scheduler.cache.idle if not any(kv is b for b in before)]
-        assert len(kept) == 1 and kept[0].seq.tokens[: len(ids)] == ids
+        kept = [kv for kv in server.scheduler.cache.idle if kv.seq.tokens[: len(ids)] == ids]
+        assert len(kept) == 1  # the first answer's sequence, cut back to the story and regrown
         generated = len(kept[0].seq) - len(ids)
         assert ask(url, TURN1, max_tokens=2).choices[0].message.content
     assert 0 <= generated < whole - 1
@@ -474,3 +473,44 @@ def test_two_conversations_over_one_document_keep_their_own_snapshots(lm, tmp_pa
         for conv in grown:
             r = ask(url, conv)
             assert r.usage.prompt_tokens_details.cached_tokens >= (r.usage.prompt_tokens - 16) // 64 * 64 - 64
+
+
+def _metric(text: str, name: str) -> float:
+    (line,) = [ln for ln in text.splitlines() if ln.startswith(f"kvflash_{name} ")]
+    return float(line.split()[1])
+
+
+def test_metrics_count_requests_tokens_and_pool_use(lm) -> None:
+    with serving(lm, None) as (url, _):
+        before = httpx.get(f"{url}/metrics").text
+        assert _metric(before, "pool_slots_used") == 0 and 'outcome="stop"' not in before
+        first = ask(url, TURN1, max_tokens=4)
+        second = ask(url, [*TURN1, {"role": "assistant", "content": first.choices[0].message.content},
+                           {"role": "user", "content": "When?"}], max_tokens=4)  # fmt: skip
+        with pytest.raises(openai.NotFoundError):  # refused: no such model here
+            client(url).chat.completions.create(model="nope", messages=TURN1)
+        text = httpx.get(f"{url}/metrics").text
+    done = sum(
+        _metric(text, f'requests_total{{outcome="{o}"}}') for o in ("stop", "length") if f'"{o}"' in text
+    )
+    assert done == 2 and _metric(text, 'requests_total{outcome="refused"}') == 1
+    reused = second.usage.prompt_tokens_details.cached_tokens
+    assert reused > 0 and _metric(text, 'tokens_total{kind="memory"}') == reused
+    generated = first.usage.completion_tokens + second.usage.completion_tokens
+    assert _metric(text, 'tokens_total{kind="generated"}') == generated
+    assert _metric(text, "ttft_seconds_count") == 2
+    assert _metric(text, "live_sequences") >= 1 and _metric(text, "pool_slots_used") > 0
+
+
+def test_an_api_key_is_required_everywhere_but_health(lm) -> None:
+    with serving(lm, None, api_key="s3cret") as (url, _):
+        assert httpx.get(f"{url}/health").status_code == 200
+        for path in ("/v1/models", "/metrics"):
+            r = httpx.get(f"{url}{path}")
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        with pytest.raises(openai.AuthenticationError):
+            ask(url, TURN1, max_tokens=2)
+        keyed = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0, timeout=120)
+        reply = keyed.chat.completions.create(model=MODEL, messages=TURN1, temperature=0, max_tokens=2)
+        assert reply.choices[0].message.content is not None
