@@ -71,7 +71,6 @@ def _decode_split_kernel(
     stride_kv,
     stride_head,
     stride_tok,
-    blocks_per_split,
     n_splits,
     G: tl.constexpr,
     BLOCK_G: tl.constexpr,
@@ -97,8 +96,13 @@ def _decode_split_kernel(
     s = tl.program_id(2)
     n = tl.load(n_slots_ptr + b)
     lv = tl.load(last_valid_ptr + b)
-    blk_lo = s * blocks_per_split
-    blk_hi = tl.minimum(blk_lo + blocks_per_split, tl.cdiv(n, CPI))
+    # The split count follows the table's width (a graph replays one launch for every length), but
+    # the blocks are shared by what the sequence lists now: a table far wider than its sequence
+    # (a budget of a whole GPU's pool) would otherwise leave all the work to its first splits.
+    n_blocks = tl.cdiv(n, CPI)
+    per_split = tl.cdiv(n_blocks, n_splits)
+    blk_lo = s * per_split
+    blk_hi = tl.minimum(blk_lo + per_split, n_blocks)
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, D)
@@ -394,7 +398,6 @@ def paged_decode_attention(
     tile_bytes = 2 * cpi * c * d * kv_pool.element_size()
     max_blocks = triton.cdiv(slot_table.shape[1], cpi)
     splits = n_splits or decode_splits(max_blocks, tile_bytes, b, h_kv, q.device, tuned.waves)
-    blocks_per_split = triton.cdiv(max_blocks, splits)
     out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
     direct = splits == 1
     o_part = lse = counters = None
@@ -429,7 +432,6 @@ def paged_decode_attention(
         s_kv,
         s_head,
         s_tok,
-        blocks_per_split,
         splits,
         G=g,
         BLOCK_G=max(16, next_pow2(g)),
