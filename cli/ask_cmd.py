@@ -53,6 +53,11 @@ AbsolutePositionsOpt = typer.Option(
 )
 LazyOpt = typer.Option(None, "--lazy/--eager", help="Restore lazily (default: when KV exceeds the budget).")
 MaxTokOpt = typer.Option(256, "--max-tokens", "-n", min=1, help="Most tokens per answer.")
+PinOpt = typer.Option(
+    None,
+    "--pin",
+    help="Keep resident: system, last-turn, or [DOC:]START:END characters of a document (repeatable).",
+)
 NoStoreOpt = typer.Option(False, "--no-store", help="Neither restore from nor save to the snapshot store.")
 GraphsOpt = typer.Option(
     True, "--cuda-graphs/--no-cuda-graphs", help="Replay each decode step from a CUDA graph (on CUDA)."
@@ -102,16 +107,18 @@ def open_session(
     docs: list[Path], *, session: str | None, pool: str | None, policy: str, lazy: bool | None,
     model: Path | None, dtype: str | None, device: str | None, store: Path | None, no_store: bool,
     absolute_positions: bool = False, decode_processes: int = 0, cuda_graphs: bool = True,
-    host_bytes: int | None = None,
+    host_bytes: int | None = None, pins: list[str] | None = None,
 ) -> Session:  # fmt: skip
     """The session `ask` and `chat` run, from their options (keywords: a dozen of them)."""
     from kvflash.cli.limits import check_pool_fits
     from kvflash.config import EngineConfig, ResidencyConfig
     from kvflash.engine import Engine
     from kvflash.paths import snapshots_dir
+    from kvflash.pins import parse_pin
     from kvflash.session import Session
     from kvflash.storage import SnapshotStore, StoreError
 
+    pinned = [parse_pin(p) for p in pins or ()]  # a bad --pin fails before the model loads
     documents = read_documents(docs)
     lm = load_with_progress(model, dtype, device)
     budget = pool_tokens(pool)
@@ -126,7 +133,7 @@ def open_session(
         except StoreError as e:  # the store only saves time: answer without it
             warn(f"snapshot store unusable, answering without it: {e}")
     try:
-        return Session(engine, documents, st, name=session, lazy=lazy)
+        return Session(engine, documents, st, name=session, lazy=lazy, pins=pinned)
     except BaseException:
         if st is not None:  # its threads and decode workers: close_session never sees this one
             st.close()
@@ -150,6 +157,7 @@ def stats_line(s: dict) -> str:
         f"{s['prefilled_tokens']} tok | read disk {mib.get('disk', 0):.1f} MiB, host->gpu "
         f"{mib.get('host_to_gpu', 0):.1f} MiB | decode {s['decode_tok_s']:.1f} tok/s, "
         f"{s['generated_tokens']} tok"
+        + (f" | pinned {s['pinned_chunks']} chunks" if s.get("pinned_chunks") else "")
     )
 
 
@@ -191,14 +199,14 @@ def run_turn(
     return text, stats
 
 
-LOCAL_ONLY = ("model", "dtype", "device", "pool", "store", "lazy", "decode_processes", "no_store")
+LOCAL_ONLY = ("model", "dtype", "device", "pool", "store", "lazy", "decode_processes", "no_store", "pin")
 """Options that configure a local engine: a server has its own, so --server refuses them."""
 
 
 def refuse_local_options(**given: object) -> None:
     """One line naming the first local-engine option given alongside --server."""
     for name, value in given.items():
-        if value not in (None, False, 0):
+        if value not in (None, False, 0, [], ()):
             flag = "--" + ("pool-tokens" if name == "pool" else name.replace("_", "-"))
             raise KVFlashError(f"{flag} configures a local engine; the server at --server has its own")
 
@@ -245,6 +253,7 @@ def ask(
     absolute_positions: bool = AbsolutePositionsOpt,
     lazy: bool = LazyOpt,
     max_tokens: int = MaxTokOpt,
+    pin: list[str] = PinOpt,
     model: Path = ModelOpt,
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
@@ -260,13 +269,13 @@ def ask(
     console = Console(highlight=False)
     if url := server_url(server):
         refuse_local_options(model=model, dtype=dtype, device=device, pool=pool, store=store, lazy=lazy,
-                             decode_processes=decode_processes, no_store=no_store)  # fmt: skip
+                             decode_processes=decode_processes, no_store=no_store, pin=pin)  # fmt: skip
         text, stats = remote(url, docs, session).turn(question, max_tokens, stream=not as_json)
     else:
         sess = open_session(
             docs, session=session, pool=pool, policy=policy, lazy=lazy, model=model, dtype=dtype,
             device=device, store=store, no_store=no_store, absolute_positions=absolute_positions,
-            decode_processes=decode_processes, cuda_graphs=cuda_graphs, host_bytes=host_bytes,
+            decode_processes=decode_processes, cuda_graphs=cuda_graphs, host_bytes=host_bytes, pins=pin,
         )  # fmt: skip
         try:
             text, turn_stats = run_turn(sess, question, max_tokens, console, stream=not as_json)
@@ -289,6 +298,7 @@ def chat(
     absolute_positions: bool = AbsolutePositionsOpt,
     lazy: bool = LazyOpt,
     max_tokens: int = MaxTokOpt,
+    pin: list[str] = PinOpt,
     model: Path = ModelOpt,
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
@@ -302,14 +312,14 @@ def chat(
     console = Console(highlight=False)
     if url := server_url(server):
         refuse_local_options(model=model, dtype=dtype, device=device, pool=pool, store=store, lazy=lazy,
-                             decode_processes=decode_processes)  # fmt: skip
+                             decode_processes=decode_processes, pin=pin)  # fmt: skip
         r = remote(url, docs, session)
         turns, sess = len(r.conv.turns) // 2, None
     else:
         sess = open_session(
             docs, session=session, pool=pool, policy=policy, lazy=lazy, model=model, dtype=dtype,
             device=device, store=store, no_store=False, absolute_positions=absolute_positions,
-            decode_processes=decode_processes, cuda_graphs=cuda_graphs, host_bytes=host_bytes,
+            decode_processes=decode_processes, cuda_graphs=cuda_graphs, host_bytes=host_bytes, pins=pin,
         )  # fmt: skip
         turns = len(sess.messages) // 2
     last: dict | None = None

@@ -14,6 +14,23 @@ class Document:
     text: str
 
 
+def _head(d: Document) -> str:
+    return f'<document name="{d.name}">\n'
+
+
+TAIL = "\n</document>"
+
+
 def system_message(documents: list[Document], system: str = SYSTEM_PROMPT) -> dict:
-    body = "\n\n".join(f'<document name="{d.name}">\n{d.text}\n</document>' for d in documents)
+    body = "\n\n".join(f"{_head(d)}{d.text}{TAIL}" for d in documents)
     return {"role": "system", "content": f"{system}\n\n{body}"}
+
+
+def document_spans(documents: list[Document], system: str = SYSTEM_PROMPT) -> list[tuple[int, int]]:
+    """Where each document's text lies in the content of `system_message`, in characters."""
+    spans, at = [], len(system) + 2
+    for d in documents:
+        start = at + len(_head(d))
+        spans.append((start, start + len(d.text)))
+        at = start + len(d.text) + len(TAIL) + 2
+    return spans

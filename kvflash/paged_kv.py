@@ -163,7 +163,8 @@ class PagedKV:
         if self.cfg.floor_chunks(len(pinned)) > self.budget:
             raise KVFlashError(
                 f"pinning {len(pinned)} chunks would break the floor: sinks + tail + pins + 2 = "
-                f"{self.cfg.floor_chunks(len(pinned))} > budget {self.budget} chunks"
+                f"{self.cfg.floor_chunks(len(pinned))} > budget {self.budget} chunks (pin less, or a "
+                "larger --pool-tokens)"
             )
         self.seq.ensure_chunks(idx[-1] * c + 1)
         for i in idx:

@@ -12,12 +12,13 @@ from __future__ import annotations
 import hashlib
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvflash.documents import Document, system_message
 from kvflash.engine import Engine
 from kvflash.generate import Sampling
 from kvflash.paged_kv import PagedKV
+from kvflash.pins import Pin, char_tokens
 from kvflash.pool import summary_shape
 from kvflash.prefix_cache import PrefixCache
 from kvflash.prompt import content_start, encode_continuation, encode_messages
@@ -41,8 +42,9 @@ class Session:
         name: str | None = None,
         budget_tokens: int | None = None,
         lazy: bool | None = None,
+        pins: Sequence[Pin] = (),
     ):
-        self.engine, self.documents, self.name = engine, documents, name
+        self.engine, self.documents, self.name, self.pins = engine, documents, name, tuple(pins)
         lm = engine.lm
         self.tok = lm.tokenizer
         self.chunk_tokens = engine.cfg.residency.chunk_tokens
@@ -58,6 +60,8 @@ class Session:
         the snapshot's chunks instead of tokenising the documents again."""
         self._ahead: StoredSummaries | None = None
         """Summaries read while building this turn's prompt, for its restore."""
+        self._last_turn: tuple[int, int] | None = None
+        """Where the previous question and answer lie in the prompt (`last-turn` pins)."""
         if name and self.snapshots:
             self._resume()
 
@@ -165,7 +169,13 @@ class Session:
         t0 = time.perf_counter()
         ids = self._prompt_ids(question)
         ahead, self._ahead = self._ahead, None
+        turn_start = len(self.ids) or (self._doc_span or [0, 0])[1]
         kv = self.cache.take(ids, stats, on_restore, ahead)
+        try:
+            stats.pinned_chunks = self._pin(kv)
+        except BaseException:
+            self.cache.drop(kv)
+            raise
         out: list[int] = []
 
         def on_token(tok: int) -> None:
@@ -188,11 +198,28 @@ class Session:
         self.cache.keep(kv)
         text = self.tok.decode(out)
         self.ids = ids + out
+        self._last_turn = (turn_start, len(self.ids))
         self.messages += [{"role": "user", "content": question}, {"role": "assistant", "content": text}]
         if self.snapshots:
             self.snapshots.start_prefetch(kv)
             stats.snapshot_id = self.save()
         return text, stats
+
+    def _pin(self, kv: PagedKV) -> int:
+        """Pins this session's spans in kv; the count of its pinned chunks. KVFlashError for a pin
+        that would break the floor or names no document."""
+        for pin in self.pins:
+            if pin.kind == "system":
+                span = (0, self._doc_span[1]) if self._doc_span else None
+            elif pin.kind == "last-turn":
+                span = self._last_turn  # none before the first answer
+            else:
+                content = self.messages[0]["content"]
+                lo, hi = char_tokens(self.tok, self.documents, content, pin)
+                span = (self._doc_span[0] + lo, self._doc_span[0] + hi) if self._doc_span else None
+            if span is not None:
+                kv.pin_range(*span)
+        return sum(ch.pinned for ch in kv.seq.chunks)
 
     def _answer(
         self,

@@ -23,6 +23,8 @@ class TurnStats:
     """cold, memory (live in this process), disk, or lazy (disk, read on demand)."""
     bytes_moved: dict[str, int] = field(default_factory=dict)
     resident_chunks: int = 0
+    pinned_chunks: int = 0
+    """Chunks the turn's pins keep resident."""
     snapshot_id: str | None = None
 
     def to_dict(self) -> dict:

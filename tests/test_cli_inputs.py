@@ -91,6 +91,12 @@ def test_bad_flags_give_one_line(tmp_path, capfd, monkeypatch, doc) -> None:
         "store under a file": (["snapshot", "du", "--store", str(a_file / "sub")], "no snapshot store"),
         "pool-tokens text": (["ask", str(doc), "q?", "--pool-tokens", "lots", "--no-store"], "--pool-tokens"),
         "unknown command": (["snapshot", "frobnicate"], "frobnicate"),
+        "pin not a span": (["ask", str(doc), "q?", "--pin", "middle", "--no-store"], "--pin"),
+        "pin end before start": (["ask", str(doc), "q?", "--pin", "9:3", "--no-store"], "--pin"),
+        "pin with --server": (
+            ["ask", str(doc), "q?", "--pin", "system", "--server", "http://127.0.0.1:9"],
+            "--pin",
+        ),
     }
     if not torch.cuda.is_available():
         cases["device cuda without CUDA"] = (["generate", "hi", "--device", "cuda"], "no CUDA device")

@@ -112,9 +112,16 @@ class Tokenizer:
 
     def encode_plain(self, text: str) -> list[int]:
         """Token ids of user text: special-token strings in it stay text, never control tokens."""
+        return self._plain(text).ids
+
+    def offsets_plain(self, text: str) -> list[tuple[int, int]]:
+        """The character span of each token `encode_plain` gives."""
+        return self._plain(text).offsets
+
+    def _plain(self, text: str):
         self.hf.encode_special_tokens = True
         try:
-            return self.hf.encode(text, add_special_tokens=False).ids
+            return self.hf.encode(text, add_special_tokens=False)
         finally:
             self.hf.encode_special_tokens = False
 
