@@ -67,6 +67,9 @@ def niah(
     question: str = typer.Option(None, "--question", help="Question template (may use {key})."),
     seed: int = typer.Option(0, "--seed", help="Run seed; each trial's needle derives from it."),
     max_tokens: int = typer.Option(32, "--max-tokens", "-n", help="Most tokens per answer."),
+    pin_needle: bool = typer.Option(
+        False, "--pin-needle", help="Pin the needle's characters (as --pin does)."
+    ),
     out: Path = typer.Option(Path("niah-out"), "--out", help="Output directory (rerun it to resume)."),
     model: Path = ModelOpt,
     dtype: str = DtypeOpt,
@@ -79,7 +82,8 @@ def niah(
         pool_tokens=pool_tokens, budget_frac=budget_frac, policy=policy, mode=mode,
         cache_positions=not absolute_positions, codec=codec, template=template,
         haystack=str(haystack.resolve()) if haystack else None,
-        needle=needle, question=question, seed=seed, max_tokens=max_tokens, out=str(out),
+        needle=needle, question=question, seed=seed, max_tokens=max_tokens, pin_needle=pin_needle,
+        out=str(out),
         model=str(model) if model else None, dtype=dtype, device=device,
     )  # fmt: skip
     summary = run(cfg, progress=None if as_json else Console(stderr=True, highlight=False))

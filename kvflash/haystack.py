@@ -145,6 +145,7 @@ class Haystack:
     question: str
     value: str
     needle_char: int
+    needle_len: int
 
 
 def build_haystack(
@@ -183,4 +184,5 @@ def build_haystack(
     before = ". ".join(sentences[:at]) + ("." if at else "")
     after = ". ".join(sentences[at:])
     document = (before + " " + needle + " " + after).strip()
-    return Haystack(document, template.question.format(key=key), value, len(before) + 1)
+    at_char = len(before) + 1 if before else 0  # the strip took the space before a needle at depth 0
+    return Haystack(document, template.question.format(key=key), value, at_char, len(needle))

@@ -27,6 +27,7 @@ from kvflash.config import POLICIES, EngineConfig, ResidencyConfig
 from kvflash.engine import Engine
 from kvflash.haystack import TEMPLATES, Haystack, NeedleTemplate, build_haystack, filler_sentences
 from kvflash.models.loader import LoadedModel, load_model
+from kvflash.pins import Pin
 from kvflash.prompt import encode_messages
 from kvflash.session import Document, Session, system_message
 from kvflash.storage import SnapshotStore
@@ -38,7 +39,7 @@ NEUTRAL_QUESTION = "Summarise the document in one sentence."
 """Asked by the session that stores the document in restore modes: it only needs the prefill."""
 ARM_FIELDS = (
     "pool_tokens", "budget_frac", "policy", "mode", "cache_positions", "codec", "template", "haystack",
-    "needle", "question", "seed", "max_tokens", "model", "dtype",
+    "needle", "question", "seed", "max_tokens", "model", "dtype", "pin_needle",
 )  # fmt: skip
 """Settings that change answers: a resumed run must agree on all of them (the grid may grow)."""
 LENGTH_TOLERANCE = 0.03
@@ -68,6 +69,8 @@ class NiahConfig:
     question: str | None = None
     seed: int = 0
     max_tokens: int = 32
+    pin_needle: bool = False
+    """Pin the needle's characters (`--pin`): the arm that shows a pin is kept whatever the pool."""
     out: str = "niah-out"
     model: str | None = None
     dtype: str | None = None
@@ -140,7 +143,8 @@ class NiahConfig:
             pool = f"{self.policy} @ {share} of length"
         codec = f", {self.codec}" if self.codec != "lossless" and self.mode != "cold" else ""
         absolute = ", absolute positions" if not self.cache_positions and self.policy != "full" else ""
-        return f"{pool}, {self.mode}{codec}{absolute}"
+        pinned = ", needle pinned" if self.pin_needle else ""
+        return f"{pool}, {self.mode}{codec}{absolute}{pinned}"
 
     def pool_for(self, length: int, prompt_tokens: int) -> int:
         """Pool tokens for one trial: the whole prompt and answer under full, else the configured share."""
@@ -205,7 +209,11 @@ class Answerer(Protocol):
 
     def count_tokens(self, text: str) -> int: ...
 
-    def answer(self, length: int, document: str, question: str) -> Answer: ...
+    def answer(
+        self, length: int, document: str, question: str, pin: tuple[int, int] | None = None
+    ) -> Answer: ...
+
+    """`pin`: characters [start, end) of the document to keep resident."""
 
 
 class ModelArm:
@@ -225,7 +233,7 @@ class ModelArm:
     def count_tokens(self, text: str) -> int:
         return len(self.tok.encode_plain(text))
 
-    def answer(self, length: int, document: str, question: str) -> Answer:
+    def answer(self, length: int, document: str, question: str, pin: tuple[int, int] | None = None) -> Answer:
         docs = [Document("haystack.txt", document)]
         prompt = encode_messages(self.tok, [system_message(docs), {"role": "user", "content": question}])
         pool = self.cfg.pool_for(length, len(prompt))
@@ -233,7 +241,8 @@ class ModelArm:
         if self.store is not None:
             self._ask(Session(engine, docs, self.store), NEUTRAL_QUESTION, 1)
         lazy = {"cold": None, "restore": False, "lazy": True}[self.cfg.mode]
-        sess = Session(engine, docs, self.store, lazy=lazy)
+        pins = [Pin("chars", "0", *pin)] if pin else []
+        sess = Session(engine, docs, self.store, lazy=lazy, pins=pins)
         text, stats = self._ask(sess, question, self.cfg.max_tokens)
         if self.store is not None:
             for s in self.store.list_snapshots():
@@ -335,7 +344,8 @@ def run_trial(cfg: NiahConfig, arm: Answerer, key: tuple[int, float, int], fille
     t0 = time.perf_counter()
     seed = trial_seed(cfg.seed, length, depth, trial)
     hay = make_haystack(length, depth, seed, arm.count_tokens, cfg.needle_template(), filler)
-    a = arm.answer(length, hay.document, hay.question)
+    pin = (hay.needle_char, hay.needle_char + hay.needle_len) if cfg.pin_needle else None
+    a = arm.answer(length, hay.document, hay.question, pin)
     s = a.stats
     return {
         "length": length, "depth": depth, "trial": trial, "seed": seed, "value": hay.value,
@@ -343,7 +353,7 @@ def run_trial(cfg: NiahConfig, arm: Answerer, key: tuple[int, float, int], fille
         "hit": hay.value in a.text, "answer": a.text, "doc_tokens": arm.count_tokens(hay.document),
         "prompt_tokens": a.prompt_tokens, "ttft_s": round(s.ttft_s, 4), "restore_s": round(s.restore_s, 4),
         "source": s.source, "restored_tokens": s.restored_tokens, "prefilled_tokens": s.prefilled_tokens,
-        "resident_chunks": s.resident_chunks, "bytes_moved": s.bytes_moved,
+        "resident_chunks": s.resident_chunks, "pinned_chunks": s.pinned_chunks, "bytes_moved": s.bytes_moved,
         "policy": cfg.policy, "mode": cfg.mode, "pool_tokens": a.pool_tokens, "budget_frac": cfg.budget_frac,
     }  # fmt: skip
 

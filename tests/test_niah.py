@@ -29,12 +29,15 @@ class HalfBlind:
 
     def __init__(self) -> None:
         self.calls = 0
+        self.pinned: list[str] = []
 
     def count_tokens(self, text: str) -> int:
         return count_tokens(text)
 
-    def answer(self, length: int, document: str, question: str) -> Answer:
+    def answer(self, length: int, document: str, question: str, pin: tuple[int, int] | None = None) -> Answer:
         self.calls += 1
+        if pin:
+            self.pinned.append(document[pin[0] : pin[1]])
         found = re.findall(r"\d{5,}", document[: len(document) * 2 // 5])
         text = f"The passcode is {found[0]}." if found else "The passcode is 12345."
         return Answer(text, TurnStats(ttft_s=0.01), pool_tokens=448, prompt_tokens=length + 40)
@@ -223,3 +226,15 @@ def test_smollm_qk_at_an_eighth_finds_needles_far_from_the_question(smollm_path,
     rows = [json.loads(x) for x in (tmp_path / "qk8" / "results.jsonl").read_text().splitlines()]
     assert all(r["pool_tokens"] == 448 and r["resident_chunks"] <= 7 for r in rows)
     assert summary["overall"] >= 0.75, [r["answer"] for r in rows]
+
+
+def test_a_pinned_needle_arm_pins_exactly_the_needle(tmp_path) -> None:
+    cfg = small(tmp_path, pin_needle=True, trials=1, lengths=(512,))
+    arm = HalfBlind()
+    summary = run_grid(Grid(cfg), arm)
+    template = cfg.needle_template()
+    rows = [json.loads(line) for line in (tmp_path / "arm" / "results.jsonl").read_text().splitlines()]
+    assert len(arm.pinned) == len(rows) == len(cfg.depths)
+    for text, row in zip(arm.pinned, rows, strict=True):
+        assert text.startswith(template.needle.split("{")[0]) and row["value"] in text
+    assert "needle pinned" in summary["arm"]
