@@ -360,7 +360,7 @@ class SnapshotStore:
 
     def copy_in(
         self,
-        files: Sequence[tuple[str, bytes]],
+        files: Iterable[tuple[str, bytes]],
         snapshot: Snapshot | None = None,
         succeeds: Sequence[str] = (),
     ) -> None:
@@ -370,11 +370,12 @@ class SnapshotStore:
         are indexed unreferenced, so a prune may take them first."""
         if self.read_only:
             raise StoreError(f"the snapshot store {self.where} is read-only: nothing copied")
-        rows = [ChunkRow.of(check_file(data, check_hash(h))) for h, data in files]
+        rows: list[ChunkRow] = []
         written: list[str] = []
         try:
             with self._saving():
-                for (h, data), _ in zip(files, rows, strict=True):
+                for h, data in files:
+                    rows.append(ChunkRow.of(check_file(data, check_hash(h))))
                     written.append(h)
                     self.backend.put(h, (data,))
                 if snapshot is None:
