@@ -52,11 +52,12 @@ def free_port() -> int:
 class Served:
     """`kvflash serve` in a child process, up until stopped."""
 
-    def __init__(self, args, store: Path | None, max_batch: int = 1):
+    def __init__(self, args, store: Path | None, max_batch: int = 1, shared: str | None = None):
         self.port = free_port()
         cmd = [sys.executable, "-m", "kvflash.cli.app", "serve", "--port", str(self.port),
                "--pool-tokens", str(args.pool_tokens), "--max-batch", str(max_batch)]  # fmt: skip
-        cmd += ["--store", str(store)] if store else ["--no-store"]
+        cmd += ["--store", str(store)] if store else [] if shared else ["--no-store"]
+        cmd += ["--shared-store", shared] if shared else []
         if args.model:
             cmd += ["--model", args.model]
         if args.device:
