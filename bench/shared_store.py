@@ -30,8 +30,7 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
-from serve import QUESTIONS, Served
-from sessions import make_document
+from serve import QUESTIONS, Served, prepare
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.redis_util import RedisServer  # noqa: E402
@@ -89,17 +88,12 @@ def main() -> None:
     ap.add_argument("--doc-tokens", type=int, default=32768)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--pool-tokens", type=int, default=40960)
+    ap.add_argument("--max-prompt-tokens", type=int, default=40960, help="beyond the model's own context")
     ap.add_argument("--model", default=None)
     ap.add_argument("--device", default=None)
     ap.add_argument("--out", default="out/shared_store")
     args = ap.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-
-    from kvflash.models.loader import load_model
-
-    tok = load_model(args.model, device="cpu").tokenizer
-    doc = make_document(args.doc_tokens, lambda s: len(tok.encode_plain(s)))
+    out, doc = prepare(args)
     turn1 = [{"role": "system", "content": doc}, {"role": "user", "content": QUESTIONS[0]}]
     rows: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp, Progress() as progress:
