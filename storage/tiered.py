@@ -239,8 +239,10 @@ class TieredStore:
         with self._cond:
             self._jobs.append(job)
             self._pending += job.nbytes
-            while self._pending > self.cfg.writeback_bytes and len(self._jobs) > 1:
-                old = next(j for j in list(self._jobs)[1:] if j.nbytes or j is job)
+            while self._pending > self.cfg.writeback_bytes:
+                old = next((j for j in list(self._jobs)[1:] if j.nbytes), None)  # [0] is being copied
+                if old is None:
+                    break
                 self._jobs.remove(old)
                 self._pending -= old.nbytes
                 if old.kind == "copy":

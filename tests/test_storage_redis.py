@@ -16,7 +16,7 @@ import torch
 from kvflash.storage import ChunkMissing, SnapshotStore, StoreError, redis_index
 from kvflash.storage.redis_link import RedisConfig, SharedUnavailable
 from kvflash.storage.redis_store import RedisStore
-from kvflash.storage.tiered import TieredStore
+from kvflash.storage.tiered import TierConfig, TieredStore
 from tests.redis_util import RedisServer
 from tests.test_cli_inputs import kvflash, one_error_line
 from tests.test_storage import FP, bits, make_chain, toks
@@ -315,3 +315,16 @@ def test_a_blob_damaged_in_redis_is_refused_and_marked(redis_server):
             st.read_chunks_parallel(hashes_of(chain), FP)
         assert st.find_longest_prefix(FP, hashes_of(chain)) == 1
         assert [d.chunk_hash for d in st.verify().damaged] == [chain[1].chain_hash]
+
+
+def test_copies_waiting_for_a_down_redis_stay_within_their_byte_budget(redis_server, tmp_path):
+    shared = RedisStore(RedisConfig(redis_server.url, retry_s=0.2))
+    cfg = TierConfig(writeback_bytes=1)
+    with TieredStore(SnapshotStore(tmp_path / "a"), shared, cfg) as st:
+        redis_server.kill()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            first = st.put_snapshot("one", FP, make_chain(toks(2)))
+            second = st.put_snapshot("two", FP, make_chain(toks(2, start=500)))
+        assert any(f"snapshot {second} stays local" in str(w.message) for w in seen)
+        assert {s.id for s in st.local.list_snapshots()} == {first, second}
