@@ -328,3 +328,16 @@ def test_copies_waiting_for_a_down_redis_stay_within_their_byte_budget(redis_ser
             second = st.put_snapshot("two", FP, make_chain(toks(2, start=500)))
         assert any(f"snapshot {second} stays local" in str(w.message) for w in seen)
         assert {s.id for s in st.local.list_snapshots()} == {first, second}
+
+
+def test_the_local_tier_keeps_to_its_budget_once_its_copies_are_in_redis(redis_server, tmp_path):
+    chain = make_chain(toks(3))
+    with TieredStore(
+        SnapshotStore(tmp_path / "a"), RedisStore(redis_server.url), TierConfig(cache_bytes=0)
+    ) as st:
+        sid = st.put_snapshot("doc", FP, chain)
+    with SnapshotStore(tmp_path / "a") as local:
+        assert local.list_snapshots() == [] and local.du().stored_bytes == 0
+    with RedisStore(redis_server.url) as shared:
+        assert [s.id for s in shared.list_snapshots()] == [sid]
+        assert same_kv(shared.read_chunks_parallel(hashes_of(chain), FP), chain)
