@@ -52,11 +52,14 @@ def free_port() -> int:
 class Served:
     """`kvflash serve` in a child process, up until stopped."""
 
-    def __init__(self, args, store: Path | None, max_batch: int = 1):
+    def __init__(self, args, store: Path | None, max_batch: int = 1, shared: str | None = None):
         self.port = free_port()
         cmd = [sys.executable, "-m", "kvflash.cli.app", "serve", "--port", str(self.port),
                "--pool-tokens", str(args.pool_tokens), "--max-batch", str(max_batch)]  # fmt: skip
-        cmd += ["--store", str(store)] if store else ["--no-store"]
+        cmd += ["--store", str(store)] if store else [] if shared else ["--no-store"]
+        cmd += ["--shared-store", shared] if shared else []
+        if getattr(args, "max_prompt_tokens", None):
+            cmd += ["--max-prompt-tokens", str(args.max_prompt_tokens)]
         if args.model:
             cmd += ["--model", args.model]
         if args.device:
@@ -148,6 +151,16 @@ def throughput(args, doc: str, max_batch: int) -> dict:
             "tok_s": tokens / wall}  # fmt: skip
 
 
+def prepare(args) -> tuple[Path, str]:
+    """The output directory (made) and a document of --doc-tokens tokens by the model's tokenizer."""
+    from kvflash.models.loader import load_model
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = load_model(args.model, device="cpu").tokenizer
+    return out, make_document(args.doc_tokens, lambda s: len(tok.encode_plain(s)))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--doc-tokens", type=int, default=4096)
@@ -159,13 +172,7 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=4, help="concurrent clients of the throughput part")
     ap.add_argument("--out", default="out/serve")
     args = ap.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-
-    from kvflash.models.loader import load_model
-
-    tok = load_model(args.model, device="cpu").tokenizer
-    doc = make_document(args.doc_tokens, lambda s: len(tok.encode_plain(s)))
+    out, doc = prepare(args)
     arms = {}
     with tempfile.TemporaryDirectory() as tmp, Progress() as progress:
         for arm, store in (("kvflash", Path(tmp) / "store"), ("no-store", None)):

@@ -31,6 +31,10 @@ DeviceOpt = typer.Option(
     None, "--device", callback=_device, help="cpu or cuda (default: cuda when available)."
 )
 StoreOpt = typer.Option(None, "--store", help="Snapshot store directory (default: $KVFLASH_HOME/snapshots).")
+SharedStoreOpt = typer.Option(
+    None, "--shared-store", metavar="URL",
+    help="Redis holding a snapshot tier that several servers share: redis://[:PASSWORD@]HOST:PORT/DB.",
+)  # fmt: skip
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object instead of text.")
 HostBytesOpt = typer.Option(
     None, "--host-bytes", min=1,

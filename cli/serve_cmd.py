@@ -9,12 +9,20 @@ from pathlib import Path
 import typer
 
 from kvflash.cli.ask_cmd import GraphsOpt, PolicyOpt, PoolOpt, ProcsOpt, load_with_progress, pool_tokens
-from kvflash.cli.options import DeviceOpt, DtypeOpt, HostBytesOpt, ModelOpt, StoreOpt, with_host_bytes
+from kvflash.cli.options import (
+    DeviceOpt,
+    DtypeOpt,
+    HostBytesOpt,
+    ModelOpt,
+    SharedStoreOpt,
+    StoreOpt,
+    with_host_bytes,
+)
+from kvflash.cli.snapshot_cmd import parse_size
 from kvflash.config import EngineConfig, ResidencyConfig
 from kvflash.engine import Engine
-from kvflash.paths import snapshots_dir
 from kvflash.snapshots import KVSnapshots
-from kvflash.storage import SnapshotStore
+from kvflash.storage.tiered import TierConfig, open_tiers
 
 SHUTDOWN_GRACE_S = 5
 """How long a stopping server lets open requests finish before it ends them."""
@@ -28,6 +36,14 @@ def serve(
     host_bytes: int | None = HostBytesOpt,
     policy: str = PolicyOpt,
     store: Path = StoreOpt,
+    shared_store: str = SharedStoreOpt,
+    cache_bytes: str = typer.Option(
+        None,
+        "--store-max-bytes",
+        metavar="SIZE",
+        help="With both stores: the local one's budget (e.g. 20G); least recently used snapshots "
+        "leave it once copied to the shared store.",
+    ),
     no_store: bool = typer.Option(False, "--no-store", help="Keep no KV across requests on disk."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
     port: int = typer.Option(8000, "--port", min=1, max=65535, help="TCP port."),
@@ -48,17 +64,21 @@ def serve(
     decode_processes: int = ProcsOpt,
     cuda_graphs: bool = GraphsOpt,
 ) -> None:
-    """Serve /v1/chat/completions and /v1/models; a conversation's next turn reuses its KV."""
+    """Serve /v1/chat/completions and /v1/models; a conversation's next turn reuses its KV.
+
+    With --shared-store, snapshots go to Redis too, so a conversation restores on whichever server
+    its next turn reaches; with --store as well, that directory is a local cache in front of it."""
     import uvicorn
 
     from kvflash.server import Server, create_app  # FastAPI loads only for `serve`
 
+    tiers = TierConfig(cache_bytes=parse_size(cache_bytes) if cache_bytes else None)  # before the load
     lm = load_with_progress(model, dtype, device)
     res = ResidencyConfig(policy=policy)
     budget = pool_tokens(pool)
     cfg = EngineConfig(pool_tokens=budget, residency=res, cuda_graphs=cuda_graphs)
     engine = Engine(lm, with_host_bytes(cfg, host_bytes))
-    st = None if no_store else SnapshotStore(store or snapshots_dir(), processes=decode_processes)
+    st = None if no_store else open_tiers(store, shared_store, decode_processes, tiers)
     snapshots = KVSnapshots(st, lm.fingerprint(engine.cfg.residency.chunk_tokens)) if st else None
     model_name = name or lm.path.name.split(".")[0]
     server = Server(engine, lm.tokenizer, model_name, snapshots, max_tokens, max_batch, max_prompt_tokens)

@@ -1,4 +1,5 @@
-"""`kvflash snapshot list|inspect|verify|prune|pin|unpin|rm|du`: the disk snapshot store by hand."""
+"""`kvflash snapshot list|inspect|verify|prune|pin|unpin|rm|du`: a snapshot store by hand, on disk
+(`--store`) or the tier several servers share on Redis (`--shared-store`)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from rich.table import Column, Table
 from rich.text import Text
 
 from kvflash import KVFlashError
-from kvflash.cli.options import JsonOpt, ModelOpt
+from kvflash.cli.options import JsonOpt, ModelOpt, SharedStoreOpt
 from kvflash.paths import kvflash_home
 from kvflash.storage import ChunkError, PruneReport, SnapshotStore
 from kvflash.storage.chunk import KV_DTYPES
@@ -36,8 +37,15 @@ def default_store() -> Path:
     return kvflash_home() / "snapshots"
 
 
-def open_store(store: Path | None) -> SnapshotStore:
-    """A typo in --store must not create a new empty store; only the default one is made on demand."""
+def open_store(store: Path | None, shared: str | None = None) -> SnapshotStore:
+    """A typo in --store must not create a new empty store; only the default one is made on demand.
+    With --shared-store, the Redis tier (a wrong password or an unreachable Redis is one line)."""
+    if shared is not None:
+        if store is not None:
+            raise KVFlashError("give --store or --shared-store, not both")
+        from kvflash.storage.redis_store import RedisStore
+
+        return RedisStore(shared)
     root = store if store is not None else default_store()
     if store is not None and not (root / "index.sqlite").exists():
         raise KVFlashError(f"no snapshot store at {root}")
@@ -88,11 +96,12 @@ def _emit(as_json: bool, payload: object, human: Callable[[Console], None]) -> N
 @app.command("list")
 def list_(
     store: Path = StoreOpt,
+    shared_store: str = SharedStoreOpt,
     wide: bool = typer.Option(False, "--wide", help="All columns: chunks, ratio, created, pinned too."),
     as_json: bool = JsonOpt,
 ) -> None:
     """Every snapshot: id, label, tokens, bytes on disk, last use and hits (--wide: all the facts)."""
-    with open_store(store) as st:
+    with open_store(store, shared_store) as st:
         snaps = st.list_snapshots()
     rows = [asdict(s) | {"ratio": round(s.ratio, 3)} for s in snaps]
 
@@ -183,10 +192,11 @@ def inspect(
     text: bool = typer.Option(False, "--text", help="Also show the decoded tokens (loads the model)."),
     model: Path = ModelOpt,
     store: Path = StoreOpt,
+    shared_store: str = SharedStoreOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Header, fingerprint, codec and a per-chunk table of one snapshot."""
-    with open_store(store) as st:
+    with open_store(store, shared_store) as st:
         decode = None
         if text:
             snap = st.get_snapshot(snapshot_id)
@@ -222,12 +232,13 @@ def verify(
     snapshot_id: str = typer.Argument(None, help="Snapshot id; or --all."),
     all_: bool = typer.Option(False, "--all", help="Every chunk in the store, and the index's refcounts."),
     store: Path = StoreOpt,
+    shared_store: str = SharedStoreOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Checksums and hash chain; exits 1 naming each damaged chunk."""
     if (snapshot_id is None) == (not all_):
         raise KVFlashError("give a snapshot id or --all (not both)")
-    with open_store(store) as st:
+    with open_store(store, shared_store) as st:
         report = st.verify(None if all_ else snapshot_id)
     payload = asdict(report) | {"ok": report.ok}
 
@@ -257,20 +268,23 @@ def prune(
     older_than: str = typer.Option(None, "--older-than", help="Remove snapshots unused this long: 7d, 12h."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Say what would go; remove nothing."),
     store: Path = StoreOpt,
+    shared_store: str = SharedStoreOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Least recently used first; pinned snapshots and chunks of restores in flight stay."""
     budget = parse_size(max_bytes) if max_bytes is not None else None
     age = parse_age(older_than) if older_than is not None else None
-    with open_store(store) as st:
+    with open_store(store, shared_store) as st:
         report = st.prune(max_bytes=budget, older_than=age, dry_run=dry_run)
     _emit(as_json, asdict(report), lambda con: con.print(_removal_line(report)))
 
 
 @app.command()
-def rm(snapshot_id: str, store: Path = StoreOpt, as_json: bool = JsonOpt) -> None:
+def rm(
+    snapshot_id: str, store: Path = StoreOpt, shared_store: str = SharedStoreOpt, as_json: bool = JsonOpt
+) -> None:
     """Remove one snapshot and the chunks no other snapshot holds."""
-    with open_store(store) as st:
+    with open_store(store, shared_store) as st:
         report = st.rm(snapshot_id)
     _emit(as_json, asdict(report), lambda con: con.print(_removal_line(report)))
 
@@ -285,28 +299,32 @@ def _removal_line(r: PruneReport) -> str:
 
 
 @app.command()
-def pin(snapshot_id: str, store: Path = StoreOpt, as_json: bool = JsonOpt) -> None:
+def pin(
+    snapshot_id: str, store: Path = StoreOpt, shared_store: str = SharedStoreOpt, as_json: bool = JsonOpt
+) -> None:
     """Keep a snapshot through every prune."""
-    _set_pin(snapshot_id, True, store, as_json)
+    _set_pin(snapshot_id, True, open_store(store, shared_store), as_json)
 
 
 @app.command()
-def unpin(snapshot_id: str, store: Path = StoreOpt, as_json: bool = JsonOpt) -> None:
+def unpin(
+    snapshot_id: str, store: Path = StoreOpt, shared_store: str = SharedStoreOpt, as_json: bool = JsonOpt
+) -> None:
     """Let prune remove a snapshot again."""
-    _set_pin(snapshot_id, False, store, as_json)
+    _set_pin(snapshot_id, False, open_store(store, shared_store), as_json)
 
 
-def _set_pin(snapshot_id: str, pinned: bool, store: Path | None, as_json: bool) -> None:
-    with open_store(store) as st:
+def _set_pin(snapshot_id: str, pinned: bool, opened: SnapshotStore, as_json: bool) -> None:
+    with opened as st:
         (st.pin if pinned else st.unpin)(snapshot_id)
     word = "pinned" if pinned else "unpinned"
     _emit(as_json, {"id": snapshot_id, "pinned": pinned}, lambda con: con.print(f"{word} {snapshot_id}"))
 
 
 @app.command()
-def du(store: Path = StoreOpt, as_json: bool = JsonOpt) -> None:
+def du(store: Path = StoreOpt, shared_store: str = SharedStoreOpt, as_json: bool = JsonOpt) -> None:
     """Bytes on disk: chunk files (compressed and raw), unreferenced chunks, the index."""
-    with open_store(store) as st:
+    with open_store(store, shared_store) as st:
         usage = st.du()
     payload = asdict(usage) | {"ratio": round(usage.ratio, 3)}
 

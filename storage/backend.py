@@ -73,6 +73,9 @@ class ChunkBackend(Protocol):
 
     def exists(self, chunk_hash: str) -> bool: ...
 
+    def exists_all(self, chunk_hashes: Sequence[str]) -> list[bool]:
+        """`exists` of each, at once where the backend can ask for many in one request."""
+
     def delete(self, chunk_hash: str) -> None: ...
 
     def list_files(self) -> Iterator[tuple[str, int]]:
@@ -276,6 +279,9 @@ class LocalDirBackend:
                 return stat.S_ISREG(os.stat(f"{h}.kvc", dir_fd=dfd, follow_symlinks=False).st_mode)
         except (StoreError, OSError):
             return False
+
+    def exists_all(self, chunk_hashes: Sequence[str]) -> list[bool]:
+        return [self.exists(h) for h in chunk_hashes]
 
     def delete(self, chunk_hash: str) -> None:
         """Unlinks the name in the store (a symlink itself, never its target); an empty directory in

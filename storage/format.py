@@ -243,6 +243,20 @@ def decode_meta(
     return tokens, out
 
 
+def check_file(buf: bytes | memoryview, chunk_hash: str) -> ChunkHeader:
+    """A whole chunk file's header, sections, chain hash and payload checksum, without decoding its
+    KV: what a copy of the file from one store to another checks."""
+    h = parse_header(buf, len(buf), chunk_hash)
+    if h.chain_hash != chunk_hash:
+        raise ChunkCorrupt(chunk_hash, f"file holds chunk {h.chain_hash[:16]}")
+    view = memoryview(buf)
+    meta_end = HEADER_SIZE + h.tokens_len + h.summary_len
+    decode_meta(h, view[HEADER_SIZE:meta_end], chunk_hash)
+    if zlib.crc32(view[meta_end:]) != h.stored_crc:
+        raise ChunkCorrupt(chunk_hash, "payload checksum mismatch")
+    return h
+
+
 def decode_chunk(
     buf: bytes | memoryview,
     chunk_hash: str,

@@ -20,9 +20,13 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvflash.storage.errors import ChunkCorrupt, ChunkMissing, DiskFull, SnapshotNotFound, StoreError
 from kvflash.storage.names import is_hash, new_snapshot_id
+
+if TYPE_CHECKING:
+    from kvflash.storage.format import ChunkHeader
 
 SCHEMA_VERSION = 2
 """2: leases name their owner (a random token per store object, docs/FORMAT.md: Leases)."""
@@ -102,6 +106,14 @@ class ChunkRow:
     damaged: str | None = None
     created: float = 0.0
     last_used: float = 0.0
+
+    @classmethod
+    def of(cls, h: ChunkHeader) -> ChunkRow:
+        """The row of a chunk file, from its (parsed, size-checked) header."""
+        return cls(
+            h.chain_hash, h.fingerprint, h.index, h.parent_hash, h.n_tokens,
+            h.codec.name.lower(), h.file_len, h.kv_bytes,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -287,10 +299,16 @@ class Index:
         new_rows: list[ChunkRow],
         now: float,
         succeeds: Sequence[str] = (),
+        snapshot_id: str | None = None,
     ) -> str:
         """One transaction: the new chunk rows (files already durable), the snapshot, its members.
-        The snapshot starts with the hits of the snapshots it `succeeds` (a session's newer prefix)."""
+        The snapshot starts with the hits of the snapshots it `succeeds` (a session's newer prefix).
+        A `snapshot_id` given (a copy from another tier keeps its id) that is here already is that
+        snapshot, copied before: nothing changes."""
         with self._write() as c:
+            taken = "SELECT 1 FROM snapshots WHERE id = ?"
+            if snapshot_id and c.execute(taken, (snapshot_id,)).fetchone():
+                return snapshot_id
             c.executemany(
                 f"INSERT INTO chunks ({_CHUNK_COLS}) VALUES ({','.join('?' * 12)}) "
                 "ON CONFLICT(hash) DO UPDATE SET damaged = NULL, codec = excluded.codec, "
@@ -303,8 +321,8 @@ class Index:
                 found = {r[0] for r in c.execute(f"SELECT hash FROM chunks WHERE hash IN ({marks})", batch)}
                 if missing := [h for h in batch if h not in found]:
                     raise ChunkMissing(missing[0], "referenced by the new snapshot but not stored")
-            snapshot_id = new_snapshot_id()
-            while c.execute("SELECT 1 FROM snapshots WHERE id = ?", (snapshot_id,)).fetchone():
+            taken = "SELECT 1 FROM snapshots WHERE id = ?"
+            while not snapshot_id or c.execute(taken, (snapshot_id,)).fetchone():
                 snapshot_id = new_snapshot_id()
             marks = ",".join("?" * len(succeeds))
             query = f"SELECT COALESCE(SUM(hits), 0) FROM snapshots WHERE id IN ({marks})"
@@ -485,7 +503,7 @@ class Index:
                 if not is_hash(h)
             ]
             for sid, meta in self.conn.execute("SELECT id, meta FROM snapshots"):
-                if _meta(meta) is _BAD_META:
+                if parse_meta(meta) is BAD_META:
                     errors.append(f"snapshot {sid}: meta is not a JSON object")
             return errors
 
@@ -517,20 +535,20 @@ def _snapshot_query(where: str = "") -> str:
 
 
 _REFS = "SELECT COUNT(*) FROM snapshot_chunks sc WHERE sc.hash = chunks.hash"
-_BAD_META: dict = {}
+BAD_META: dict = {}
 """What a snapshot's meta reads as when the index holds no JSON object there (`malformed` names it)."""
 
 
-def _meta(text: object) -> dict:
+def parse_meta(text: object) -> dict:
     try:
         meta = json.loads(text) if isinstance(text, str | bytes) else None
     except ValueError:
-        return _BAD_META
-    return meta if isinstance(meta, dict) else _BAD_META
+        return BAD_META
+    return meta if isinstance(meta, dict) else BAD_META
 
 
 def _snapshot_info(r: tuple) -> SnapshotInfo:
-    return SnapshotInfo(*r[:8], bool(r[8]), dict(_meta(r[9])), r[10], r[11])
+    return SnapshotInfo(*r[:8], bool(r[8]), dict(parse_meta(r[9])), r[10], r[11])
 
 
 def _row_values(r: ChunkRow, now: float) -> tuple:

@@ -40,10 +40,7 @@ def rebuild(index: Index, backend: LocalDirBackend) -> int:
         except ChunkError:
             continue
         if head.chain_hash == h:
-            rows[h] = ChunkRow(
-                h, head.fingerprint, head.index, head.parent_hash, head.n_tokens,
-                head.codec.name.lower(), size, head.kv_bytes,
-            )  # fmt: skip
+            rows[h] = ChunkRow.of(head)
     now = time.time()
     index.add_chunk_rows(list(rows.values()), now)
     parents = {r.parent_hash for r in rows.values()}

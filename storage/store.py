@@ -27,7 +27,7 @@ import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -52,6 +52,7 @@ from kvflash.storage.format import (
     HEADER_SIZE,
     MAX_FILE_BYTES,
     ChunkHeader,
+    check_file,
     check_identity,
     decode_chunk,
     decode_meta,
@@ -152,33 +153,62 @@ class SnapshotStore:
         """`workers` threads save and restore; with `processes` > 0 (a local directory only), batch
         restores decode in that many worker processes instead (storage/workers.py: threads stop
         scaling at ~8 on the GIL). `workers.default_processes()` picks by the core count."""
-        if codec not in CODEC_NAMES:
-            raise StoreError(f"unknown codec {codec!r}; choose one of {', '.join(CODEC_NAMES)}")
-        if not -7 <= level <= 22:
-            raise StoreError(f"zstd level {level} outside -7..22")
+        _check_codec(codec, level)
         self.root = Path(root)
+        self.where = str(self.root)
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             self.backend = backend or LocalDirBackend(self.root)
         except OSError as e:
             raise StoreError(f"cannot use {self.root} as a snapshot store: {e.strerror or e}") from None
         self.read_only = not os.access(self.root, os.W_OK)
-        self.codec = CODEC_NAMES[codec]
-        self.level = level
         self.lock = StoreLock(self.root / "lock", self.read_only)
         self._owner = LeaseOwner(self.root / "owners")
         self.index = self._with_reserve(self._open_index)
         if not self.read_only:
             _make_reserve(self.root / "reserve")
+        self._start(codec, level, workers)
+        if processes > 0 and isinstance(self.backend, LocalDirBackend):
+            self.decoders = DecodeWorkers(str(self.root), processes)
+            self._drivers = ThreadPoolExecutor(processes, thread_name_prefix="kvflash-drive")
+
+    def _start(self, codec: str, level: int, workers: int | None) -> None:
+        """What every store has, whatever holds its chunks and index."""
+        self.codec = CODEC_NAMES[codec]
+        self.level = level
         self.workers = workers or min(MAX_DEFAULT_WORKERS, os.cpu_count() or 1)
         self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="kvflash-store")
         self._hints = ThreadPoolExecutor(1, thread_name_prefix="kvflash-hint")
         self._local = threading.local()
         self._meta_len_hint = 0
         self.decoders: DecodeWorkers | None = None
-        if processes > 0 and isinstance(self.backend, LocalDirBackend):
-            self.decoders = DecodeWorkers(str(self.root), processes)
-            self._drivers = ThreadPoolExecutor(processes, thread_name_prefix="kvflash-drive")
+        self.fetched: Callable[[str, memoryview], None] | None = None
+        """Sees the bytes of every chunk read and verified (a tier in front copies them)."""
+
+    # what a store on a local directory does its own way (storage/redis_store.py does it otherwise)
+
+    def _saving(self) -> AbstractContextManager:
+        """Held by a save from its "is this chunk stored?" checks to its index commit."""
+        return self.lock.shared()
+
+    def _removing(self) -> AbstractContextManager:
+        """Held by a removal: no save is then between writing a chunk and indexing it."""
+        return self.lock.exclusive()
+
+    def _lease_owner(self) -> str:
+        return self._owner.hold()
+
+    def _owner_alive(self, token: str) -> bool | None:
+        return owner_alive(self.root / "owners", token)
+
+    def _after_removal(self, decision: PruneDecision) -> None:
+        for token in decision.gone_owners:
+            (self.root / "owners" / token).unlink(missing_ok=True)
+        _make_reserve(self.root / "reserve")
+
+    def _index_bytes(self) -> int:
+        files = [self.root / f"index.sqlite{s}" for s in ("", "-wal", "-shm")]
+        return sum(f.stat().st_size for f in files if f.exists())
 
     def close(self) -> None:
         self.pool.shutdown()
@@ -248,11 +278,11 @@ class SnapshotStore:
         check_fingerprint(fingerprint)
         succeeds = [check_snapshot_id(i) for i in succeeds]
         if self.read_only:
-            raise StoreError(f"the snapshot store {self.root} is read-only: nothing saved")
+            raise StoreError(f"the snapshot store {self.where} is read-only: nothing saved")
         meta_json = _check_meta(meta or {})
         written: list[str] = []
         try:
-            with self.lock.shared():
+            with self._saving():
                 hashes, rows, n_tokens = self._write_chunks(fingerprint, chunks, written)
                 now = time.time()
                 return self.index.add_snapshot(
@@ -314,20 +344,57 @@ class SnapshotStore:
     def _store_one(self, blob: ChunkBlob) -> ChunkRow:
         head, payload, h = encode_chunk(blob, self.codec, self.level)
         self.backend.put(blob.chain_hash, (head, payload))
-        return ChunkRow(
-            hash=blob.chain_hash,
-            fingerprint=blob.fingerprint,
-            index=blob.index,
-            parent_hash=blob.parent_hash,
-            n_tokens=h.n_tokens,
-            codec=h.codec.name.lower(),
-            stored_bytes=h.file_len,
-            raw_bytes=h.kv_bytes,
-        )
+        return ChunkRow.of(h)
+
+    def chunk_file(self, chunk_hash: str) -> bytes:
+        """A chunk's file as stored, its checksums and chain hash checked but its KV not decoded:
+        what a copy to another store sends."""
+        h = check_hash(chunk_hash)
+        try:
+            buf = self.backend.get(h, MAX_FILE_BYTES, None, HEADER_SIZE, _header_check(h))
+            check_file(buf, h)
+        except ChunkError as e:
+            self._mark(e)
+            raise
+        return bytes(buf)
+
+    def copy_in(
+        self,
+        files: Iterable[tuple[str, bytes]],
+        snapshot: Snapshot | None = None,
+        succeeds: Sequence[str] = (),
+    ) -> None:
+        """Stores (hash, file) pairs copied from another store as they are, each checked first, and
+        with `snapshot` that snapshot under its own id (starting with the hits of those it
+        `succeeds` here): how the tiers of a TieredStore fill each other. Chunks without a snapshot
+        are indexed unreferenced, so a prune may take them first."""
+        if self.read_only:
+            raise StoreError(f"the snapshot store {self.where} is read-only: nothing copied")
+        rows: list[ChunkRow] = []
+        written: list[str] = []
+        try:
+            with self._saving():
+                for h, data in files:
+                    rows.append(ChunkRow.of(check_file(data, check_hash(h))))
+                    written.append(h)
+                    self.backend.put(h, (data,))
+                if snapshot is None:
+                    self.index.add_chunk_rows(rows, time.time())
+                    return
+                s = snapshot
+                meta = _check_meta(s.meta)
+                hashes = list(s.chunk_hashes)
+                self.index.add_snapshot(
+                    s.label, s.fingerprint, s.n_tokens, meta, hashes, rows, s.created, succeeds, s.id
+                )
+        except BaseException:
+            if written:
+                self._remove_unindexed(written)
+            raise
 
     def _remove_unindexed(self, hashes: list[str]) -> None:
         """After a failed save: its files that no index row names (none can be mid-save: exclusive)."""
-        with self.lock.exclusive():
+        with self._removing():
             indexed = self.index.chunk_rows(hashes)
             for h in hashes:
                 if h not in indexed:
@@ -528,7 +595,10 @@ class SnapshotStore:
         except ChunkError as e:
             self._mark(e)
             raise
-        return self._decode(buf, h, fp, shape, dtype, out, stored_crc)
+        blob = self._decode(buf, h, fp, shape, dtype, out, stored_crc)
+        if self.fetched is not None:
+            self.fetched(h, buf)
+        return blob
 
     def _decode(
         self,
@@ -571,10 +641,11 @@ class SnapshotStore:
             row = rows.get(h)
             if row is None or row.fingerprint != fingerprint or row.damaged:
                 break
-            if not self.backend.exists(h):  # deleted behind the index: the next save rewrites it
-                self._set_damaged(h, "file missing")
-                break
             n += 1
+        for i, there in enumerate(self.backend.exists_all(chain_hashes[:n])):
+            if not there:  # deleted (or evicted) behind the index: the next save rewrites it
+                self._set_damaged(chain_hashes[i], "file missing")
+                return i
         return n
 
     @contextmanager
@@ -592,7 +663,7 @@ class SnapshotStore:
             return
         lease_id = secrets.token_hex(8)
         try:
-            self.index.add_lease(lease_id, self._owner.hold(), hashes, time.time())
+            self.index.add_lease(lease_id, self._lease_owner(), hashes, time.time())
         except ChunkMissing:
             raise
         except (StoreError, sqlite3.Error) as e:
@@ -644,9 +715,9 @@ class SnapshotStore:
 
     def _remove(self, decide: Callable[[PruneInput], PruneDecision], dry_run: bool) -> PruneReport:
         if self.read_only and not dry_run:
-            raise StoreError(f"the snapshot store {self.root} is read-only: nothing removed")
-        alive = partial(owner_alive, self.root / "owners")
-        with self.lock.exclusive():
+            raise StoreError(f"the snapshot store {self.where} is read-only: nothing removed")
+        alive = self._owner_alive
+        with self._removing():
             before = self.index.all_chunk_rows()
             if dry_run:
                 decision = self.index.remove(decide, True, time.time(), alive)
@@ -659,9 +730,7 @@ class SnapshotStore:
                     if h not in still and is_hash(h):  # a malformed row names no file
                         self.backend.delete(h)
                 swept = self._sweep_orphans()
-                for token in decision.gone_owners:
-                    (self.root / "owners" / token).unlink(missing_ok=True)
-                _make_reserve(self.root / "reserve")
+                self._after_removal(decision)
         freed = sum(before[h].stored_bytes for h in decision.chunks)
         return PruneReport(
             dry_run=dry_run,
@@ -741,16 +810,21 @@ class SnapshotStore:
         return None
 
     def du(self) -> DiskUsage:
-        files = [self.root / f"index.sqlite{s}" for s in ("", "-wal", "-shm")]
-        index_bytes = sum(f.stat().st_size for f in files if f.exists())
         n, size = self._orphan_usage()
         return DiskUsage(
-            root=str(self.root),
-            index_bytes=index_bytes,
+            root=self.where,
+            index_bytes=self._index_bytes(),
             orphan_files=n,
             orphan_bytes=size,
             **self.index.totals(),
         )
+
+
+def _check_codec(codec: str, level: int) -> None:
+    if codec not in CODEC_NAMES:
+        raise StoreError(f"unknown codec {codec!r}; choose one of {', '.join(CODEC_NAMES)}")
+    if not -7 <= level <= 22:
+        raise StoreError(f"zstd level {level} outside -7..22")
 
 
 def _header_check(h: str) -> Callable[[memoryview, int], object]:

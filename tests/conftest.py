@@ -18,3 +18,14 @@ def smollm_path() -> Path:
         return default_model_path(fetch=True)
     except KVFlashError as e:
         pytest.skip(f"default model unavailable: {e}")
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A real redis-server on a free 127.0.0.1 port, its files in the test's temp dir (the test is
+    skipped, saying why, where Debian's redis-server is not installed)."""
+    from tests.redis_util import RedisServer
+
+    server = RedisServer(tmp_path / "redis").start()
+    yield server
+    server.stop()

@@ -44,12 +44,13 @@ def lm(smollm_path):
 
 @contextmanager
 def serving(
-    lm, store: Path | None, max_tokens: int = 16, max_prompt_tokens: int | None = None, **app
+    lm, store: Path | object | None, max_tokens: int = 16, max_prompt_tokens: int | None = None, **app
 ) -> Iterator[tuple[str, Server]]:
     """A server on a free port of 127.0.0.1, in a thread of this process, over a new engine whose
-    pool (4,096 tokens) gives each of the 4 requests that may decode together 1,024."""
+    pool (4,096 tokens) gives each of the 4 requests that may decode together 1,024. `store` is a
+    directory (a store opened and closed here) or a store the caller opened (and closes)."""
     engine = Engine(lm, EngineConfig(pool_tokens=4096))
-    st = SnapshotStore(store) if store else None
+    st = SnapshotStore(store) if isinstance(store, Path) else store
     snapshots = KVSnapshots(st, lm.fingerprint(engine.cfg.residency.chunk_tokens)) if st else None
     server = Server(engine, lm.tokenizer, MODEL, snapshots, max_tokens, 4, max_prompt_tokens)
     config = uvicorn.Config(create_app(server, **app), host="127.0.0.1", port=0, log_level="warning")
@@ -67,7 +68,7 @@ def serving(
         uv.should_exit = True
         thread.join(30)
         server.close()
-        if st is not None:
+        if isinstance(store, Path):
             st.close()
 
 

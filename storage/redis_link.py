@@ -1,0 +1,150 @@
+"""The connection to a shared snapshot tier on Redis, and what its failures mean to the store.
+
+A Redis that is down, slow or restarting must cost a warning and a cold (or local) answer, never a
+hung request: every call has a connect and a read timeout, redis-py retries once at most (a pooled
+connection that a restarted Redis closed is reconnected, no more), and after a failure the link
+fails every call at once for `retry_s` before it tries Redis again. A wrong password, a URL that is
+not one or a Redis that refuses a write (full, read-only replica) is one line naming the URL.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+from urllib.parse import urlsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from kvflash.storage.errors import StoreError
+
+T = TypeVar("T")
+SCHEMES = ("redis", "rediss", "unix")
+
+
+class SharedUnavailable(StoreError):
+    """The shared tier cannot be reached now (down, slow, restarting): serve locally or cold."""
+
+
+@dataclass(frozen=True)
+class RedisConfig:
+    url: str
+    connect_timeout_s: float = 1.0
+    timeout_s: float = 5.0
+    """Per call: a chunk is a few MB, which loopback or a LAN moves in milliseconds."""
+    retry_s: float = 5.0
+    """After a failure, calls fail at once for this long, then Redis is tried again."""
+    prefix: str = "kvflash"
+    """Every key starts with it, so one Redis database can hold other data beside the store."""
+    unindexed_ttl_s: int = 3600
+    """A chunk written by a save that has not committed expires after this: a save killed between
+    its chunks and its index entry leaves nothing behind for long."""
+
+
+def shown_url(url: str) -> str:
+    """The URL without its password, for messages."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = f"{parts.username}:***@" if parts.username else ":***@"
+    return parts._replace(netloc=user + parts.netloc.rsplit("@", 1)[1]).geturl()
+
+
+class RedisLink:
+    """One client (a thread-safe connection pool) and the state of the tier: up, or down until a
+    retry time. Safe across threads."""
+
+    def __init__(self, cfg: RedisConfig):
+        self.cfg = cfg
+        self.where = shown_url(cfg.url)
+        if urlsplit(cfg.url).scheme not in SCHEMES:
+            raise StoreError(f"{self.where!r:.120} is not a Redis URL (redis://HOST:PORT/DB)")
+        try:
+            self.client = redis.Redis.from_url(
+                cfg.url,
+                socket_connect_timeout=cfg.connect_timeout_s,
+                socket_timeout=cfg.timeout_s,
+                retry=Retry(NoBackoff(), 1),
+                retry_on_timeout=False,
+                health_check_interval=0,
+            )
+        except ValueError as e:
+            raise StoreError(f"{self.where!r:.120} is not a Redis URL: {e}") from None
+        self._down_until = 0.0
+        self._lock = threading.Lock()
+
+    def call(self, fn: Callable[[redis.Redis], T]) -> T:
+        """fn(client), its Redis errors as StoreError: SharedUnavailable for one that a later call
+        may not meet (the first warns once; calls within `retry_s` fail without trying)."""
+        if time.monotonic() < self._down_until:
+            raise SharedUnavailable(f"the shared store {self.where} is unreachable; retrying shortly")
+        try:
+            out = fn(self.client)
+        except redis.AuthenticationError as e:
+            raise StoreError(f"the shared store {self.where} refused the password: {e}") from None
+        except redis.ResponseError as e:
+            if "NOAUTH" in str(e) or "WRONGPASS" in str(e):
+                raise StoreError(f"the shared store {self.where} needs a password: {e}") from None
+            if str(e).startswith("BUSY"):  # a script of another client overran: this one is slow
+                raise self._down(e) from None
+            raise StoreError(f"the shared store {self.where} refused a command: {e}") from None
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
+            raise self._down(e) from None
+        if self._down_until:
+            with self._lock:
+                if self._down_until:
+                    self._down_until = 0.0
+                    warnings.warn(f"the shared store {self.where} is reachable again", stacklevel=3)
+        return out
+
+    def _down(self, e: Exception) -> SharedUnavailable:
+        with self._lock:
+            first = not self._down_until
+            self._down_until = time.monotonic() + self.cfg.retry_s
+        msg = f"the shared store {self.where} is unreachable ({e})"
+        if first:
+            warnings.warn(f"{msg}; serving without it, retrying every {self.cfg.retry_s:g} s", stacklevel=4)
+        return SharedUnavailable(msg)
+
+    def check(self) -> None:
+        """One round trip: a wrong password, a URL or a Redis that is not there raises here, before
+        a server starts on it (as an error, not also as a warning)."""
+        try:
+            self.client.ping()
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
+            if not isinstance(e, redis.AuthenticationError):
+                raise SharedUnavailable(f"the shared store {self.where} is unreachable ({e})") from None
+        self.call(lambda c: c.ping())
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class Keys:
+    """Every key of one store. Chunk hashes and snapshot ids are validated hex before they get
+    here, so no caller's text becomes part of a key."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+
+    def blob(self, h: str) -> str:
+        return f"{self.prefix}:blob:{h}"
+
+    def chunk(self, h: str) -> str:
+        return f"{self.prefix}:chunk:{h}"
+
+    def snap(self, sid: str) -> str:
+        return f"{self.prefix}:snap:{sid}"
+
+    def members(self, sid: str) -> str:
+        return f"{self.prefix}:members:{sid}"
+
+    @property
+    def blobs(self) -> str:
+        """A SCAN pattern over every chunk blob."""
+        return f"{self.prefix}:blob:*"
