@@ -9,6 +9,7 @@ from pathlib import Path
 import typer
 
 from kvflash.cli.ask_cmd import GraphsOpt, PolicyOpt, PoolOpt, ProcsOpt, load_with_progress, pool_tokens
+from kvflash.cli.limits import check_pool_fits
 from kvflash.cli.options import DeviceOpt, DtypeOpt, HostBytesOpt, ModelOpt, StoreOpt, with_host_bytes
 from kvflash.config import EngineConfig, ResidencyConfig
 from kvflash.engine import Engine
@@ -50,6 +51,7 @@ def serve(
     lm = load_with_progress(model, dtype, device)
     res = ResidencyConfig(policy=policy)
     budget = pool_tokens(pool)
+    check_pool_fits(lm, budget, res.chunk_tokens)
     cfg = EngineConfig(pool_tokens=budget, residency=res, cuda_graphs=cuda_graphs)
     engine = Engine(lm, with_host_bytes(cfg, host_bytes))
     st = None if no_store else SnapshotStore(store or snapshots_dir(), processes=decode_processes)
