@@ -3,7 +3,7 @@
 writing snapshots), many times, never leave a partial chunk where a reader can get it, never leave
 the index naming a missing file, never harm a snapshot that verified before, and never leave a dead
 process's lease holding chunks past the next removal. A handful of kills in `make test`, 120 store
-and 24 server trials in `make test-reliability`."""
+and 16 server trials in `make test-reliability`."""
 
 from __future__ import annotations
 
@@ -230,8 +230,9 @@ def _await_snapshots(root: Path, n: int) -> None:
 
 
 def server_kill_trials(tmp_path: Path, smollm_path: Path, kills: int, seed: int) -> dict[str, int]:
-    """`kvflash serve` processes on one store, each SIGKILLed at a random point of four concurrent
-    requests: while it restores stored conversations, prefills, answers or writes snapshots. After
+    """`kvflash serve` processes on one store, each SIGKILLed at a random point of five concurrent
+    requests: four conversations it restores (once stored), one new (whose save writes every chunk),
+    so a kill falls while it restores, prefills, answers or writes snapshots. After
     each, the check of the store's trials; besides, every conversation that had a snapshot keeps
     one (a save writes its snapshot before it removes the one it replaces)."""
     root = tmp_path / "served"
@@ -242,9 +243,9 @@ def server_kill_trials(tmp_path: Path, smollm_path: Path, kills: int, seed: int)
     labels: set[str] = set()
     for k in range(kills):
         bodies = [
-            {"model": MODEL, "messages": ledger(c, rng.choice((1, 2))), "stream": rng.random() < 0.5,
-             "temperature": 0}
-            for c in range(4)
+            {"model": MODEL, "messages": ledger(c, rng.choice((1, 2)) if c < 4 else 1),
+             "stream": rng.random() < 0.5, "temperature": 0}
+            for c in (0, 1, 2, 3, 10 + k)
         ]  # fmt: skip
         with serve_process(smollm_path, root, *SERVE_FLAGS) as (url, proc):
             with ThreadPoolExecutor(len(bodies)) as pool:
@@ -285,7 +286,7 @@ def server_kill_trials(tmp_path: Path, smollm_path: Path, kills: int, seed: int)
     assert not list((root / "chunks").glob("*/.*.tmp"))
     assert interrupted >= kills // 4, "too few kills came before the last answer: they tested little"
     figures = dict(
-        trials=kills, sigkills=kills, requests=4 * kills, answered=answered,
+        trials=kills, sigkills=kills, requests=5 * kills, answered=answered,
         interrupted=interrupted, witnesses=len(witnesses),
         witnesses_lost=lost, conversations=len(labels), orphans_seen=orphans, temps_seen=temps, swept=swept,
     )  # fmt: skip
@@ -301,5 +302,5 @@ def test_writers_readers_and_servers_killed_at_random_points(tmp_path, smollm_pa
 @pytest.mark.reliability
 def test_writers_readers_and_servers_killed_at_random_points_at_length(tmp_path, smollm_path) -> None:
     store = kill_trials(tmp_path, kills=120, seed=4321)
-    served = server_kill_trials(tmp_path, smollm_path, kills=24, seed=4321)
+    served = server_kill_trials(tmp_path, smollm_path, kills=16, seed=4321)
     assert store["trials"] + served["trials"] >= 100
