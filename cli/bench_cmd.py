@@ -14,8 +14,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from kvflash import KVFlashError
 from kvflash.bench import BenchConfig, plot, run, table
 from kvflash.cli.ask_cmd import PoolOpt, pool_tokens
+from kvflash.cli.limits import check_pool_fits
 from kvflash.cli.niah_cmd import parse_lengths
 from kvflash.cli.options import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt
+from kvflash.config import ResidencyConfig
 from kvflash.models.loader import load_model
 
 
@@ -42,6 +44,7 @@ def bench(
     except OSError as e:
         raise KVFlashError(f"cannot write to --out {out}: {e.strerror}") from None
     lm = load_model(model, dtype=dtype, device=device)
+    check_pool_fits(lm, cfg.pool_tokens, ResidencyConfig().chunk_tokens)
     err = Console(stderr=True)
     with Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),

@@ -9,9 +9,11 @@ import typer
 from rich.console import Console
 
 from kvflash import KVFlashError
+from kvflash.cli.limits import check_pool_fits
 from kvflash.cli.options import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt
-from kvflash.config import POLICIES
+from kvflash.config import POLICIES, ResidencyConfig
 from kvflash.haystack import TEMPLATES
+from kvflash.models.loader import load_model
 from kvflash.niah import MODES, NiahConfig, run, table
 
 
@@ -86,7 +88,11 @@ def niah(
         out=str(out),
         model=str(model) if model else None, dtype=dtype, device=device,
     )  # fmt: skip
-    summary = run(cfg, progress=None if as_json else Console(stderr=True, highlight=False))
+    lm = None
+    if pool_tokens is not None:  # refused before the grid's first engine allocates the pool
+        lm = load_model(model, dtype=dtype, device=device)
+        check_pool_fits(lm, pool_tokens, ResidencyConfig().chunk_tokens)
+    summary = run(cfg, lm, progress=None if as_json else Console(stderr=True, highlight=False))
     if as_json:
         print(json.dumps(summary))
     else:

@@ -9,6 +9,7 @@ from pathlib import Path
 import typer
 
 from kvflash.cli.ask_cmd import GraphsOpt, PolicyOpt, PoolOpt, ProcsOpt, load_with_progress, pool_tokens
+from kvflash.cli.limits import check_pool_fits
 from kvflash.cli.options import (
     DeviceOpt,
     DtypeOpt,
@@ -76,6 +77,7 @@ def serve(
     lm = load_with_progress(model, dtype, device)
     res = ResidencyConfig(policy=policy)
     budget = pool_tokens(pool)
+    check_pool_fits(lm, budget, res.chunk_tokens)
     cfg = EngineConfig(pool_tokens=budget, residency=res, cuda_graphs=cuda_graphs)
     engine = Engine(lm, with_host_bytes(cfg, host_bytes))
     st = None if no_store else open_tiers(store, shared_store, decode_processes, tiers)

@@ -16,6 +16,7 @@ import os
 import socket
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -38,6 +39,8 @@ late its heartbeat: a stalled process keeps what it reads."""
 BEST_EFFORT_BUSY_S = 5.0
 """How long bookkeeping a restore can do without (a lease, a hit, a damage mark) waits for a busy
 index before it gives up: the answer does not wait a minute for a writer that holds the index."""
+WRITE_POLL_S = 0.02
+"""How often a write waiting for another process's write lock tries again (`Index._begun`)."""
 _BATCH = 500
 """Hashes per `IN (...)` query, under SQLite's bound-variable limit."""
 
@@ -217,21 +220,41 @@ class Index:
         give up sooner than BUSY_TIMEOUT_S)."""
         if self.read_only:
             raise StoreError(f"the index {self.path} is read-only")
-        with self._lock, _disk_full_as_error():
-            if busy_s is not None:
-                self.conn.execute(f"PRAGMA busy_timeout = {int(busy_s * 1000)}")
+        with _disk_full_as_error(), self._begun(BUSY_TIMEOUT_S if busy_s is None else busy_s):
             try:
-                self.conn.execute("BEGIN IMMEDIATE")
+                yield self.conn
+                self.conn.execute("COMMIT")
+            except BaseException:
+                if self.conn.in_transaction:
+                    self.conn.execute("ROLLBACK")
+                raise
+
+    @contextmanager
+    def _begun(self, wait_s: float) -> Iterator[None]:
+        """Holds the connection with a write transaction begun. While another process holds the
+        write lock, `BEGIN IMMEDIATE` is tried again every WRITE_POLL_S for up to wait_s, with the
+        connection let go in between: this store's reads (a restore's lookup) and best-effort
+        writes never queue behind a save that waits for the lock."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            with self._lock:
+                self.conn.execute("PRAGMA busy_timeout = 0")
                 try:
-                    yield self.conn
-                    self.conn.execute("COMMIT")
-                except BaseException:
-                    if self.conn.in_transaction:
-                        self.conn.execute("ROLLBACK")
-                    raise
-            finally:
-                if busy_s is not None:
+                    self.conn.execute("BEGIN IMMEDIATE")
+                    begun = True
+                except sqlite3.OperationalError as e:
+                    if (
+                        getattr(e, "sqlite_errorcode", None) != sqlite3.SQLITE_BUSY
+                        or time.monotonic() > deadline
+                    ):
+                        raise
+                    begun = False
+                finally:
                     self.conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+                if begun:
+                    yield
+                    return
+            time.sleep(WRITE_POLL_S)
 
     @contextmanager
     def _read(self) -> Iterator[sqlite3.Connection]:

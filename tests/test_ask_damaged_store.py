@@ -20,6 +20,7 @@ import pytest
 
 from kvflash.storage import SnapshotStore
 from tests.test_cli_inputs import kvflash
+from tests.test_storage_damage import hold_index
 
 QUESTION = "Who built the harbour light?"
 DOC = " ".join(
@@ -46,9 +47,7 @@ def _tree(top: Path) -> dict[str, tuple[int, int]]:
 def _held_index(root: Path, outside: Path) -> Callable[[], None]:
     """Another process's write transaction on the index, released after 8 s (past the 5 s a lease
     waits, so the restore goes cold; the save after the answer then commits)."""
-    conn = sqlite3.connect(root / "index.sqlite", isolation_level=None, check_same_thread=False)
-    conn.execute("BEGIN EXCLUSIVE")
-    timer = threading.Timer(8, lambda: (conn.execute("ROLLBACK"), conn.close()))
+    timer = threading.Timer(8, hold_index(root))
     timer.start()
     return timer.join
 

@@ -105,10 +105,22 @@ def test_bad_flags_give_one_line(tmp_path, capfd, monkeypatch, doc) -> None:
         assert message in one_error_line(code, err), name
 
 
-def test_a_pool_larger_than_memory_is_refused_before_allocating(smollm_path, doc, capfd, monkeypatch) -> None:
-    argv = ["ask", str(doc), "q?", "--pool-tokens", "1000000000", "--no-store", "--model", str(smollm_path)]
-    code, _, err = kvflash([*argv, "--device", "cpu"], capfd, monkeypatch)
-    assert "GiB free" in one_error_line(code, err)
+def test_a_pool_larger_than_memory_is_refused_before_allocating(
+    smollm_path, doc, tmp_path, capfd, monkeypatch
+) -> None:
+    """Every command that takes --pool-tokens checks it against free memory once the model is loaded,
+    with one message, before it allocates anything that size."""
+    commands = {
+        "ask": ["ask", str(doc), "q?", "--no-store"],
+        "serve": ["serve", "--no-store", "--port", "1"],
+        "bench": ["bench", "--lengths", "1K", "--out", str(tmp_path / "bench")],
+        "niah": ["niah", "--policy", "qk", "--lengths", "1K", "--out", str(tmp_path / "niah")],
+    }
+    for name, argv in commands.items():
+        flags = ["--pool-tokens", "1000000000", "--model", str(smollm_path), "--device", "cpu"]
+        code, _, err = kvflash([*argv, *flags], capfd, monkeypatch)
+        line = one_error_line(code, err)
+        assert "--pool-tokens 1000000000: the pool needs" in line and "GiB free" in line, name
 
 
 def test_ask_answers_without_a_store_it_cannot_open(smollm_path, doc, tmp_path, capfd, monkeypatch) -> None:

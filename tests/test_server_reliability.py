@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -186,4 +187,55 @@ def test_slow_and_oversized_bodies_are_refused_and_the_server_goes_on(lm) -> Non
             t.start()
         for t in threads:
             t.join(120)
+        still_serves(url)
+
+
+def test_slow_readers_and_stalled_senders_hold_up_no_one(lm, tmp_path) -> None:
+    """Clients that read a streamed answer a few bytes at a time, and clients that send half a
+    request and stall: other requests are answered meanwhile (the scheduler never waits on a
+    socket), and once the slow clients have gone, usage is back at its baseline."""
+    with serving(lm, tmp_path / "store", max_tokens=48) as (url, server):
+        still_serves(url)
+        settled(server)
+        server._saver.submit(lambda: None).result()
+        assert stray(server) == (0, 0, 0)
+        address = ("127.0.0.1", int(url.rsplit(":", 1)[1]))
+        stalled = []
+        for i in range(8):  # headers promising a body that never comes, or headers cut off
+            s = socket.create_connection(address)
+            head = b'POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 4000\r\n\r\n{"mo'
+            s.sendall(head if i % 2 else head[:30])
+            stalled.append(s)
+        readers = []
+        for i in range(3):
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+            s.connect(address)
+            body = json.dumps(
+                {"model": MODEL, "messages": STORY, "stream": True, "seed": i, "temperature": 1.0}
+            )
+            s.sendall(
+                f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: {JSON}\r\n"
+                f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n{body}".encode()
+            )
+            assert s.recv(16).startswith(b"HTTP/1.1 200")
+            readers.append(s)
+        t0 = time.monotonic()
+        for _ in range(3):
+            still_serves(url)
+        assert time.monotonic() - t0 < 120
+        for s in readers:  # the slow readers read on to the end of their answers
+            s.settimeout(120)
+            got = b""
+            while piece := s.recv(64):  # to the end: the server closes the connection
+                got += piece
+                time.sleep(0.002)
+            assert b"data: [DONE]" in got and b'"error"' not in got
+            s.close()
+        for s in stalled:
+            s.close()
+        settled(server)
+        server._saver.submit(lambda: None).result()
+        assert stray(server) == (0, 0, 0)
+        assert server.snapshots.store.du().orphan_files == 0
         still_serves(url)

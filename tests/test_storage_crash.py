@@ -1,7 +1,9 @@
-"""Crash safety: writers and readers SIGKILLed at random points of save, prune, rm and restore, many
-times, never leave a partial chunk where a reader can get it, never leave the index naming a missing
-file, never harm a snapshot that verified before, and never leave a dead reader's lease holding
-chunks past the next removal. A handful of kills in `make test`, 120 in `make test-reliability`."""
+"""Crash safety: writers and readers SIGKILLed at random points of save, prune, rm and restore, and
+`kvflash serve` processes SIGKILLed while they serve HTTP requests (restoring, prefilling, answering,
+writing snapshots), many times, never leave a partial chunk where a reader can get it, never leave
+the index naming a missing file, never harm a snapshot that verified before, and never leave a dead
+process's lease holding chunks past the next removal. A handful of kills in `make test`, 120 store
+and 24 server trials in `make test-reliability`."""
 
 from __future__ import annotations
 
@@ -11,13 +13,16 @@ import random
 import signal
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
 from kvflash.storage import ROOT_HASH, ChunkBlob, ChunkMissing, SnapshotNotFound, SnapshotStore
-from kvflash.storage.format import decode_chunk
+from kvflash.storage.format import decode_chunk, parse_header
+from tests.test_server import MODEL, serve_process
 
 FP = "fp-crash-test"
 SHAPE = (2, 2, 2, 16, 32)
@@ -106,12 +111,14 @@ def check(root: Path, witnesses: dict[str, list[ChunkBlob]]) -> tuple[int, int]:
         report = st.verify()
         assert report.ok, report
         for sid, blobs in witnesses.items():  # every snapshot that verified before: still there, bit-exact
-            got = st.read_chunks_parallel(st.get_snapshot(sid).chunk_hashes, FP)
+            snap = st.get_snapshot(sid)
+            got = st.read_chunks_parallel(snap.chunk_hashes, snap.fingerprint)
             assert all(torch.equal(a.kv, b.kv) for a, b in zip(blobs, got, strict=True))
         indexed = st.index.all_chunk_rows()
     on_disk = list((root / "chunks").glob("*/*.kvc"))
     for f in on_disk:  # renamed into place only when complete: even an orphan decodes
-        decode_chunk(f.read_bytes(), f.stem, FP)
+        data = f.read_bytes()
+        decode_chunk(data, f.stem, parse_header(data, len(data), f.stem).fingerprint)
     return sum(f.stem not in indexed for f in on_disk), len(list((root / "chunks").glob("*/.*.tmp")))
 
 
@@ -123,6 +130,21 @@ def _pin_witness(root: Path, k: int) -> tuple[str, list[ChunkBlob]]:
         st.pin(sid)
         assert st.verify(sid).ok
     return sid, blobs
+
+
+def final_check(root: Path, witnesses: dict[str, list[ChunkBlob]]) -> tuple[int, int, int]:
+    """After the last trial: a prune sweeps what killed saves left and reaps every dead process's
+    lease, then the store verifies and holds every witness. Returns (snapshots, swept, lost)."""
+    with SnapshotStore(root, workers=2) as st:
+        snapshots = len(st.list_snapshots())
+        swept = st.prune().swept_files
+        assert st.verify().ok
+        assert set(st.backend.list_hashes()) == set(st.index.all_chunk_rows())
+        assert st.index.lease_owners() == set(), "a killed process's lease outlived a removal"
+        lost = len(set(witnesses) - {x.id for x in st.list_snapshots()})
+    assert lost == 0, f"{lost} pinned snapshots lost"
+    assert not list((root / "chunks").glob("*/.*.tmp"))
+    return snapshots, swept, lost
 
 
 def kill_trials(tmp_path: Path, kills: int, seed: int) -> dict[str, int]:
@@ -154,15 +176,7 @@ def kill_trials(tmp_path: Path, kills: int, seed: int) -> dict[str, int]:
         if k % 4 == 0:
             witnesses.update([_pin_witness(root, k)])
 
-    with SnapshotStore(root, workers=2) as st:
-        snapshots = len(st.list_snapshots())
-        swept = st.prune().swept_files
-        assert st.verify().ok
-        assert set(st.backend.list_hashes()) == set(st.index.all_chunk_rows())
-        assert st.index.lease_owners() == set(), "a killed reader's lease outlived a removal"
-        lost = len(set(witnesses) - {x.id for x in st.list_snapshots()})
-    assert lost == 0, f"{lost} pinned snapshots lost"
-    assert not list((root / "chunks").glob("*/.*.tmp"))
+    snapshots, swept, lost = final_check(root, witnesses)
     assert commits >= kills // 2, "too few writers committed before their kill: the kills tested little"
     figures = dict(
         trials=kills, sigkills=2 * kills, witnesses=len(witnesses), witnesses_lost=lost,
@@ -172,10 +186,121 @@ def kill_trials(tmp_path: Path, kills: int, seed: int) -> dict[str, int]:
     return figures
 
 
-def test_writers_and_readers_killed_at_random_points(tmp_path) -> None:
+SERVE_FLAGS = ("--max-tokens", "4", "--max-batch", "2", "--pool-tokens", "1024")
+"""Two requests at a time with 512 tokens each: a short ledger's stored prefix restores eagerly, a
+long one's lazily (its chunks read from disk during the prefill)."""
+
+
+def ledger(k: int, turn: int) -> list[dict]:
+    """Conversation k over a ledger of 12 or 24 entries (some 300 or 590 tokens), at turn 1 or 2:
+    a turn 2 sent to a new server restores the turn 1 the one before it saved."""
+    n = 24 if k % 2 else 12
+    doc = " ".join(f"Ledger {k}, entry {i}: keeper {i} tended the light in {1800 + i}." for i in range(n))
+    messages = [{"role": "system", "content": doc}, {"role": "user", "content": f"Who kept ledger {k}?"}]
+    if turn == 2:
+        messages += [{"role": "assistant", "content": "A keeper."}, {"role": "user", "content": "And then?"}]
+    return messages
+
+
+def _send(url: str, body: dict) -> bool:
+    """Whether the request was answered in full; a connection the killed server dropped is not."""
+    try:
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    except httpx.TransportError:
+        return False
+    assert r.status_code == 200, r.text
+    assert "error" not in r.text
+    return True
+
+
+def _pin_served(root: Path, rng: random.Random) -> dict[str, list[ChunkBlob]]:
+    """A snapshot a server wrote, pinned (no later save replaces it) with its KV read back, once
+    verified: no later kill may lose or harm it."""
+    with SnapshotStore(root, workers=2) as st:
+        served = [s for s in st.list_snapshots() if s.label.startswith("serve:") and not s.pinned]
+        if not served:
+            return {}
+        snap = st.get_snapshot(rng.choice(served).id)
+        assert st.verify(snap.id).ok
+        st.pin(snap.id)
+        return {snap.id: st.read_chunks_parallel(snap.chunk_hashes, snap.fingerprint)}
+
+
+def _await_snapshots(root: Path, n: int) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        with SnapshotStore(root, workers=1) as st:
+            if sum(s.label.startswith("serve:") for s in st.list_snapshots()) >= n:
+                return
+        assert time.monotonic() < deadline, "the server never wrote its snapshots"
+        time.sleep(0.1)
+
+
+def server_kill_trials(tmp_path: Path, smollm_path: Path, kills: int, seed: int) -> dict[str, int]:
+    """`kvflash serve` processes on one store, each SIGKILLed at a random point of four concurrent
+    requests: while it restores stored conversations, prefills, answers or writes snapshots. After
+    each, the check of the store's trials; besides, every conversation that had a snapshot keeps
+    one (a save writes its snapshot before it removes the one it replaces)."""
+    root = tmp_path / "served"
+    witnesses = dict([_pin_witness(root, -1)])
+    rng = random.Random(seed)
+    span = None
+    answered = interrupted = orphans = temps = 0
+    labels: set[str] = set()
+    for k in range(kills):
+        bodies = [
+            {"model": MODEL, "messages": ledger(c, rng.choice((1, 2))), "stream": rng.random() < 0.5,
+             "temperature": 0}
+            for c in range(4)
+        ]  # fmt: skip
+        with serve_process(smollm_path, root, *SERVE_FLAGS) as (url, proc):
+            with ThreadPoolExecutor(len(bodies)) as pool:
+                t0 = time.monotonic()
+                sent = [pool.submit(_send, url, b) for b in bodies]
+                if span is None:  # the first server answers and saves all four: later kills fall in
+                    wait(sent)  # the span of its answers
+                    span = time.monotonic() - t0
+                    _await_snapshots(root, len(bodies))
+                else:
+                    time.sleep(rng.uniform(0, 1.2 * span))
+                proc.kill()
+                proc.wait()
+                done = sum(f.result() for f in sent)
+        answered, interrupted = answered + done, interrupted + (done < len(bodies))
+        assert proc.returncode == -signal.SIGKILL, f"trial {k}: the server died by itself ({proc.returncode})"
+        o, t = check(root, witnesses)
+        orphans, temps = orphans + o, temps + t
+        with SnapshotStore(root, workers=2) as st:
+            now = {s.label for s in st.list_snapshots()}
+        assert labels <= now, f"trial {k}: conversations lost their snapshots: {labels - now}"
+        labels = now
+        if k % 4 == 0:
+            witnesses.update(_pin_served(root, rng))
+
+    with serve_process(smollm_path, root, *SERVE_FLAGS) as (url, proc):  # the store still serves
+        for c in range(4):
+            r = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": ledger(c, 2)})
+            assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)
+    _, swept, lost = final_check(root, witnesses)
+    assert interrupted >= kills // 4, "too few kills came before the last answer: they tested little"
+    figures = dict(
+        trials=kills, sigkills=kills, requests=4 * kills, answered=answered,
+        interrupted=interrupted, witnesses=len(witnesses),
+        witnesses_lost=lost, conversations=len(labels), orphans_seen=orphans, temps_seen=temps, swept=swept,
+    )  # fmt: skip
+    print(f"server kill trials: {figures}")
+    return figures
+
+
+def test_writers_readers_and_servers_killed_at_random_points(tmp_path, smollm_path) -> None:
     kill_trials(tmp_path, kills=8, seed=1234)
+    server_kill_trials(tmp_path, smollm_path, kills=2, seed=1234)
 
 
 @pytest.mark.reliability
-def test_writers_and_readers_killed_at_random_points_at_length(tmp_path) -> None:
-    assert kill_trials(tmp_path, kills=120, seed=4321)["trials"] >= 100
+def test_writers_readers_and_servers_killed_at_random_points_at_length(tmp_path, smollm_path) -> None:
+    store = kill_trials(tmp_path, kills=120, seed=4321)
+    served = server_kill_trials(tmp_path, smollm_path, kills=24, seed=4321)
+    assert store["trials"] + served["trials"] >= 100

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import os
 import signal
-import sqlite3
 import subprocess
+import sys
 import threading
 import time
 import tracemalloc
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -107,11 +108,37 @@ def test_a_lock_that_is_a_directory_stops_only_saves_and_removals(store) -> None
         assert [s.id for s in st.list_snapshots()] == [sid]
 
 
+HOLD_INDEX = """
+import sqlite3, sys
+conn = sqlite3.connect(sys.argv[1], isolation_level=None)
+conn.execute("BEGIN EXCLUSIVE")
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def hold_index(root: Path) -> Callable[[], None]:
+    """Starts another process that holds the index's write lock (an open BEGIN EXCLUSIVE) and
+    returns the function that ends it (the process exits, and its transaction with it)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD_INDEX, str(root / "index.sqlite")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stdout.readline() == "held\n", "the holder did not take the lock"
+
+    def release() -> None:
+        if proc.poll() is None:
+            proc.stdin.close()
+            proc.wait(30)
+            proc.stdout.close()
+
+    return release
+
+
 def test_an_index_held_by_another_writer_delays_bookkeeping_not_answers(store) -> None:
     blobs = make_chain(toks(2))
     sid = store.put_snapshot("s", FP, blobs)
-    other = sqlite3.connect(store.root / "index.sqlite", isolation_level=None)
-    other.execute("BEGIN EXCLUSIVE")
+    release = hold_index(store.root)
     try:
         assert [s.id for s in store.list_snapshots()] == [sid]  # WAL readers are not blocked
         assert _same_kv(store, sid, blobs)
@@ -121,8 +148,7 @@ def test_an_index_held_by_another_writer_delays_bookkeeping_not_answers(store) -
         with pytest.warns(UserWarning, match="not counted"):
             store.record_hit(list(store.get_snapshot(sid).chunk_hashes))
     finally:
-        other.execute("ROLLBACK")
-        other.close()
+        release()
     with store.lease(store.get_snapshot(sid).chunk_hashes):
         pass
 
