@@ -76,6 +76,8 @@ class Job:
     next: int = 0
     """The token to feed at the next step."""
     recoveries: int = 0
+    min_tokens: int = 0
+    """Stop ids are not sampled before this many tokens."""
 
     @property
     def context(self) -> list[int]:
@@ -243,7 +245,9 @@ class Scheduler:
             except Exception as e:
                 self._failed(job, e)
                 return ENDED
-            job.gen = Generation(job.max_tokens, sampler, self.stop_ids, job.stats, job.t0, job.on_token)
+            job.gen = Generation(
+                job.max_tokens, sampler, self.stop_ids, job.stats, job.t0, job.on_token, job.min_tokens
+            )
         return DECODING if self._advance(job, logits) else ENDED
 
     def _step(self, running: list[Job]) -> list[Job]:
@@ -273,8 +277,7 @@ class Scheduler:
         """Samples the job's next token (a greedy job takes `argmax` where given); whether it goes on.
         Nothing a job's callbacks raise may end this thread: every other request waits on it."""
         try:
-            sampler = job.gen.sampler
-            tok = job.gen.push(argmax if argmax is not None and sampler.greedy else sampler(logits))
+            tok = job.gen.push(job.gen.choose(logits, argmax))
         except Exception as e:
             self._failed(job, e)
             return False

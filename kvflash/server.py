@@ -93,6 +93,8 @@ class ChatRequest(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)
+    min_tokens: int = Field(0, ge=0, lt=2**31)
+    """vLLM's extension: the end-of-sequence ids are not sampled before this many tokens."""
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOPS)] | None = None
     n: Literal[1] = 1
     stream: bool = False
@@ -243,7 +245,8 @@ class Server:
                     raise
 
         sampling = Sampling(req.temperature, req.top_p, req.seed)
-        self.scheduler.submit(Job(ids, max_tokens, sampling, on_token, on_done, relay, gone))
+        job = Job(ids, max_tokens, sampling, on_token, on_done, relay, gone, min_tokens=req.min_tokens)
+        self.scheduler.submit(job)
 
     def readings(self) -> dict[str, tuple[str, str, float]]:
         """The engine's and the scheduler's state for /metrics: name -> (type, help, value)."""

@@ -5,6 +5,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from math import inf
+
+import torch
 
 from kvflash.engine import Engine
 from kvflash.generate import Sampler, Sampling
@@ -33,7 +36,8 @@ class TurnStats:
 
 class Generation:
     """One answer, a token at a time: samples each step's logits, ends at a stop id, at max_tokens
-    or when `on_token` returns True (a stop string, a client gone), and times it into `stats`."""
+    or when `on_token` returns True (a stop string, a client gone), and times it into `stats`. Before
+    `min_tokens` tokens no stop id is sampled (a benchmark's answers of a fixed length)."""
 
     def __init__(
         self,
@@ -43,11 +47,20 @@ class Generation:
         stats: TurnStats,
         t0: float,
         on_token: Callable[[int], bool | None] | None = None,
+        min_tokens: int = 0,
     ):
         self.max_tokens, self.sampler, self.stop_ids = max_tokens, sampler, stop_ids
-        self.stats, self.t0, self.on_token = stats, t0, on_token
+        self.stats, self.t0, self.on_token, self.min_tokens = stats, t0, on_token, min_tokens
         self.out: list[int] = []
         self._t_first: float | None = None
+
+    def choose(self, logits: torch.Tensor, argmax: int | None = None) -> int:
+        """The next token from logits [V]; a greedy answer takes `argmax` where the caller has it
+        (read back for a whole batch at once)."""
+        if len(self.out) < self.min_tokens and self.stop_ids:
+            logits = logits.index_fill(-1, torch.tensor(sorted(self.stop_ids), device=logits.device), -inf)
+            argmax = None
+        return argmax if argmax is not None and self.sampler.greedy else self.sampler(logits)
 
     def push(self, tok: int) -> int | None:
         """Takes the sampled token: the token to feed next, or None: the answer has ended (a stop id
@@ -101,7 +114,7 @@ def answer(
     sampler = Sampler(sampling, engine.lm.device)
     gen = Generation(max_tokens, sampler, stop_ids, stats, t0, on_token)
     step, position = engine.decode_step(kv), len(kv.seq)
-    while (tok := gen.push(sampler(logits))) is not None:
+    while (tok := gen.push(gen.choose(logits))) is not None:
         logits = step(tok, position)
         position += 1
     return gen.finish(kv)

@@ -186,6 +186,17 @@ def test_max_tokens_ends_the_answer_with_length(lm) -> None:
     assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
 
 
+def test_min_tokens_holds_the_end_of_sequence_back(lm) -> None:
+    hi = [{"role": "user", "content": "Say hi."}]
+    with serving(lm, None, max_tokens=64) as (url, _):
+        free = ask(url, hi)
+        n = free.usage.completion_tokens
+        assert free.choices[0].finish_reason == "stop" and n < 40, "the greedy answer should end early"
+        held = ask(url, hi, extra_body={"min_tokens": n + 8})
+    assert held.usage.completion_tokens >= n + 8
+    assert held.choices[0].message.content.startswith(free.choices[0].message.content)
+
+
 def test_stop_text_holds_back_what_may_begin_a_stop_string() -> None:
     s = StopText(["END", "xy"])
     assert s.push("abc E") == "abc "  # "E" may begin "END"

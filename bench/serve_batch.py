@@ -1,0 +1,291 @@
+"""Many conversations on one server at once, against HF transformers' batched `generate`.
+
+For each count N of --conversations: N clients (the official `openai` client, streaming, on
+127.0.0.1), each with its own document of --doc-tokens tokens (windows of the reference document at
+different offsets, so no two share a prefix), ask turn 1 together; then each resends its conversation
+with one more question (turn 2, whose document KV the server holds) and all decode --decode-tokens
+tokens together. The same runs on a server at `--max-batch 1` (one request at a time: the sum of the
+prefills alone, and the throughput batching must beat). Then N conversations over one shared document
+of --shared-tokens tokens ask at once: the prompt tokens the server computed (from /metrics) against
+one document plus the questions.
+
+The peer is HF transformers on the same GPU, batched `generate` over the same turn-1 prompts (left
+padded, SDPA, whole KV on the GPU): a prefill alone, --max-tokens and --decode-tokens new tokens, so
+its decode rate is (decode-tokens - 1) * N over the difference. Answers are of fixed length on both
+sides (`min_tokens` on the server, `min_new_tokens` for HF).
+
+  python bench/serve_batch.py --conversations 1,8,32 --doc-tokens 8192 --out out/serve_batch
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import re
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+import torch
+from document import reference_text
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+from serve import QUESTIONS, Served
+
+from kvflash.models.loader import load_model
+from kvflash.prompt import encode_messages
+
+
+@dataclass
+class Stream:
+    """One streamed answer as its client saw it: times from the request, server-side stats."""
+
+    sent: float
+    times: list[float] = field(default_factory=list)
+    """perf_counter of each content delta."""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    server_ttft_s: float = 0.0
+
+    @property
+    def ttft(self) -> float:
+        return self.times[0] - self.sent
+
+
+def stream(server: Served, messages: list[dict], tokens: int) -> tuple[Stream, str]:
+    s, text = Stream(time.perf_counter()), ""
+    chunks = server.client.chat.completions.create(
+        model=server.model, messages=messages, temperature=0, max_tokens=tokens, stream=True,
+        stream_options={"include_usage": True}, extra_body={"min_tokens": tokens},
+    )  # fmt: skip
+    for chunk in chunks:
+        if chunk.choices and chunk.choices[0].delta.content:
+            s.times.append(time.perf_counter())
+            text += chunk.choices[0].delta.content
+        if chunk.usage:
+            s.prompt_tokens, s.completion_tokens = chunk.usage.prompt_tokens, chunk.usage.completion_tokens
+            s.cached_tokens = chunk.usage.prompt_tokens_details.cached_tokens
+        if stats := (chunk.model_extra or {}).get("kvflash"):
+            s.server_ttft_s = stats["ttft_s"]
+    return s, text
+
+
+def together(server: Served, convs: list[list[dict]], tokens: int) -> tuple[dict, list[str]]:
+    """Every conversation's next turn at once: wall, TTFT, and the decode rate while all stream."""
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(len(convs)) as pool:
+        got = list(pool.map(lambda c: stream(server, c, tokens), convs))
+    wall = time.perf_counter() - t0
+    streams = [s for s, _ in got]
+    ttfts = sorted(s.ttft for s in streams)
+    lo, hi = max(s.times[0] for s in streams), min(s.times[-1] for s in streams)
+    inside = sum(lo < t <= hi for s in streams for t in s.times)
+    row = {
+        "wall_s": wall,
+        "ttft_p50_s": statistics.median(ttfts),
+        "ttft_max_s": ttfts[-1],
+        "tokens": sum(s.completion_tokens for s in streams),
+        "tok_s": sum(s.completion_tokens for s in streams) / wall,
+        "decode_tok_s": inside / (hi - lo) if hi - lo > 0.05 else None,
+        "cached_tokens": sum(s.cached_tokens for s in streams),
+        "prompt_tokens": sum(s.prompt_tokens for s in streams),
+        "server_ttft_sum_s": sum(s.server_ttft_s for s in streams),
+    }
+    return row, [t for _, t in got]
+
+
+def computed_tokens(server: Served) -> int:
+    """Prompt tokens the server has prefilled (not reused), from /metrics."""
+    text = httpx.get(f"{server.url}/metrics").text
+    m = re.search(r'^kvflash_tokens_total\{kind="cold"\} (\S+)$', text, re.M)
+    return int(float(m.group(1))) if m else 0
+
+
+def conversations(args, docs: list[str], max_batch: int) -> dict:
+    """Turn 1 of every conversation together, then turn 2 of every one together."""
+    server = Served(args, None, max_batch)
+    try:
+        stream(server, [{"role": "user", "content": "Hello."}], 2)  # warm
+        convs = [
+            [{"role": "system", "content": d}, {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]
+            for i, d in enumerate(docs)
+        ]
+        turn1, answers = together(server, convs, args.max_tokens)
+        for i, (c, a) in enumerate(zip(convs, answers, strict=True)):
+            c += [{"role": "assistant", "content": a}, {"role": "user", "content": QUESTIONS[(i + 1) % 5]}]
+        turn2, _ = together(server, convs, args.decode_tokens)
+    finally:
+        server.stop()
+    return {"max_batch": max_batch, "turn1": turn1, "turn2": turn2}
+
+
+def shared(args, doc: str, n: int) -> dict:
+    """n conversations over one document at once: what the server prefilled of it."""
+    server = Served(args, None, n)
+    try:
+        stream(server, [{"role": "user", "content": "Hello."}], 2)
+        before = computed_tokens(server)
+        convs = [[{"role": "system", "content": doc}, {"role": "user", "content": QUESTIONS[i % 5]}]
+                 for i in range(n)]  # fmt: skip
+        row, _ = together(server, convs, args.max_tokens)
+        row["computed_tokens"] = computed_tokens(server) - before
+    finally:
+        server.stop()
+    return row
+
+
+def hf_batched(lm, model, prompts: list[list[int]], tokens: int) -> float:
+    """Seconds of one batched greedy `generate` of exactly `tokens` new tokens per prompt."""
+    width = max(map(len, prompts))
+    pad = lm.tokenizer.eos_ids and min(lm.tokenizer.eos_ids) or 0
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=lm.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=lm.device)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens,
+                       do_sample=False, pad_token_id=pad)  # fmt: skip
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def hf_arm(args, lm, model, docs: list[str]) -> dict:
+    prompts = [
+        encode_messages(lm.tokenizer, [{"role": "system", "content": d},
+                                       {"role": "user", "content": QUESTIONS[i % 5]}])
+        for i, d in enumerate(docs)
+    ]  # fmt: skip
+    try:
+        hf_batched(lm, model, prompts[:1], 2)  # warm
+        prefill = hf_batched(lm, model, prompts, 1)
+        e2e = hf_batched(lm, model, prompts, args.max_tokens)
+        long = hf_batched(lm, model, prompts, args.decode_tokens)
+    except torch.OutOfMemoryError as e:
+        torch.cuda.empty_cache()
+        return {"error": f"out of memory: {e}"[:200]}
+    decode = len(prompts) * (args.decode_tokens - 1) / (long - prefill)
+    return {"prefill_s": prefill, "e2e_s": e2e, "e2e_long_s": long, "decode_tok_s": decode}
+
+
+def documents(args, lm, n: int) -> tuple[list[str], str]:
+    """n windows of --doc-tokens tokens of the reference at n offsets, and --shared-tokens of it."""
+    length = max(args.shared_tokens, 2 * args.doc_tokens, 131072)
+    ids = lm.tokenizer.encode_plain(reference_text(length, lm.tokenizer))
+    stride = max(1, (len(ids) - args.doc_tokens) // max(1, n - 1))
+    docs = [lm.tokenizer.decode(ids[i * stride : i * stride + args.doc_tokens]) for i in range(n)]
+    return docs, lm.tokenizer.decode(ids[: args.shared_tokens])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--conversations", default="1,8,32", help="comma-separated counts")
+    ap.add_argument("--doc-tokens", type=int, default=8192)
+    ap.add_argument("--shared-tokens", type=int, default=32768)
+    ap.add_argument("--max-tokens", type=int, default=32, help="answer length of turn 1")
+    ap.add_argument("--decode-tokens", type=int, default=128, help="answer length of turn 2")
+    ap.add_argument("--pool-tokens", default="auto")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers peer")
+    ap.add_argument("--out", default="out/serve_batch")
+    args = ap.parse_args()
+    counts = [int(n) for n in args.conversations.split(",")]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lm = load_model(args.model, device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    docs, shared_doc = documents(args, lm, max(counts))
+    rows = []
+    with Progress() as progress:
+        task = progress.add_task("conversations", total=len(counts) * 3)
+        for n in counts:
+            row = {"n": n, "batched": conversations(args, docs[:n], n)}
+            progress.advance(task)
+            row["one_at_a_time"] = conversations(args, docs[:n], 1) if n > 1 else row["batched"]
+            progress.advance(task)
+            row["shared"] = shared(args, shared_doc, n)
+            progress.advance(task)
+            rows.append(row)
+    hf = {}
+    if not args.no_hf and lm.device.type == "cuda":
+        from hf import hf_llama
+
+        model = hf_llama(lm)
+        hf = {n: hf_arm(args, lm, model, docs[:n]) for n in counts}
+        del model
+    for r in rows:
+        r["hf"] = hf.get(r["n"], {})
+    report(args, rows)
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    meta = {"date": time.strftime("%Y-%m-%d"), "python": platform.python_version(),
+            "torch": torch.__version__, "gpu": gpu, "args": vars(args)}  # fmt: skip
+    (out / "serve_batch.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=asdict))
+    plot(rows, out / "serve_batch.png")
+
+
+def _f(x: float | None, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def report(args, rows: list[dict]) -> None:
+    doc = f"{args.doc_tokens:,}-token documents"
+    t = Table(title=f"turn 1: N conversations, {doc}, {args.max_tokens} tokens each")
+    for col in ("N", "wall s", "TTFT p50", "TTFT max", "wall, one at a time", "prefills alone s", "HF e2e s",
+                "HF prefill s"):  # fmt: skip
+        t.add_column(col, justify="right")
+    for r in rows:
+        b, one, hf = r["batched"]["turn1"], r["one_at_a_time"]["turn1"], r["hf"]
+        t.add_row(str(r["n"]), _f(b["wall_s"]), _f(b["ttft_p50_s"]), _f(b["ttft_max_s"]), _f(one["wall_s"]),
+                  _f(one["server_ttft_sum_s"]), _f(hf.get("e2e_s")), _f(hf.get("prefill_s")))  # fmt: skip
+    Console().print(t)
+    t = Table(title=f"turn 2: the same conversations, one more question, {args.decode_tokens} tokens each")
+    for col in ("N", "wall s", "TTFT p50", "tok/s", "tok/s one at a time", "x", "decode tok/s (all N)",
+                "HF decode tok/s", "x HF"):  # fmt: skip
+        t.add_column(col, justify="right")
+    for r in rows:
+        b, one, hf = r["batched"]["turn2"], r["one_at_a_time"]["turn2"], r["hf"]
+        peer = hf.get("decode_tok_s")
+        x_hf = b["decode_tok_s"] / peer if b["decode_tok_s"] and peer else None
+        t.add_row(str(r["n"]), _f(b["wall_s"]), _f(b["ttft_p50_s"]), _f(b["tok_s"], ".0f"),
+                  _f(one["tok_s"], ".0f"), _f(b["tok_s"] / one["tok_s"]), _f(b["decode_tok_s"], ".0f"),
+                  _f(hf.get("decode_tok_s"), ".0f"), _f(x_hf, ".1f"))  # fmt: skip
+    Console().print(t)
+    t = Table(title=f"N conversations over one {args.shared_tokens:,}-token document, at once")
+    for col in ("N", "wall s", "TTFT p50", "prompt tokens", "computed", "computed / (doc + questions)"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        s = r["shared"]
+        once = args.shared_tokens + s["prompt_tokens"] - r["n"] * args.shared_tokens
+        t.add_row(str(r["n"]), _f(s["wall_s"]), _f(s["ttft_p50_s"]), str(s["prompt_tokens"]),
+                  str(s["computed_tokens"]), _f(s["computed_tokens"] / once))  # fmt: skip
+    Console().print(t)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ns = [r["n"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    a.plot(ns, [r["batched"]["turn1"]["wall_s"] for r in rows], "o-", label="kvflash, batched")
+    a.plot(ns, [r["one_at_a_time"]["turn1"]["wall_s"] for r in rows], "o--", label="kvflash, --max-batch 1")
+    a.plot(ns, [r["hf"].get("e2e_s") for r in rows], "s-", label="HF batched generate")
+    a.set(xlabel="conversations", ylabel="turn 1 wall (s)", xscale="log", yscale="log")
+    b.plot(ns, [r["batched"]["turn2"]["decode_tok_s"] for r in rows], "o-", label="kvflash, batched")
+    b.plot(ns, [r["hf"].get("decode_tok_s") for r in rows], "s-", label="HF batched generate")
+    b.set(xlabel="conversations", ylabel="decode tok/s (all streaming)", xscale="log", yscale="log")
+    for ax in (a, b):
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
