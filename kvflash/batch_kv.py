@@ -17,13 +17,28 @@ import torch
 from kvflash import kernels
 from kvflash.paged_kv import DECODE_FIELDS, PagedKV, Staged
 
+PAD_FIELDS = (0, 0, None, 0, 1, 1)
+"""A pad row's decode inputs: token 0 at position 0, written to the pool's pad slot, which it lists
+alone (one valid token)."""
+
+
+def padded_size(n: int) -> int:
+    """The batch size a step of n sequences replays a graph of: 1, 2, 4, 8, then multiples of 8 to 64
+    and of 32 beyond, so a server captures a few graphs instead of one per batch size."""
+    if n <= 8:
+        return 1 << (n - 1).bit_length()
+    step = 8 if n <= 64 else 32
+    return -(-n // step) * step
+
 
 class BatchKV:
     """The KVCache of a batched decode step; `begin_decode` replaces `begin`. Its buffers keep their
-    addresses from step to step while the batch's size and budget do (a CUDA graph reads them)."""
+    addresses from step to step while the batch's size and budget do (a CUDA graph reads them). A
+    joint step may carry `rows` beyond its sequences: pad rows, whose outputs nobody reads."""
 
-    def __init__(self, seqs: list[PagedKV]):
+    def __init__(self, seqs: list[PagedKV], rows: int | None = None):
         self.seqs = seqs
+        self.rows = rows or len(seqs)
         self.joint = False
         """This step attends with one kernel call for the whole batch."""
         self.turned = False
@@ -57,16 +72,22 @@ class BatchKV:
 
     def _stage(self) -> None:
         """The sequences' decode inputs into the batch's buffers: fields in one copy, tables stacked."""
-        seqs = self.seqs
+        seqs, pads = self.seqs, self.rows - len(self.seqs)
+        pool = seqs[0].pool
         if self._ins is None:
-            self._ins = Staged((DECODE_FIELDS, len(seqs)), seqs[0].pool.kv.device)
-        self._ins.send(list(zip(*(kv.decode_fields for kv in seqs), strict=True)))  # [F, B]
+            self._ins = Staged((DECODE_FIELDS, self.rows), pool.kv.device)
+        pad = tuple(pool.pad_slot if f is None else f for f in PAD_FIELDS)
+        fields = [kv.decode_fields for kv in seqs] + [pad] * pads
+        self._ins.send(list(zip(*fields, strict=True)))  # [F, rows]
         self.turned = any(kv.shifted for kv in seqs)
         writes = [kv.table_write for kv in seqs]
         if writes != self._tables_of:  # most steps list the same chunks as the last
-            self._table = _stack([kv.decode_table() for kv in seqs], self._table)
+            tables = [kv.decode_table() for kv in seqs]
+            tables += [torch.full_like(tables[0], pool.pad_slot)] * pads
+            self._table = _stack(tables, self._table)
             if self.turned:
-                self._rot = _stack([kv.decode_rotation() for kv in seqs], self._rot)
+                rots = [kv.decode_rotation() for kv in seqs] + [seqs[0].identity_rotation()] * pads
+                self._rot = _stack(rots, self._rot)
             self._tables_of = writes
 
     def inputs(self) -> tuple[torch.Tensor, torch.Tensor]:

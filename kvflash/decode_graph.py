@@ -48,7 +48,7 @@ def capture(compute: Callable[[], torch.Tensor], queries: Callable[[], list | No
 
 
 class BatchGraphs:
-    """Batched decode steps, captured on first use per (batch size, budget, turned keys, recording
+    """Batched decode steps, captured on first use per (batch rows, budget, turned keys, recording
     queries). Each reads the buffers of the one BatchKV the engine keeps for its size and budget; the
     graphs share one memory pool, since only one runs at a time."""
 
@@ -62,10 +62,12 @@ class BatchGraphs:
     @torch.inference_mode()  # as the model's forward: `end` writes summaries into inference tensors
     def __call__(self, batch: BatchKV, tokens: list[int], positions: list[int]) -> torch.Tensor:
         """One decode step of each of the batch's sequences (Triton kernels, one budget): logits
-        [B, V], valid until the next step (the graphs share their memory)."""
+        [B, V], valid until the next step (the graphs share their memory). Graphs are keyed by the
+        batch's rows, pad rows included."""
         batch.begin_decode(tokens, positions)
         assert batch.joint, "a batch graph needs sequences on the Triton kernels with one budget"
-        key = (len(batch.seqs), batch.seqs[0].budget, batch.turned, batch.recording)
+        n = len(batch.seqs)
+        key = (batch.rows, batch.seqs[0].budget, batch.turned, batch.recording)
         if key not in self._graphs:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
@@ -76,7 +78,7 @@ class BatchGraphs:
         batch.queries = run.queries
         batch.end()
         self.replays += 1
-        return run.logits
+        return run.logits[:n]
 
     def _compute(self, batch: BatchKV) -> torch.Tensor:
         ids, pos = batch.inputs()

@@ -7,11 +7,11 @@ prompt chooses which chunks of the document it attends to.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
-from kvflash.batch_kv import BatchKV
+from kvflash.batch_kv import BatchKV, padded_size
 from kvflash.config import EngineConfig
 from kvflash.decode_graph import BatchGraphs
 from kvflash.generate import Sampler, Sampling, Step, decode, eager_step
@@ -19,6 +19,7 @@ from kvflash.host_tier import HostTier
 from kvflash.models.loader import LoadedModel
 from kvflash.paged_kv import PagedKV
 from kvflash.pool import ChunkPool, slots_for
+from kvflash.step import MixedKV, Piece, Prefill
 
 
 class Engine:
@@ -30,19 +31,22 @@ class Engine:
         self.host = HostTier(self.pool, cfg.host_bytes)
         self.batch_graphs = BatchGraphs(lm.model)
         self._batches: dict[tuple[int, int], BatchKV] = {}
+        self._no_logits = torch.empty(0, lm.config.vocab_size, device=lm.device)
         if lm.device.type == "cuda":
             self.warm_up()
 
     def warm_up(self) -> None:
-        """A prefill and decode steps on scratch sequences: one of the pool's budget, and under an
-        evicting policy one over a small budget, whose steps page chunks out and in, score them and
-        scout. A process's first CUDA calls (cuBLAS handles, Triton kernels loaded from the cache,
-        pinned host memory) are slow; warmed here, they are part of starting the engine instead of
-        the first turn's time to first token."""
+        """A prefill and decode steps on scratch sequences: one of the pool's budget, whose prefill
+        runs a whole step (`step_tokens`, the shape long prompts use) and then a short one, and
+        under an evicting policy one over a small budget, whose steps page chunks out and in, score
+        them and scout. A process's first CUDA calls (cuBLAS handles and its choice per matrix shape,
+        Triton kernels compiled or loaded from the cache, pinned host memory) are slow; warmed here,
+        they are part of starting the engine instead of the first turn's time to first token."""
         c = self.cfg.residency.chunk_tokens
         kv = self.new_sequence()
         try:
-            logits = self.prefill(kv, [0] * (2 * c + 1))
+            whole = min(self.step_tokens, (self.pool.n_slots - 1) * c)
+            logits = self.prefill(kv, [0] * (max(whole, 2 * c) + 1))
             # captures the graph a lone sequence of the pool's budget replays (the first capture in a
             # process is the slow one)
             sampler = Sampler(Sampling(), self.lm.device)
@@ -54,6 +58,23 @@ class Engine:
             try:
                 self.prefill(kv, [0] * ((kv.budget + 4) * c + 1))
             finally:
+                kv.free()
+
+    def warm_batches(self, max_batch: int, budget_tokens: int) -> None:
+        """Captures the decode graphs a scheduler of up to `max_batch` sequences of this budget
+        replays (one per padded batch size), on scratch sequences of one token each, so that no
+        request waits for a capture."""
+        seqs = [self.new_sequence(budget_tokens) for _ in range(max_batch)]
+        try:
+            if not all(map(self.replays, seqs)):
+                return
+            for kv in seqs:
+                self.prefill(kv, [0])
+            sizes = sorted({padded_size(n) for n in range(1, max_batch + 1)})
+            for n in sizes:
+                self.decode_batch(seqs[:n], [0] * n)
+        finally:
+            for kv in seqs:
                 kv.free()
 
     def expect(self, tokens: int) -> None:
@@ -97,42 +118,57 @@ class Engine:
         self, kv: PagedKV, ids: list[int], on_progress: Callable[[int], None] | None = None
     ) -> torch.Tensor:
         """Appends ids to the sequence; returns the logits [V] after the last one."""
-        pieces = self.prefill_pieces(kv, ids, on_progress)
+        prefill = self.plan_prefill(kv, ids, on_progress)
         while True:
-            try:
-                next(pieces)
-            except StopIteration as done:
-                return done.value
+            piece = prefill.next()
+            logits = self.forward([], [], [piece])[1][0]
+            prefill.ran(piece)
+            if piece.final:
+                return logits
 
-    def prefill_pieces(
+    def plan_prefill(
         self, kv: PagedKV, ids: list[int], on_progress: Callable[[int], None] | None = None
-    ) -> Generator[None, None, torch.Tensor]:
-        """`prefill` one step at a time: yields after each piece (so a scheduler can decode other
-        sequences between them) and returns the logits [V] after the last id."""
-        model, dev = self.lm.model, self.lm.device
-        c = kv.cfg.chunk_tokens
-        pos, done, logits = len(kv.seq), 0, None
-        leaving = -(-(pos + len(ids)) // c) - kv.budget
-        if leaving > 0:  # host memory for the chunks this prefill will page out, pinned meanwhile
+    ) -> Prefill:
+        """The prefill of ids into kv, a piece at a time (`Prefill`), for `forward` to run: alone, or
+        in one step with other sequences' pieces and decode tokens. Host memory for the chunks it
+        will page out starts pinning now, while its first pieces run."""
+        leaving = -(-(len(kv.seq) + len(ids)) // kv.cfg.chunk_tokens) - kv.budget
+        if leaving > 0:
             self.host.reserve(self.host.n_used + leaving)
-        while done < len(ids):
-            boundary = (pos // c + self.step_chunks(kv, len(ids) - done)) * c
-            n = min(len(ids) - done, boundary - pos)
-            piece = torch.tensor(ids[done : done + n], device=dev)
-            positions = torch.arange(pos, pos + n, device=dev)
-            if done + n == len(ids) and kv.cfg.policy == "qk" and len(kv.seq.chunks) + 1 > kv.budget:
-                kv.scout = True
-                for _ in range(kv.cfg.scout_rounds):
-                    model(piece, positions, kv)
-                kv.scout = False
-            logits = model(piece, positions, kv)[0]
-            pos, done = pos + n, done + n
-            if on_progress:
-                on_progress(n)
-            if done < len(ids):
-                yield
-        assert logits is not None, "prefill needs at least one token"
-        return logits
+        return Prefill(self.step_chunks, self._scout, kv, ids, on_progress)
+
+    def _scout(self, piece: Piece) -> None:
+        """Runs a prompt's last piece as scouts: their queries score the chunks (nothing is written)."""
+        ids = torch.tensor(piece.ids, device=self.lm.device)
+        positions = torch.arange(piece.start, piece.start + len(piece.ids), device=self.lm.device)
+        piece.kv.scout = True
+        try:
+            for _ in range(piece.kv.cfg.scout_rounds):
+                self.lm.model(ids, positions, piece.kv)
+        finally:
+            piece.kv.scout = False
+
+    def forward(
+        self, seqs: list[PagedKV], tokens: list[int], pieces: list[Piece]
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """One step: tokens[i] goes next in seqs[i] and each piece's ids into its sequence, in one
+        forward (`MixedKV`). Returns the decode logits [B, V] (None without seqs) and the logits
+        after each piece's last id [P, V]. A lone piece runs as a prefill step, a step of decode
+        tokens alone as `decode_batch`."""
+        if not pieces:
+            return self.decode_batch(seqs, tokens), self._no_logits
+        if not seqs and len(pieces) == 1:
+            p = pieces[0]
+            ids = torch.tensor(p.ids, device=self.lm.device)
+            positions = torch.arange(p.start, p.start + len(p.ids), device=self.lm.device)
+            return None, self.lm.model(ids, positions, p.kv)
+        with torch.inference_mode():
+            mixed = MixedKV(self._batch(seqs) if seqs else None, pieces)
+            ids, positions, rows = mixed.begin(tokens)
+            logits = self.lm.model.compute(ids, positions, mixed, rows=rows)
+            mixed.end()
+        b = len(seqs)
+        return (logits[:b] if seqs else None), logits[b:]
 
     def replays(self, kv: PagedKV) -> bool:
         """Whether this sequence's decode steps replay CUDA graphs: where the Triton kernels run."""
@@ -151,7 +187,7 @@ class Engine:
         batch where every sequence `replays` and all have one budget."""
         positions = [len(kv.seq) for kv in seqs]
         if all(map(self.replays, seqs)) and len({kv.budget for kv in seqs}) == 1:
-            return self.batch_graphs(self._batch(seqs), tokens, positions)
+            return self.batch_graphs(self._batch(seqs, padded_size(len(seqs))), tokens, positions)
         if len(seqs) == 1:
             return self.decode_step(seqs[0])(tokens[0], positions[0])[None]
         return self.decode_batch_eager(seqs, tokens)
@@ -165,11 +201,11 @@ class Engine:
         batch.end()
         return logits
 
-    def _batch(self, seqs: list[PagedKV]) -> BatchKV:
-        """The BatchKV of this batch's size and budget, whose buffers (and the graphs reading them)
-        serve every step of that shape, now over `seqs`."""
-        shape = len(seqs), seqs[0].budget
-        batch = self._batches.get(shape) or self._batches.setdefault(shape, BatchKV(seqs))
+    def _batch(self, seqs: list[PagedKV], rows: int | None = None) -> BatchKV:
+        """The BatchKV of this many rows (`seqs`, then pad rows) and budget, whose buffers (and the
+        graphs reading them) serve every step of that shape, now over `seqs`."""
+        shape = rows or len(seqs), seqs[0].budget
+        batch = self._batches.get(shape) or self._batches.setdefault(shape, BatchKV(seqs, shape[0]))
         batch.seqs = seqs
         return batch
 

@@ -140,8 +140,10 @@ class PagedKV:
     def decode_rotation(self) -> torch.Tensor:
         """[budget, 2, D/2]: each listed chunk's key rotation this decode step, the identity (cos 1,
         sin 0) when no key is turned, so that a batch mixing both can run as one kernel call."""
-        if self.shifted:
-            return self._table_rot
+        return self._table_rot if self.shifted else self.identity_rotation()
+
+    def identity_rotation(self) -> torch.Tensor:
+        """[budget, 2, D/2] of cos 1, sin 0: turns no key."""
         if self._no_rot is None:
             self._no_rot = torch.zeros_like(self._table_rot)
             self._no_rot[:, 0] = 1.0
@@ -249,6 +251,10 @@ class PagedKV:
 
     def begin(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
         self._begin(input_ids.tolist(), int(positions[0]), positions.numel())
+
+    def begin_ids(self, ids: list[int], start: int) -> None:
+        """`begin` for ids known on the host (a mixed step's piece): reads nothing back."""
+        self._begin(ids, start, len(ids))
 
     def begin_decode(self, token: int, position: int, send: bool = True) -> None:
         """`begin` for one token known on the host: reads nothing back from the device. Without `send`

@@ -53,20 +53,23 @@ def slots_for(
 
 class ChunkPool:
     """Slots of `[n_layers, 2, Hkv, C, D]`; the epoch changes with every residency change, so anything
-    derived from residency (slot lists, masks) is rebuilt when it moves instead of being trusted."""
+    derived from residency (slot lists, masks) is rebuilt when it moves instead of being trusted.
+    One more slot than `n_slots`, `pad_slot`, is never given out: the rows that pad a batched decode
+    step to the size its CUDA graph was captured for write and read it."""
 
     def __init__(
         self, cfg: ModelConfig, n_slots: int, chunk_tokens: int, dtype: torch.dtype, device: torch.device
     ):
         self.cfg = cfg
         self.chunk_tokens = chunk_tokens
-        self.kv = torch.zeros((n_slots, *chunk_shape(cfg, chunk_tokens)), dtype=dtype, device=device)
+        self.kv = torch.zeros((n_slots + 1, *chunk_shape(cfg, chunk_tokens)), dtype=dtype, device=device)
         self._free = list(range(n_slots - 1, -1, -1))
+        self.pad_slot = n_slots
         self.epoch = 0
 
     @property
     def n_slots(self) -> int:
-        return self.kv.shape[0]
+        return self.pad_slot
 
     @property
     def n_free(self) -> int:

@@ -1,20 +1,23 @@
-"""Continuous batching: the requests of a server decode together, one token each per forward.
+"""Continuous batching: the requests of a server advance together, a step at a time, in one forward.
 
 One thread owns the engine. It admits waiting requests while fewer than `max_batch` run: each takes a
 sequence from the prefix cache (live, restored from disk, or empty) and prefills the rest of its
-prompt, one piece (`prefill_step_tokens`) per round, so the running requests go on decoding between
-the pieces; one request prefills at a time. Each round, every running request advances one token in
-one batched forward (`Engine.decode_batch`). A request ends at a stop id, at max_tokens or when its
+prompt in pieces. A step is a token budget (`Engine.step_tokens`): one decode token of every running
+request, then the next pieces of the prefilling ones in the order they came, as many as fit, all in
+one forward (`Engine.forward`, chunked prefill mixed with decode): a long prompt never stalls the
+others' answers, and the short next turns of many conversations prefill in one step. A step of
+decode tokens alone replays CUDA graphs. A request ends at a stop id, at max_tokens or when its
 consumer says so; its sequence goes back to the prefix cache, live. Each sequence's budget is the
 pool divided by `max_batch`, and the prefix cache holds at most `max_batch` sequences, so the pool
 never runs out.
 
 Isolation: whatever a request's admission, prefill piece, sampling or callbacks raise fails that
-request alone. A batched forward that raises is run again one request at a time, so only the
-requests that fail alone fail. A lazily restored chunk found damaged when it is read sends its
-request back to prefill what it has (prompt and answer so far) from the valid stored prefix, then
-cold, instead of failing it. Should the loop itself ever fail, every request it holds and every
-later one gets `SchedulerDown` at once: nothing waits on a thread that is gone.
+request alone. A step that raises is run again part by part (the decode tokens together, then each
+alone; each piece alone), so only the requests that fail alone fail. A lazily restored chunk found
+damaged when it is read sends its request back to prefill what it has (prompt and answer so far)
+from the valid stored prefix, then cold, instead of failing it. Should the loop itself ever fail,
+every request it holds and every later one gets `SchedulerDown` at once: nothing waits on a thread
+that is gone.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import queue
 import threading
 import time
 import warnings
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -35,11 +38,10 @@ from kvflash.generate import Sampler, Sampling
 from kvflash.paged_kv import PagedKV
 from kvflash.prefix_cache import PrefixCache
 from kvflash.snapshots import KVSnapshots
+from kvflash.step import Piece, Prefill
 from kvflash.storage import ChunkError
 from kvflash.turn import Generation, TurnStats
 
-FILLING, DECODING, ENDED = range(3)
-"""Where a job stands after a round of its prefill (`Scheduler._fill`)."""
 RECOVERIES = 2
 """Re-prefills a request gets after damaged lazy chunks: the first from the valid stored prefix (the
 store marks a damaged chunk when it reads one), the second into a new sequence, reading nothing."""
@@ -70,8 +72,8 @@ class Job:
     stats: TurnStats = field(default_factory=TurnStats)
     t0: float = field(default_factory=time.perf_counter)
     kv: PagedKV | None = None
-    pieces: Generator[None, None, torch.Tensor] | None = None
-    """Its prefill, a piece per round (`Engine.prefill_pieces`)."""
+    prefill: Prefill | None = None
+    """Its prefill, a piece per step."""
     gen: Generation | None = None
     next: int = 0
     """The token to feed at the next step."""
@@ -98,6 +100,7 @@ class Scheduler:
                 f"{chunks} chunks, below the floor of {res.floor_chunks()}: a larger pool or a smaller batch"
             )
         budget = chunks * res.chunk_tokens
+        engine.warm_batches(max_batch, budget)
         self.cache = PrefixCache(engine, snapshots, budget_tokens=budget, capacity=max_batch)
         host = engine.host.max_slots * res.chunk_tokens
         self.max_context_tokens = budget if res.policy == "full" else max(budget, host)
@@ -107,13 +110,18 @@ class Scheduler:
         """Batched forwards run."""
         self.batched = 0
         """Tokens they decoded: batched / steps is the mean batch."""
+        self.prefill_steps = 0
+        """Forwards that ran prefill pieces."""
+        self.pieces = 0
+        """Prefill pieces they ran: pieces / prefill_steps is the mean number of prompts per step."""
         self.failure: BaseException | None = None
         """What stopped the loop, if anything did."""
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._retry: collections.deque[Job] = collections.deque()
         """Requests sent back to prefill (damaged lazy chunks), admitted before the queue."""
         self._running: list[Job] = []
-        self._filling: Job | None = None
+        self._filling: list[Job] = []
+        """Admitted requests still prefilling, in the order they came."""
         self._closed = False
         """The queue has been closed (`close`): the loop ends once nothing is left to answer."""
         self._cancel = threading.Event()
@@ -128,7 +136,7 @@ class Scheduler:
     @property
     def in_flight(self) -> int:
         """Requests submitted and not yet answered (a snapshot: the loop moves on meanwhile)."""
-        return self._queue.qsize() + len(self._retry) + (self._filling is not None) + len(self._running)
+        return self._queue.qsize() + len(self._retry) + len(self._filling) + len(self._running)
 
     def submit(self, job: Job) -> None:
         """Queues a job; SchedulerDown if the loop has stopped (it would never be answered)."""
@@ -164,8 +172,8 @@ class Scheduler:
 
     def _held(self) -> list[Job]:
         """Every job not yet answered: running, filling, sent back and queued."""
-        jobs = [*self._running, *([self._filling] if self._filling else []), *self._retry]
-        self._running, self._filling = [], None
+        jobs = [*self._running, *self._filling, *self._retry]
+        self._running, self._filling = [], []
         self._retry.clear()
         while True:
             try:
@@ -177,18 +185,17 @@ class Scheduler:
 
     def _serve(self) -> None:
         while self._running or self._filling or self._retry or not self._closed:
-            if self._filling is None and len(self._running) < self.max_batch:
-                job = self._next_job()
-                if job is not None and self._start(job):
-                    self._filling = job
-            if self._filling is not None:
-                state = self._fill(self._filling)
-                if state != FILLING:
-                    if state == DECODING:
-                        self._running.append(self._filling)
-                    self._filling = None
-            if self._running:
-                self._running = self._step(self._running)
+            self._admit()
+            if self._running or self._filling:
+                self._round()
+
+    def _admit(self) -> None:
+        while len(self._running) + len(self._filling) < self.max_batch:
+            job = self._next_job()
+            if job is None:
+                return
+            if self._start(job):
+                self._filling.append(job)
 
     def _next_job(self) -> Job | None:
         """A job sent back first, else the next queued one (waiting only when nothing else runs)."""
@@ -197,7 +204,7 @@ class Scheduler:
         if self._closed:
             return None
         try:
-            job = self._queue.get(block=not self._running)
+            job = self._queue.get(block=not (self._running or self._filling))
         except queue.Empty:
             return None
         self._closed = job is None
@@ -212,58 +219,110 @@ class Scheduler:
         return True
 
     def _start(self, job: Job) -> bool:
-        """Takes a sequence for the job and sets up its prefill; False if that failed."""
+        """Takes a sequence for the job and plans its prefill; False if that failed."""
         if self._ended_early(job):
             return False
+        job.stats.queued_s = time.perf_counter() - job.t0
         try:
             context = job.context
             job.kv = self.cache.take(context, job.stats, reuse=job.recoveries < RECOVERIES)
             rest = context[len(job.kv.seq) :]
             job.stats.prefilled_tokens = len(rest)
-            job.pieces = self.engine.prefill_pieces(job.kv, rest)
+            job.prefill = self.engine.plan_prefill(job.kv, rest)
             return True
         except Exception as e:
             self._failed(job, e)
             return False
 
-    def _fill(self, job: Job) -> int:
-        """Runs one piece of the job's prefill: FILLING while pieces remain. After the last the next
-        token is sampled: DECODING, or ENDED (the answer ended there, or the job failed)."""
-        if self._ended_early(job):
-            return ENDED
+    def _round(self) -> None:
+        """One step: a decode token of every running job and the next pieces of the filling ones,
+        within the step's token budget (the first filling job always gets a piece)."""
+        room = self.engine.step_tokens - len(self._running)
+        planned: list[tuple[Job, Piece]] = []
+        for job in list(self._filling):
+            if room <= 0 and (planned or self._running):
+                break
+            if self._ended_early(job):
+                self._filling.remove(job)
+                continue
+            try:
+                piece = job.prefill.next(room)
+            except Exception as e:
+                self._filling.remove(job)
+                self._failed(job, e)
+                continue
+            planned.append((job, piece))
+            room -= len(piece.ids)
+        running = self._running
         try:
-            next(job.pieces)
-            return FILLING
-        except StopIteration as last:
-            logits = last.value
+            pieces = [p for _, p in planned]
+            decoded, filled = self.engine.forward([j.kv for j in running], [j.next for j in running], pieces)
+            argmax = decoded.argmax(-1).tolist() if running else []  # greedy jobs' tokens in one read
         except Exception as e:
+            if not planned:
+                self._running = self._step_each(running, e)
+                return
+            self._running = self._step(running) if running else []
+            for job, piece in planned:
+                self._piece_alone(job, piece)
+            return
+        self.steps += 1
+        self.batched += len(running)
+        self.prefill_steps += bool(planned)
+        self.pieces += len(planned)
+        rows = zip(running, decoded if running else [], argmax, strict=True)
+        self._running = [j for j, row, top in rows if self._advance(j, row, top)]
+        for (job, piece), row in zip(planned, filled, strict=True):
+            self._filled(job, piece, row)
+
+    def _piece_alone(self, job: Job, piece: Piece) -> None:
+        try:
+            row = self.engine.forward([], [], [piece])[1][0]
+        except Exception as e:
+            self._filling.remove(job)
             self._failed(job, e)
-            return ENDED
+            return
+        self._filled(job, piece, row)
+
+    def _filled(self, job: Job, piece: Piece, logits: torch.Tensor) -> None:
+        """A piece of the job's prefill ran; after its last the job samples its first token and
+        decodes from the next step on (unless its answer ended there, or it failed)."""
+        job.prefill.ran(piece)
+        if not piece.final:
+            return
         if job.gen is None:  # else a job sent back goes on with its answer
             try:
                 sampler = Sampler(job.sampling, self.engine.lm.device)
             except Exception as e:
+                self._filling.remove(job)
                 self._failed(job, e)
-                return ENDED
+                return
             job.gen = Generation(
                 job.max_tokens, sampler, self.stop_ids, job.stats, job.t0, job.on_token, job.min_tokens
             )
-        return DECODING if self._advance(job, logits) else ENDED
+        going = self._advance(job, logits)  # held as filling meanwhile: a loop that dies answers it
+        self._filling.remove(job)
+        if going:
+            self._running.append(job)
 
     def _step(self, running: list[Job]) -> list[Job]:
         """One token for each running job, in one forward; if that raises, each job alone."""
         try:
             logits = self.engine.decode_batch([j.kv for j in running], [j.next for j in running])
-            argmax = logits.argmax(-1).tolist()  # every greedy job's token in one read back
+            argmax = logits.argmax(-1).tolist()
         except Exception as e:
-            if len(running) == 1:
-                self._failed(running[0], e)
-                return []
-            return [j for j in running if self._step_alone(j)]
+            return self._step_each(running, e)
         self.steps += 1
         self.batched += len(running)
         rows = zip(running, logits, argmax, strict=True)
         return [j for j, row, top in rows if self._advance(j, row, top)]
+
+    def _step_each(self, running: list[Job], e: Exception) -> list[Job]:
+        """After a batched step raised `e`: a lone job fails with it, else each job steps alone."""
+        if len(running) == 1:
+            self._failed(running[0], e)
+            return []
+        return [j for j in running if self._step_alone(j)]
 
     def _step_alone(self, job: Job) -> bool:
         try:
@@ -308,7 +367,7 @@ class Scheduler:
 
     def _free(self, job: Job) -> None:
         if job.kv is not None:
-            kv, job.kv, job.pieces = job.kv, None, None
+            kv, job.kv, job.prefill = job.kv, None, None
             try:
                 self.cache.drop(kv)
             except Exception as e:

@@ -262,8 +262,10 @@ class Server:
             "pool_slots_used": ("gauge", "GPU pool slots holding a chunk.", pool.n_slots - pool.n_free),
             "host_tier_slots": ("gauge", "Chunk slots the host tier may grow to.", host.max_slots),
             "host_tier_slots_used": ("gauge", "Host tier slots holding a chunk.", host.n_used),
-            "forward_steps_total": ("counter", "Batched decode forwards run.", sched.steps),
+            "forward_steps_total": ("counter", "Forwards run (decode and prefill).", sched.steps),
             "batched_tokens_total": ("counter", "Tokens those forwards decoded.", sched.batched),
+            "prefill_steps_total": ("counter", "Forwards that ran prefill pieces.", sched.prefill_steps),
+            "prefill_pieces_total": ("counter", "Prefill pieces those forwards ran.", sched.pieces),
         }
 
     def _save(self, staged: StagedSnapshot, label: str, prompt_tokens: int) -> None:

@@ -17,6 +17,8 @@ from kvflash.paged_kv import PagedKV
 @dataclass
 class TurnStats:
     ttft_s: float = 0.0
+    queued_s: float = 0.0
+    """Of the TTFT, the wait before the request got a sequence (a server busy with others)."""
     restore_s: float = 0.0
     restored_tokens: int = 0
     prefilled_tokens: int = 0
@@ -57,10 +59,11 @@ class Generation:
     def choose(self, logits: torch.Tensor, argmax: int | None = None) -> int:
         """The next token from logits [V]; a greedy answer takes `argmax` where the caller has it
         (read back for a whole batch at once)."""
-        if len(self.out) < self.min_tokens and self.stop_ids:
-            logits = logits.index_fill(-1, torch.tensor(sorted(self.stop_ids), device=logits.device), -inf)
-            argmax = None
-        return argmax if argmax is not None and self.sampler.greedy else self.sampler(logits)
+        greedy = argmax is not None and self.sampler.greedy
+        if len(self.out) < self.min_tokens and not (greedy and argmax not in self.stop_ids):
+            stops = torch.tensor(sorted(self.stop_ids), dtype=torch.long, device=logits.device)
+            logits, greedy = logits.index_fill(-1, stops, -inf), False
+        return argmax if greedy else self.sampler(logits)
 
     def push(self, tok: int) -> int | None:
         """Takes the sampled token: the token to feed next, or None: the answer has ended (a stop id

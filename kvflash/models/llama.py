@@ -144,13 +144,21 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVCache, all_logits: bool = False
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv: KVCache,
+        all_logits: bool = False,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The forward between `kv.begin` and `kv.end`: device work only, so a CUDA graph can hold it."""
+        """The forward between `kv.begin` and `kv.end`: device work only, so a CUDA graph can hold it.
+        Logits of every row, of `rows` (indices [R]) where given, else of the last row."""
         cos, sin = self.rotary.cos_sin(positions)
         x, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
             x, residual = layer(x, residual, cos, sin, kv)
-        if not all_logits:
+        if rows is not None:
+            x, residual = x[rows], residual[rows]
+        elif not all_logits:
             x, residual = x[-1:], residual[-1:]
         return self.lm_head(self.model.norm(x, residual)[0]).float()
