@@ -207,9 +207,8 @@ def test_a_mixed_step_computes_what_its_parts_compute_alone(lm) -> None:
             if mixed:
                 dec, fill = eng.forward(decoding, tokens, pieces)
             else:
-                dec = torch.cat(
-                    [eng.decode_batch([kv], [tok]) for kv, tok in zip(decoding, tokens, strict=True)]
-                )
+                alone = zip(decoding, tokens, strict=True)  # a replay's logits last until the next
+                dec = torch.cat([eng.decode_batch([kv], [tok]).clone() for kv, tok in alone])
                 fill = torch.cat([eng.forward([], [], [p])[1] for p in pieces])
             out.append(torch.cat([dec, fill]).float().clone())
             for p, piece in zip(list(plans), pieces, strict=True):
