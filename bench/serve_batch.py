@@ -205,11 +205,11 @@ def main() -> None:
     with Progress() as progress:
         task = progress.add_task("conversations", total=len(counts) * 3)
         for n in counts:
-            row = {"n": n, "batched": conversations(args, docs[:n], n)}
+            row = {"n": n, "batched": guarded(conversations, args, docs[:n], n)}
             progress.advance(task)
-            row["one_at_a_time"] = conversations(args, docs[:n], 1) if n > 1 else row["batched"]
+            row["one_at_a_time"] = guarded(conversations, args, docs[:n], 1) if n > 1 else row["batched"]
             progress.advance(task)
-            row["shared"] = shared(args, shared_doc, n)
+            row["shared"] = guarded(shared, args, shared_doc, n)
             progress.advance(task)
             rows.append(row)
     hf = {}
@@ -217,7 +217,7 @@ def main() -> None:
         from hf import hf_llama
 
         model = hf_llama(lm)
-        hf = {n: hf_arm(args, lm, model, docs[:n]) for n in counts}
+        hf = {n: guarded(hf_arm, args, lm, model, docs[:n]) for n in counts}
         del model
     for r in rows:
         r["hf"] = hf.get(r["n"], {})
@@ -227,6 +227,20 @@ def main() -> None:
             "torch": torch.__version__, "gpu": gpu, "args": vars(args)}  # fmt: skip
     (out / "serve_batch.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=asdict))
     plot(rows, out / "serve_batch.png")
+
+
+def guarded(fn, *args) -> dict:
+    """fn(*args), or the error it raised: one failed arm leaves the others' figures."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        Console().print(f"[red]{fn.__name__} failed: {type(e).__name__}: {e}"[:400])
+        return {"error": f"{type(e).__name__}: {e}"[:400]}
+
+
+def _part(r: dict, arm: str, turn: str | None = None) -> dict:
+    got = r.get(arm, {})
+    return got.get(turn, {}) if turn else got
 
 
 def _f(x: float | None, spec: str = ".2f") -> str:
@@ -240,27 +254,32 @@ def report(args, rows: list[dict]) -> None:
                 "HF prefill s"):  # fmt: skip
         t.add_column(col, justify="right")
     for r in rows:
-        b, one, hf = r["batched"]["turn1"], r["one_at_a_time"]["turn1"], r["hf"]
-        t.add_row(str(r["n"]), _f(b["wall_s"]), _f(b["ttft_p50_s"]), _f(b["ttft_max_s"]), _f(one["wall_s"]),
-                  _f(one["server_prefill_sum_s"]), _f(hf.get("e2e_s")), _f(hf.get("prefill_s")))  # fmt: skip
+        b, one, hf = _part(r, "batched", "turn1"), _part(r, "one_at_a_time", "turn1"), r["hf"]
+        t.add_row(str(r["n"]), _f(b.get("wall_s")), _f(b.get("ttft_p50_s")), _f(b.get("ttft_max_s")),
+                  _f(one.get("wall_s")), _f(one.get("server_prefill_sum_s")), _f(hf.get("e2e_s")),
+                  _f(hf.get("prefill_s")))  # fmt: skip
     Console().print(t)
     t = Table(title=f"turn 2: the same conversations, one more question, {args.decode_tokens} tokens each")
     for col in ("N", "wall s", "TTFT p50", "tok/s", "tok/s one at a time", "x", "decode tok/s (all N)",
                 "HF decode tok/s", "x HF"):  # fmt: skip
         t.add_column(col, justify="right")
     for r in rows:
-        b, one, hf = r["batched"]["turn2"], r["one_at_a_time"]["turn2"], r["hf"]
-        peer = hf.get("decode_tok_s")
-        x_hf = b["decode_tok_s"] / peer if b["decode_tok_s"] and peer else None
-        t.add_row(str(r["n"]), _f(b["wall_s"]), _f(b["ttft_p50_s"]), _f(b["tok_s"], ".0f"),
-                  _f(one["tok_s"], ".0f"), _f(b["tok_s"] / one["tok_s"]), _f(b["decode_tok_s"], ".0f"),
-                  _f(hf.get("decode_tok_s"), ".0f"), _f(x_hf, ".1f"))  # fmt: skip
+        b, one, hf = _part(r, "batched", "turn2"), _part(r, "one_at_a_time", "turn2"), r["hf"]
+        peer, ours = hf.get("decode_tok_s"), b.get("decode_tok_s")
+        x_hf = ours / peer if ours and peer else None
+        x_one = b["tok_s"] / one["tok_s"] if b and one else None
+        t.add_row(str(r["n"]), _f(b.get("wall_s")), _f(b.get("ttft_p50_s")), _f(b.get("tok_s"), ".0f"),
+                  _f(one.get("tok_s"), ".0f"), _f(x_one), _f(ours, ".0f"), _f(peer, ".0f"),
+                  _f(x_hf, ".1f"))  # fmt: skip
     Console().print(t)
     t = Table(title=f"N conversations over one {args.shared_tokens:,}-token document, at once")
     for col in ("N", "wall s", "TTFT p50", "prompt tokens", "computed", "computed / (doc + questions)"):
         t.add_column(col, justify="right")
     for r in rows:
-        s = r["shared"]
+        s = _part(r, "shared")
+        if "error" in s:
+            t.add_row(str(r["n"]), s["error"][:60])
+            continue
         once = args.shared_tokens + s["prompt_tokens"] - r["n"] * args.shared_tokens
         t.add_row(str(r["n"]), _f(s["wall_s"]), _f(s["ttft_p50_s"]), str(s["prompt_tokens"]),
                   str(s["computed_tokens"]), _f(s["computed_tokens"] / once))  # fmt: skip
@@ -275,11 +294,13 @@ def plot(rows: list[dict], path: Path) -> None:
 
     ns = [r["n"] for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
-    a.plot(ns, [r["batched"]["turn1"]["wall_s"] for r in rows], "o-", label="kvflash, batched")
-    a.plot(ns, [r["one_at_a_time"]["turn1"]["wall_s"] for r in rows], "o--", label="kvflash, --max-batch 1")
+    a.plot(ns, [_part(r, "batched", "turn1").get("wall_s") for r in rows], "o-", label="kvflash, batched")
+    one = [_part(r, "one_at_a_time", "turn1").get("wall_s") for r in rows]
+    a.plot(ns, one, "o--", label="kvflash, --max-batch 1")
     a.plot(ns, [r["hf"].get("e2e_s") for r in rows], "s-", label="HF batched generate")
     a.set(xlabel="conversations", ylabel="turn 1 wall (s)", xscale="log", yscale="log")
-    b.plot(ns, [r["batched"]["turn2"]["decode_tok_s"] for r in rows], "o-", label="kvflash, batched")
+    ours = [_part(r, "batched", "turn2").get("decode_tok_s") for r in rows]
+    b.plot(ns, ours, "o-", label="kvflash, batched")
     b.plot(ns, [r["hf"].get("decode_tok_s") for r in rows], "s-", label="HF batched generate")
     b.set(xlabel="conversations", ylabel="decode tok/s (all streaming)", xscale="log", yscale="log")
     for ax in (a, b):

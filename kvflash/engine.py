@@ -26,7 +26,9 @@ class Engine:
     def __init__(self, lm: LoadedModel, cfg: EngineConfig):
         self.lm, self.cfg = lm, cfg
         c = cfg.residency.chunk_tokens
-        n = slots_for(lm.config, cfg.pool_tokens, c, lm.dtype, lm.device)
+        n = slots_for(
+            lm.config, cfg.pool_tokens, c, lm.dtype, lm.device, summary_blocks=cfg.residency.summary_blocks
+        )
         self.pool = ChunkPool(lm.config, n, c, lm.dtype, lm.device)
         self.host = HostTier(self.pool, cfg.host_bytes)
         self.batch_graphs = BatchGraphs(lm.model)

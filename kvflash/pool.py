@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -35,15 +36,20 @@ def slots_for(
     dtype: torch.dtype,
     device: torch.device,
     reserve_bytes: int = 2 << 30,
+    summary_blocks: int = 4,
 ) -> int:
     """Whole slots for a token budget, or `auto`: free device memory minus a reserve (on the CPU,
-    half the free host memory minus the reserve: the host tier and the process need the rest)."""
+    half the free host memory minus the reserve: the host tier and the process need the rest). An
+    `auto` slot counts its chunk's key summary too (fp32, on the device beside the pool for every
+    chunk of a sequence): a pool that took all the memory would leave none for the summaries of the
+    contexts it holds."""
     if budget_tokens == "auto":
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
         else:
             free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
-        n = (free - reserve_bytes) // chunk_bytes(cfg, chunk_tokens, dtype)
+        summary = 4 * math.prod(summary_shape(cfg, summary_blocks))
+        n = (free - reserve_bytes) // (chunk_bytes(cfg, chunk_tokens, dtype) + summary)
     else:
         n = -(-int(budget_tokens) // chunk_tokens)
     if n < 1:

@@ -203,7 +203,7 @@ def test_a_mixed_step_computes_what_its_parts_compute_alone(lm) -> None:
         out, t = [], 0
         while plans:
             tokens = [(101 * t + 7 * i) % lm.config.vocab_size for i in range(len(decoding))]
-            pieces = [p.next(512) for p in plans]
+            pieces = [p.next(128) for p in plans]
             if mixed:
                 dec, fill = eng.forward(decoding, tokens, pieces)
             else:
@@ -216,9 +216,9 @@ def test_a_mixed_step_computes_what_its_parts_compute_alone(lm) -> None:
                 if piece.final:
                     plans.remove(p)
             t += 1
-        assert t >= 3
+        assert t >= 9
         runs.append(torch.cat(out))
     alone, together = runs
     cos = torch.nn.functional.cosine_similarity(alone, together, dim=-1)
-    assert cos.min() > 0.999
-    assert (alone.argmax(-1) == together.argmax(-1)).float().mean() >= 0.95
+    agree = (alone.argmax(-1) == together.argmax(-1)).float().mean()
+    assert cos.min() > 0.999 and agree >= 0.9, (cos.tolist(), agree)
