@@ -6,9 +6,8 @@ Each arm runs its own `kvflash serve` process on 127.0.0.1 and has a conversatio
 through the `openai` client, streaming: --turns questions, each request sending the whole
 conversation so far, as OpenAI clients do. Then the server is restarted and the last turn is asked
 again, so the kvflash arm must restore from disk. TTFT is measured by the client (request sent to the
-first content delta). Then --clients clients ask at once, each its own question, against servers
-with --max-batch 1 and --max-batch CLIENTS: generated tokens per second. Prints two tables and
-writes JSON and a PNG.
+first content delta). Prints a table and writes JSON and a PNG. Many conversations at once are
+bench/serve_batch.py's.
 
   python bench/serve.py --doc-tokens 4096 --turns 3 --out out/serve
 """
@@ -24,7 +23,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -130,27 +128,6 @@ def conversation(args, doc: str, store: Path | None, progress, task) -> list[dic
     return rows
 
 
-def throughput(args, doc: str, max_batch: int) -> dict:
-    """--clients clients at once, each asking its own question about a short slice of the document
-    (--no-store: nothing reused); tokens generated per second of wall time."""
-    server = Served(args, None, max_batch)
-    try:
-        convs = [
-            [{"role": "system", "content": doc[: 4 * 512]}, {"role": "user", "content": QUESTIONS[i % 5]}]
-            for i in range(args.clients)
-        ]
-        server.turn(convs[0], 2)  # warm
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(args.clients) as pool:
-            rows = list(pool.map(lambda c: server.turn(c, args.max_tokens), convs))
-        wall = time.perf_counter() - t0
-    finally:
-        server.stop()
-    tokens = sum(r["completion_tokens"] for r in rows)
-    return {"max_batch": max_batch, "clients": args.clients, "tokens": tokens, "wall_s": wall,
-            "tok_s": tokens / wall}  # fmt: skip
-
-
 def prepare(args) -> tuple[Path, str]:
     """The output directory (made) and a document of --doc-tokens tokens by the model's tokenizer."""
     from kvflash.models.loader import load_model
@@ -169,7 +146,6 @@ def main() -> None:
     ap.add_argument("--pool-tokens", type=int, default=16384)
     ap.add_argument("--model", default=None)
     ap.add_argument("--device", default=None)
-    ap.add_argument("--clients", type=int, default=4, help="concurrent clients of the throughput part")
     ap.add_argument("--out", default="out/serve")
     args = ap.parse_args()
     out, doc = prepare(args)
@@ -187,16 +163,8 @@ def main() -> None:
         table.add_row(name, f"{ours['ttft_s']:.2f}", str(ours["cached_tokens"]), f"{peer['ttft_s']:.2f}",
                       f"{ratio:.3f}", str(same))  # fmt: skip
     Console().print(table)
-    batched = [throughput(args, doc, b) for b in (1, args.clients)]
-    t = Table(title=f"{args.clients} clients at once, {args.max_tokens} tokens each: generated tokens / s")
-    for col in ("--max-batch", "tokens", "wall s", "tok/s", "vs --max-batch 1"):
-        t.add_column(col, justify="right")
-    for r in batched:
-        t.add_row(str(r["max_batch"]), str(r["tokens"]), f"{r['wall_s']:.2f}", f"{r['tok_s']:.1f}",
-                  f"{r['tok_s'] / batched[0]['tok_s']:.2f}x")  # fmt: skip
-    Console().print(t)
     meta = {"date": time.strftime("%Y-%m-%d"), "python": platform.python_version(), "args": vars(args)}
-    body = {"meta": meta, "arms": arms, "throughput": batched}
+    body = {"meta": meta, "arms": arms}
     (out / "serve.json").write_text(json.dumps(body, indent=1))
     plot(arms, out / "serve.png")
 
