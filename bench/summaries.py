@@ -1,6 +1,7 @@
 """The first read of a lazy restore: `SnapshotStore.read_summaries` of one long snapshot (the token
 ids and key summaries of every chunk), from the page cache and cold (every file of the store dropped
-from it with posix_fadvise DONTNEED before each read).
+from it with posix_fadvise DONTNEED before each read): from the snapshot's summaries file, then with
+that file removed, from the chunk files (as a snapshot without one is read).
 
 Synthetic chunks of SmolLM2-135M's shape by default: KV [30, 2, 3, 64, 64] bf16 (one random tensor
 shared by every chunk: only the summaries are read), summaries [30, 3, 4, 64] fp32, 92 KB a chunk.
@@ -81,18 +82,20 @@ def main() -> None:
             save_s = time.perf_counter() - t0
             hashes = list(st.get_snapshot(sid).chunk_hashes)
             shape = tuple(blobs[0].summary.shape)
-            result = {
-                "chunks": args.chunks,
-                "summary_bytes": 4 * blobs[0].summary.numel(),
-                "save_s": save_s,
-                "warm_s": timed_reads(st, hashes, shape, args.repeats, cold=False),
-                "cold_s": timed_reads(st, hashes, shape, args.repeats, cold=True),
-            }
+            result = {"chunks": args.chunks, "summary_bytes": 4 * blobs[0].summary.numel(), "save_s": save_s}
+            for source in ("summaries_file", "chunk_files"):
+                if source == "chunk_files":
+                    st.backend.delete_summaries(hashes[-1])
+                result[source] = {
+                    "warm_s": timed_reads(st, hashes, shape, args.repeats, cold=False),
+                    "cold_s": timed_reads(st, hashes, shape, args.repeats, cold=True),
+                }
     finally:
         shutil.rmtree(work)
-    for kind in ("warm_s", "cold_s"):
-        times = result[kind]
-        print(f"read_summaries {kind[:-2]:>4}: median {statistics.median(times):.3f} s  {times}")
+    for source in ("summaries_file", "chunk_files"):
+        for kind in ("warm_s", "cold_s"):
+            times = [round(t, 3) for t in result[source][kind]]
+            print(f"{source:>14} {kind[:-2]:>4}: median {statistics.median(times):.3f} s  {times}")
     print(f"save: {save_s:.1f} s for {args.chunks} chunks")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
