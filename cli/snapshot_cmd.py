@@ -235,7 +235,8 @@ def verify(
     shared_store: str = SharedStoreOpt,
     as_json: bool = JsonOpt,
 ) -> None:
-    """Checksums and hash chain; exits 1 naming each damaged chunk."""
+    """Checksums and hash chain; exits 1 naming each damaged chunk. Names each bad summaries file too
+    (nothing is lost: those restores read the chunk files) and writes it again."""
     if (snapshot_id is None) == (not all_):
         raise KVFlashError("give a snapshot id or --all (not both)")
     with open_store(store, shared_store) as st:
@@ -249,6 +250,9 @@ def verify(
             con.print(Text.assemble(("damaged", "red"), f" chunk {d.chunk_hash}{held}: {d.reason}"))
         for e in report.index_errors:
             con.print(Text.assemble(("index:", "red"), f" {e}"))
+        for d in report.summaries:
+            held = ", ".join(d.snapshots)
+            con.print(Text.assemble(("summaries file", "yellow"), f" of {held}: {d.reason}"))
         if report.orphan_files:
             con.print(
                 f"{report.orphan_files} files ({_bytes(report.orphan_bytes)}) under chunks/ are named by no "
@@ -323,7 +327,7 @@ def _set_pin(snapshot_id: str, pinned: bool, opened: SnapshotStore, as_json: boo
 
 @app.command()
 def du(store: Path = StoreOpt, shared_store: str = SharedStoreOpt, as_json: bool = JsonOpt) -> None:
-    """Bytes on disk: chunk files (compressed and raw), unreferenced chunks, the index."""
+    """Bytes on disk: chunk files (compressed and raw), summaries files, unreferenced chunks, the index."""
     with open_store(store, shared_store) as st:
         usage = st.du()
     payload = asdict(usage) | {"ratio": round(usage.ratio, 3)}
@@ -336,6 +340,7 @@ def du(store: Path = StoreOpt, shared_store: str = SharedStoreOpt, as_json: bool
         t.add_row(
             "chunk files", f"{_bytes(usage.stored_bytes)} ({usage.ratio:.2f}x of {_bytes(usage.raw_bytes)})"
         )
+        t.add_row("summaries files", f"{usage.summaries_files} ({_bytes(usage.summaries_bytes)})")
         t.add_row("unreferenced", _bytes(usage.unreferenced_bytes))
         t.add_row("orphan files", f"{usage.orphan_files} ({_bytes(usage.orphan_bytes)})")
         t.add_row("index", _bytes(usage.index_bytes))

@@ -1,6 +1,8 @@
 """Where chunk files live, behind the small interface a shared backend (S3, Redis) would implement.
 
-The local backend keeps `<root>/chunks/<2 hex>/<hash>.kvc`. A put is atomic and durable before it
+A backend holds two kinds of objects, both named by a chain hash: chunk files, and the summaries
+files of snapshots (storage/summaries.py, named by their chain's last hash). The local backend keeps
+`<root>/chunks/<2 hex>/<hash>.kvc` and `<hash>.kvs` beside it. A put is atomic and durable before it
 returns (temp file in the same directory, fsync, rename, fsync of the directory), so the index row
 written after it never names a missing or partial file.
 
@@ -43,6 +45,10 @@ _TEMP = re.compile(r"\.[0-9a-f]{64}\.[0-9a-f]+\.tmp")
 
 HeadCheck = Callable[[memoryview, int], object]
 """Sees a file's first bytes and its size before the rest is read; raises to refuse the file."""
+ReadPlan = Callable[[memoryview, int], Sequence[tuple[int, memoryview]]]
+"""Sees a file's first bytes and its size; returns where the rest of what is read goes, as (offset in
+the file, destination) pairs, each destination filled whole. Raises to refuse the file."""
+CHUNK, SUMMARIES = ".kvc", ".kvs"
 
 
 class ChunkBackend(Protocol):
@@ -87,6 +93,18 @@ class ChunkBackend(Protocol):
     def sweep_temp(self) -> int:
         """Removes leftovers of interrupted puts; only safe while no put runs. Returns the count."""
 
+    def put_summaries(self, last_hash: str, parts: Sequence[bytes]) -> None:
+        """Stores a snapshot's summaries file, as `put` a chunk file."""
+
+    def get_summaries(self, last_hash: str, head: int, plan: ReadPlan) -> None:
+        """Reads a summaries file's first `head` bytes, then the ranges `plan` asks for into the
+        destinations it gives (on disk straight from one descriptor of the file, with no copy)."""
+
+    def delete_summaries(self, last_hash: str) -> None: ...
+
+    def list_summaries(self) -> Iterator[tuple[str, int]]:
+        """(last hash, size) of every summaries file, as `list_files` of chunk files."""
+
 
 class ReadBuffer:
     """A reusable read destination, one per thread: a fresh chunk-sized buffer per read costs page
@@ -112,9 +130,9 @@ class LocalDirBackend:
             if not self.dir.is_dir():  # a read-only store without chunks: every read is a miss
                 raise
 
-    def path(self, chunk_hash: str) -> Path:
+    def path(self, chunk_hash: str, suffix: str = CHUNK) -> Path:
         h = check_hash(chunk_hash)
-        return self.dir / h[:2] / f"{h}.kvc"
+        return self.dir / h[:2] / f"{h}{suffix}"
 
     @contextmanager
     def _fanout(self, chunk_hash: str) -> Iterator[int]:
@@ -134,11 +152,11 @@ class LocalDirBackend:
         finally:
             os.close(dfd)
 
-    def _open(self, chunk_hash: str) -> int:
-        """A read descriptor of a regular chunk file inside the store, never a symlink's target."""
+    def _open(self, chunk_hash: str, suffix: str = CHUNK) -> int:
+        """A read descriptor of a regular file of the store, never a symlink's target."""
         with self._fanout(chunk_hash) as dfd:
             try:
-                fd = os.open(f"{chunk_hash}.kvc", _READ_FLAGS, dir_fd=dfd)
+                fd = os.open(f"{chunk_hash}{suffix}", _READ_FLAGS, dir_fd=dfd)
             except FileNotFoundError:
                 raise ChunkMissing(chunk_hash, "file missing") from None
             except OSError as e:
@@ -155,7 +173,13 @@ class LocalDirBackend:
         return fd
 
     def put(self, chunk_hash: str, parts: Sequence[bytes]) -> None:
-        name = f"{check_hash(chunk_hash)}.kvc"
+        self._put(chunk_hash, parts, CHUNK)
+
+    def put_summaries(self, last_hash: str, parts: Sequence[bytes]) -> None:
+        self._put(last_hash, parts, SUMMARIES)
+
+    def _put(self, chunk_hash: str, parts: Sequence[bytes], suffix: str) -> None:
+        name = f"{check_hash(chunk_hash)}{suffix}"
         tmp = f".{chunk_hash}.{secrets.token_hex(4)}.tmp"
         try:
             dfd = self._put_dir(chunk_hash)
@@ -262,6 +286,19 @@ class LocalDirBackend:
     ) -> bytes:
         return await asyncio.to_thread(self.get, chunk_hash, max_bytes, None, head, check)
 
+    def get_summaries(self, last_hash: str, head: int, plan: ReadPlan) -> None:
+        """One descriptor for the whole read, so every range comes from one version of the file."""
+        fd = self._open(last_hash, SUMMARIES)
+        try:
+            size = os.fstat(fd).st_size
+            first = memoryview(os.pread(fd, min(head, size), 0))
+            for offset, dest in plan(first, size):
+                _read_into(fd, dest, offset, last_hash)
+        except OSError as e:
+            raise ChunkUnavailable(last_hash, f"read failed: {e.strerror}") from None
+        finally:
+            os.close(fd)
+
     def get_range(self, chunk_hash: str, start: int, length: int) -> tuple[bytes, int]:
         fd = self._open(chunk_hash)
         try:
@@ -284,18 +321,31 @@ class LocalDirBackend:
         return [self.exists(h) for h in chunk_hashes]
 
     def delete(self, chunk_hash: str) -> None:
+        self._delete(chunk_hash, CHUNK)
+
+    def delete_summaries(self, last_hash: str) -> None:
+        self._delete(last_hash, SUMMARIES)
+
+    def _delete(self, chunk_hash: str, suffix: str) -> None:
         """Unlinks the name in the store (a symlink itself, never its target); an empty directory in
         its place goes too, anything else stays."""
         h = check_hash(chunk_hash)
         try:
             with self._fanout(h) as dfd:
-                _unlink_at(dfd, f"{h}.kvc")
+                _unlink_at(dfd, f"{h}{suffix}")
         except ChunkError:
             pass  # no fan-out directory of the store: nothing of the store to delete
 
     def list_files(self) -> Iterator[tuple[str, int]]:
+        return self._list(CHUNK)
+
+    def list_summaries(self) -> Iterator[tuple[str, int]]:
+        return self._list(SUMMARIES)
+
+    def _list(self, suffix: str) -> Iterator[tuple[str, int]]:
         for sub, entry in self._entries():
-            if entry.name.endswith(".kvc") and is_hash(h := entry.name[:-4]) and h[:2] == sub:
+            name = entry.name
+            if name.endswith(suffix) and is_hash(h := name[: -len(suffix)]) and h[:2] == sub:
                 yield h, entry.stat(follow_symlinks=False).st_size
 
     def list_hashes(self) -> Iterator[str]:
@@ -365,6 +415,16 @@ def _write_error(e: OSError, where: Path) -> StoreError:
     if e.errno == errno.EROFS:
         return StoreError(f"{where} is on a read-only file system: nothing saved")
     return StoreError(f"cannot write a chunk under {where}: {e.strerror}")
+
+
+def _read_into(fd: int, dest: memoryview, offset: int, name: str) -> None:
+    """Fills dest from the file at offset; a file shorter than its header said is damage."""
+    n = 0
+    while n < len(dest):
+        got = os.preadv(fd, [dest[n:]], offset + n)
+        if not got:
+            raise ChunkCorrupt(name, f"truncated: {len(dest) - n} bytes short at {offset + n}")
+        n += got
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -138,36 +138,25 @@ def pack_header(h: ChunkHeader) -> bytes:
         h.stored_crc,
         h.meta_crc,
     )
+    return with_crc(body)
+
+
+def with_crc(body: bytes) -> bytes:
+    """A header's fields followed by their crc32, as `checked_fields` reads them."""
     return body + _HEADER_CRC.pack(zlib.crc32(body))
 
 
 def parse_header(buf: bytes | memoryview, file_len: int, chunk_hash: str) -> ChunkHeader:
     """Reads and validates a header against the file length; allocates nothing sized by the header."""
-    if len(buf) < _PREFIX.size:
-        raise ChunkCorrupt(chunk_hash, f"truncated: {len(buf)} bytes")
-    magic, version = _PREFIX.unpack_from(buf)
-    if magic != MAGIC:
-        raise ChunkCorrupt(chunk_hash, "not a kvflash chunk file (bad magic)")
-    if version != VERSION:
-        raise UnsupportedVersion(chunk_hash, f"format version {version}; this kvflash reads {VERSION}")
-    if len(buf) < HEADER_SIZE:
-        raise ChunkCorrupt(chunk_hash, f"truncated header: {len(buf)} of {HEADER_SIZE} bytes")
-    (crc,) = _HEADER_CRC.unpack_from(buf, _HEADER.size)
-    if zlib.crc32(buf[: _HEADER.size]) != crc:
-        raise ChunkCorrupt(chunk_hash, "header checksum mismatch")
-    f = _HEADER.unpack_from(buf)
-    codec_id, dtype_code, fp_raw = f[2], f[3], f[4]
+    f = checked_fields(buf, _HEADER, MAGIC, VERSION, "chunk file", chunk_hash)
+    codec_id, dtype_code = f[2], f[3]
     if codec_id not in Codec._value2member_map_ or dtype_code not in codec.DTYPES_BY_CODE:
         raise ChunkCorrupt(chunk_hash, f"unknown codec {codec_id} or dtype {dtype_code}")
-    try:
-        fingerprint = check_fingerprint(fp_raw.rstrip(b"\0").decode("ascii"))
-    except (UnicodeDecodeError, InvalidName):
-        raise ChunkCorrupt(chunk_hash, "malformed fingerprint field") from None
     h = ChunkHeader(
-        version=version,
+        version=f[1],
         codec=Codec(codec_id),
         dtype=codec.DTYPES_BY_CODE[dtype_code],
-        fingerprint=fingerprint,
+        fingerprint=fingerprint_field(f[4], chunk_hash),
         index=f[5],
         chain_hash=f[6].hex(),
         parent_hash=f[7].hex(),
@@ -182,6 +171,35 @@ def parse_header(buf: bytes | memoryview, file_len: int, chunk_hash: str) -> Chu
     )
     _check_sizes(h, file_len, chunk_hash)
     return h
+
+
+def checked_fields(
+    buf: bytes | memoryview, fields: struct.Struct, magic: bytes, version: int, what: str, chunk_hash: str
+) -> tuple:
+    """The fields of a header laid out as `fields` (magic and version first) and followed by the
+    crc32 of its bytes, checked in that order: magic, version, length, checksum."""
+    if len(buf) < _PREFIX.size:
+        raise ChunkCorrupt(chunk_hash, f"truncated: {len(buf)} bytes")
+    found, v = _PREFIX.unpack_from(buf)
+    if found != magic:
+        raise ChunkCorrupt(chunk_hash, f"not a kvflash {what} (bad magic)")
+    if v != version:
+        raise UnsupportedVersion(chunk_hash, f"{what} format version {v}; this kvflash reads {version}")
+    size = fields.size + _HEADER_CRC.size
+    if len(buf) < size:
+        raise ChunkCorrupt(chunk_hash, f"truncated header: {len(buf)} of {size} bytes")
+    (crc,) = _HEADER_CRC.unpack_from(buf, fields.size)
+    if zlib.crc32(buf[: fields.size]) != crc:
+        raise ChunkCorrupt(chunk_hash, "header checksum mismatch")
+    return fields.unpack_from(buf)
+
+
+def fingerprint_field(raw: bytes, chunk_hash: str) -> str:
+    """A header's NUL-padded fingerprint field, which must be a well-formed fingerprint."""
+    try:
+        return check_fingerprint(raw.rstrip(b"\0").decode("ascii"))
+    except (UnicodeDecodeError, InvalidName):
+        raise ChunkCorrupt(chunk_hash, "malformed fingerprint field") from None
 
 
 def _check_sizes(h: ChunkHeader, file_len: int, chunk_hash: str) -> None:

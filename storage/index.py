@@ -382,6 +382,31 @@ class Index:
                 raise ChunkCorrupt(repr(h), f"snapshot {snapshot_id} lists a malformed chunk hash")
         return Snapshot(**vars(_snapshot_info(row)), chunk_hashes=tuple(hashes))
 
+    def chains_through(self, chunk_hash: str, position: int) -> list[str]:
+        """The last chunk of every snapshot whose chain holds this chunk at this position, and so
+        starts with its whole prefix (a chain hash names every chunk before it), shortest first."""
+        with self._lock:
+            return [
+                r[0]
+                for r in self.conn.execute(
+                    "SELECT last.hash FROM snapshot_chunks sc JOIN snapshots s ON s.id = sc.snapshot_id "
+                    "JOIN snapshot_chunks last ON last.snapshot_id = s.id AND last.position = s.n_chunks - 1 "
+                    "WHERE sc.hash = ? AND sc.position = ? GROUP BY last.hash ORDER BY MIN(s.n_chunks)",
+                    (chunk_hash, position),
+                )
+            ]
+
+    def chain_ends(self) -> set[str]:
+        """The last chunk of every snapshot's chain: what names its summaries file."""
+        with self._lock:
+            return {
+                r[0]
+                for r in self.conn.execute(
+                    "SELECT sc.hash FROM snapshot_chunks sc JOIN snapshots s ON s.id = sc.snapshot_id "
+                    "AND sc.position = s.n_chunks - 1"
+                )
+            }
+
     def set_pinned(self, snapshot_id: str, pinned: bool) -> None:
         with self._write() as c:
             n = c.execute("UPDATE snapshots SET pinned = ? WHERE id = ?", (int(pinned), snapshot_id)).rowcount

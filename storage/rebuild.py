@@ -3,7 +3,8 @@
 Every chunk file names itself and carries its fingerprint, position and parent (docs/FORMAT.md), so
 the chunk rows come back whole and every chain that reaches back to the root becomes a snapshot again
 (`recovered:<its last hash>`: labels and metadata lived only in the old index). A file that does not
-parse, or holds another chunk than its name says, is left out: the next prune sweeps it.
+parse, or holds another chunk than its name says, is left out: the next prune sweeps it. Summaries
+files need no rows: a recovered chain's is named by its last hash, and the others are swept too.
 """
 
 from __future__ import annotations

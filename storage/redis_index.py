@@ -44,11 +44,14 @@ _NOW_MS = "local t = redis.call('TIME') local now = tonumber(t[1]) * 1000 + math
 
 _ADD_SNAPSHOT = """
 local p, sid = ARGV[1], ARGV[2]
+local rows, hashes = cjson.decode(ARGV[10]), cjson.decode(ARGV[11])
 if redis.call('EXISTS', p..':snap:'..sid) == 1 then
-  if ARGV[3] == '1' then return {'ok', sid} end
+  if ARGV[3] == '1' then
+    redis.call('PERSIST', p..':sums:'..hashes[#hashes])
+    return {'ok', sid}
+  end
   return {'taken', sid}
 end
-local rows, hashes = cjson.decode(ARGV[10]), cjson.decode(ARGV[11])
 local new = {}
 for _, r in ipairs(rows) do new[r[1]] = r end
 for _, h in ipairs(hashes) do
@@ -82,11 +85,26 @@ redis.call('HSET', p..':snap:'..sid, 'label', ARGV[4], 'fingerprint', ARGV[5], '
   'n_chunks', #hashes, 'created', now, 'last_used', now, 'hits', hits, 'pinned', 0, 'meta', ARGV[7],
   'stored', stored, 'raw', raw)
 redis.call('SADD', p..':snaps', sid)
+redis.call('PERSIST', p..':sums:'..hashes[#hashes])
 return {'ok', sid}
 """
 """A new snapshot, its new chunk rows (blobs already written) and its members, or nothing: 'missing'
 names a chunk whose blob or row is gone, 'taken' an id in use. With ARGV[3] = '1' (a copy from
-another tier keeps its id) an id already present is the same snapshot, copied before."""
+another tier keeps its id) an id already present is the same snapshot, copied before. Either way
+the summaries file of its chain, if written, is committed (its TTL removed)."""
+
+_CHAINS_THROUGH = """
+local p, h, at = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local out = {}
+for _, s in ipairs(redis.call('SMEMBERS', p..':refs:'..h)) do
+  local m = p..':members:'..s
+  if redis.call('LINDEX', m, at) == h then
+    table.insert(out, {redis.call('LINDEX', m, -1), redis.call('LLEN', m)})
+  end
+end
+return out
+"""
+"""(last chunk, length) of every snapshot whose chain holds chunk ARGV[2] at position ARGV[3]."""
 
 _LEASED = f"""
 {_NOW_MS}
@@ -208,6 +226,7 @@ class RedisIndex:
         self._heartbeat = reg(_HEARTBEAT)
         self._record_hit = reg(_RECORD_HIT)
         self._set_field = reg(_SET_FIELD)
+        self._chains_through = reg(_CHAINS_THROUGH)
 
     def close(self) -> None:
         """The link is the store's to close."""
@@ -308,6 +327,17 @@ class RedisIndex:
                 raise ChunkCorrupt(repr(h), f"snapshot {snapshot_id} lists a malformed chunk hash")
         return Snapshot(**vars(info), chunk_hashes=hashes)
 
+    def chains_through(self, chunk_hash: str, position: int) -> list[str]:
+        """As `Index.chains_through`, in one script."""
+        got = self.link.call(lambda c: self._chains_through(args=[self.p, chunk_hash, position]))
+        ends = sorted((int(n), last.decode()) for last, n in got)
+        return list(dict.fromkeys(last for _, last in ends))
+
+    def chain_ends(self) -> set[str]:
+        ids = sorted(n.decode() for n in self.link.call(lambda c: c.smembers(f"{self.p}:snaps")))
+        got = self._pipe(lambda p: [p.lindex(self.keys.members(s), -1) for s in ids]) if ids else []
+        return {h.decode() for h in got if h is not None}
+
     def set_pinned(self, snapshot_id: str, pinned: bool) -> None:
         key = self.keys.snap(snapshot_id)
         if not self.link.call(lambda c: self._set_field(keys=[key], args=["pinned", str(int(pinned))])):
@@ -390,12 +420,13 @@ class RedisIndex:
         return errors
 
     def memory_usage(self) -> int:
-        """Bytes Redis holds for the index's keys (every key of the store but the blobs)."""
-        blobs = self.keys.blob("")
+        """Bytes Redis holds for the index's keys (every key of the store but the blobs and
+        summaries files)."""
+        files = (self.keys.blob(""), self.keys.sums(""))
         total, cursor = 0, 0
         while True:
             cursor, batch = self.link.call(lambda c, at=cursor: c.scan(at, match=f"{self.p}:*", count=1000))
-            keys = [k for k in batch if not k.decode().startswith(blobs)]
+            keys = [k for k in batch if not k.decode().startswith(files)]
             if keys:
                 total += sum(n or 0 for n in self._pipe(lambda p, ks=keys: [p.memory_usage(k) for k in ks]))
             if cursor == 0:

@@ -144,7 +144,16 @@ class Keys:
     def members(self, sid: str) -> str:
         return f"{self.prefix}:members:{sid}"
 
+    def sums(self, h: str) -> str:
+        """The summaries file of the chain ending at h."""
+        return f"{self.prefix}:sums:{h}"
+
     @property
     def blobs(self) -> str:
         """A SCAN pattern over every chunk blob."""
         return f"{self.prefix}:blob:*"
+
+    @property
+    def all_sums(self) -> str:
+        """A SCAN pattern over every summaries file."""
+        return f"{self.prefix}:sums:*"

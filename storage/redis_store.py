@@ -13,6 +13,7 @@ It is a `SnapshotStore` (the same saving, reading, checking, leasing and removal
 from __future__ import annotations
 
 import secrets
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 
 from kvflash.storage.codec import DEFAULT_LEVEL
@@ -63,8 +64,9 @@ class RedisStore(SnapshotStore):
     def _removing(self) -> AbstractContextManager:
         return nullcontext()
 
-    def _remove_unindexed(self, hashes: list[str]) -> None:
-        """Nothing: a failed save's blobs carry their TTL, and may be another save's too."""
+    def _remove_unindexed(self, hashes: list[str], summaries: Sequence[str] = ()) -> None:
+        """Nothing: a failed save's blobs and summaries file carry their TTL, and may be another
+        save's too."""
 
     def _lease_owner(self) -> str:
         return self._token

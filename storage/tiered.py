@@ -23,7 +23,7 @@ from typing import TypeVar
 import torch
 
 from kvflash.storage.chunk import ChunkBlob, ChunkSummary
-from kvflash.storage.errors import SnapshotNotFound, StoreError
+from kvflash.storage.errors import ChunkError, SnapshotNotFound, StoreError
 from kvflash.storage.index import Snapshot, SnapshotInfo
 from kvflash.storage.redis_link import RedisConfig, SharedUnavailable
 from kvflash.storage.redis_store import RedisStore
@@ -146,9 +146,18 @@ class TieredStore:
     def read_summaries(
         self, hashes: Sequence[str], expect_fingerprint: str, out: torch.Tensor | None = None
     ) -> list[ChunkSummary]:
+        """From one summaries file, the local tier's else the shared one's (a chain read through from
+        the shared tier has its chunks here but its snapshot, and so its file, there); else per chunk
+        from the tier that serves each."""
+        got = self.local.chain_summaries(hashes, expect_fingerprint, out)
+        if got is None:
+            got = self._try(lambda: self.shared.chain_summaries(hashes, expect_fingerprint, out), None)
+        if got is not None:
+            return got
+
         def read(tier: SnapshotStore, at: list[int]) -> list[ChunkSummary]:
             part = None if out is None else torch.empty((len(at), *out.shape[1:]))
-            got = tier.read_summaries([hashes[i] for i in at], expect_fingerprint, part)
+            got = tier.chunk_summaries([hashes[i] for i in at], expect_fingerprint, part)
             if out is not None:
                 out[at] = part
             return got
@@ -301,7 +310,8 @@ class TieredStore:
             self._copy_up(job.ids[0], job.ids[1:])
 
     def _copy_up(self, snapshot_id: str, succeeds: list[str]) -> None:
-        """The snapshot and the chunk files the shared tier lacks, one file in memory at a time."""
+        """The snapshot and the chunk files the shared tier lacks, one file in memory at a time, and
+        its summaries file unless the shared tier has one."""
         try:
             snap = self.local.get_snapshot(snapshot_id)
         except SnapshotNotFound:
@@ -312,7 +322,14 @@ class TieredStore:
         missing = [
             h for h, ok in zip(hashes, there, strict=True) if not ok or h not in rows or rows[h].damaged
         ]
-        self.shared.copy_in(((h, self.local.chunk_file(h)) for h in missing), snap, succeeds)
+        summaries = None
+        if not self.shared.has_summaries(snap.fingerprint, hashes):
+            try:
+                summaries = self.local.summaries_file(snap.fingerprint, hashes)
+            except ChunkError:
+                pass  # none intact here: its restores from the shared tier read per chunk
+        files = ((h, self.local.chunk_file(h)) for h in missing)
+        self.shared.copy_in(files, snap, succeeds, summaries)
         if self.cfg.cache_bytes is not None:
             self.local.prune(max_bytes=self.cfg.cache_bytes)
 

@@ -316,11 +316,12 @@ def test_summaries_are_read_without_the_kv(store) -> None:
         for name in ("index", "chain_hash", "parent_hash", "tokens"):
             assert getattr(g, name) == getattr(b, name)
         assert torch.equal(g.summary, b.summary)
+    # the chunk files' own sections (what a snapshot without a summaries file is read from)
     _flip(chunk_path(store.root, hs[0]), -10)  # payload: found when the KV itself is read
-    assert store.read_summaries(hs[:1], FP)[0].tokens == blobs[0].tokens
+    assert store.chunk_summaries(hs[:1], FP)[0].tokens == blobs[0].tokens
     _flip(chunk_path(store.root, hs[1]), format.HEADER_SIZE + 4 * C + 3)  # summary
     with pytest.raises(ChunkCorrupt, match="summary"):
-        store.read_summaries(hs, FP)
+        store.chunk_summaries(hs, FP)
     with pytest.raises(ForeignFingerprint):
         store.read_summaries(hs, "fp-other")
 

@@ -2,8 +2,10 @@
 file, each of whose bytes lies in a checksummed region, is refused with a ChunkError by `verify`'s
 full check; a restore, which leaves the payload to the zstd frame's own checksum, refuses it or
 decodes exactly the original chunk (a flip of a frame-header bit zstd ignores changes nothing it
-reads). Nothing a file holds makes a parser crash, hang or allocate past a bound. Each property runs
-a few hundred examples in `make test` and many thousands under `make test-reliability`."""
+reads). The same for summaries files (storage/summaries.py), whose every byte is checked both by
+`verify`'s full check and by a restore's read of all its entries. Nothing a file holds makes a
+parser crash, hang or allocate past a bound. Each property runs a few hundred examples in `make
+test` and many thousands under `make test-reliability`."""
 
 from __future__ import annotations
 
@@ -16,8 +18,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvflash.storage import ROOT_HASH, ChunkBlob, ChunkError
+from kvflash.storage.chunk import token_bytes
 from kvflash.storage.codec import Codec, decode
 from kvflash.storage.format import HEADER_SIZE, decode_chunk, encode_chunk, parse_header
+from kvflash.storage.summaries import (
+    SUMMARIES_HEADER_SIZE,
+    HeadRead,
+    check_summaries_file,
+    entry_crc,
+    pack_head,
+    parse_summaries_header,
+)
 
 FP = "fp-fuzz"
 SHAPE = (2, 2, 2, 16, 8)
@@ -36,7 +47,22 @@ def _file(codec: Codec) -> tuple[bytes, str]:
     return head + payload, blob.chain_hash
 
 
+def _summaries_file() -> tuple[bytes, list[str]]:
+    """A summaries file of a three-chunk chain, and the chain."""
+    g = torch.Generator().manual_seed(8)
+    parent, entries, hashes = ROOT_HASH, [], []
+    for i in range(3):
+        summary = torch.randn((2, 2, 4, 8), generator=g)
+        blob = ChunkBlob.build(FP, i, parent, list(range(16 * i, 16 * i + 16)), summary, torch.empty(0))
+        entries.append((token_bytes(blob.tokens), summary.numpy().astype("<f4").tobytes()))
+        parent = blob.chain_hash
+        hashes.append(parent)
+    head = pack_head(FP, parent, 16, (2, 2, 4, 8), [entry_crc(t, s) for t, s in entries])
+    return head + b"".join(t for t, _ in entries) + b"".join(s for _, s in entries), hashes
+
+
 FILES = {c: _file(c) for c in (Codec.LOSSLESS, Codec.FP8)}
+SUMMARIES, CHAIN = _summaries_file()
 ORIGINAL = {c: decode_chunk(data, h, FP) for c, (data, h) in FILES.items()}
 CODECS = st.sampled_from(list(FILES))
 
@@ -113,6 +139,56 @@ def headers_of_noise(header, size) -> None:
     assert peak < ALLOC_BOUND
 
 
+def _summaries_refused(data: bytes) -> None:
+    """By the full check and by a restore's read of every entry, within the allocation bound."""
+    tracemalloc.start()
+    try:
+        with pytest.raises(ChunkError):
+            check_summaries_file(data, CHAIN[-1], FP, CHAIN)
+        with pytest.raises(ChunkError):
+            read = HeadRead(CHAIN[-1], FP, CHAIN, None)
+            for at, dest in read.plan(memoryview(data)[:SUMMARIES_HEADER_SIZE], len(data)):
+                dest[:] = data[at : at + len(dest)]
+            read.check_tokens()
+            read.check_entries(0, len(CHAIN))
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert peak < ALLOC_BOUND + 4 * len(data), f"refusing a {len(data)}-byte file allocated {peak} bytes"
+
+
+def test_the_valid_summaries_file_is_read() -> None:
+    assert check_summaries_file(SUMMARIES, CHAIN[-1], FP, CHAIN).n_chunks == 3
+
+
+def summaries_mutations(edits) -> None:
+    buf = bytearray(SUMMARIES)
+    for at, xor in edits:
+        buf[at % len(buf)] ^= xor
+    if bytes(buf) != SUMMARIES:
+        _summaries_refused(bytes(buf))
+
+
+def summaries_truncations_and_extensions(cut, tail) -> None:
+    mutated = SUMMARIES[: cut % len(SUMMARIES)] + tail
+    if mutated != SUMMARIES:
+        _summaries_refused(mutated)
+
+
+def summaries_headers_of_noise(header, size) -> None:
+    forged = bytearray(SUMMARIES[:10]) + header[10 : SUMMARIES_HEADER_SIZE - 4]
+    forged += zlib.crc32(forged).to_bytes(4, "little")
+    tracemalloc.start()
+    try:
+        parse_summaries_header(bytes(forged), size, CHAIN[-1])
+    except ChunkError:
+        pass
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert peak < ALLOC_BOUND
+
+
 def codec_payloads(payload, codec, shape, raw_len, crc) -> None:
     """Any payload under any claimed shape and length: a ValueError at most, within the bound."""
     tracemalloc.start()
@@ -138,6 +214,14 @@ PROPERTIES = {
     truncations_and_extensions: dict(codec=CODECS, cut=st.integers(0, 10**6), tail=st.binary(max_size=64)),
     headers_of_noise: dict(
         header=st.binary(min_size=HEADER_SIZE, max_size=HEADER_SIZE), size=st.integers(0, 1 << 40)
+    ),
+    summaries_mutations: dict(
+        edits=st.lists(st.tuples(st.integers(0, 10**6), st.integers(1, 255)), min_size=1, max_size=8)
+    ),
+    summaries_truncations_and_extensions: dict(cut=st.integers(0, 10**6), tail=st.binary(max_size=64)),
+    summaries_headers_of_noise: dict(
+        header=st.binary(min_size=SUMMARIES_HEADER_SIZE, max_size=SUMMARIES_HEADER_SIZE),
+        size=st.integers(0, 1 << 40),
     ),
     codec_payloads: dict(
         payload=st.binary(max_size=4096),

@@ -1,0 +1,228 @@
+"""The summaries file of a snapshot (docs/FORMAT.md): the token ids and key summaries of every chunk
+of its chain, in chain order, so that a lazy restore reads them in one read, not one per chunk file.
+
+It is content-addressed by the chain's last hash, as a chunk file is by its own: that hash commits
+to the fingerprint and every token of the chain, so the name says which chain the file holds and
+nothing else. Snapshots of one chain share one file (a session's newer snapshot often has the chain
+of the one it replaces), and the file needs no index row: the snapshots' member lists say which
+files are live (a removal sweeps the others, as it sweeps orphan chunk files) and an index rebuilt
+from the chunk files finds them again under the chains it recovers.
+
+Any head of the file can be read alone: each entry carries the crc32 of its token ids and summary
+(the chunk file's meta crc), and the token ids must give the chain hashes the reader asked for. So
+a prompt that shares a prefix with a snapshot reads that prefix's entries only. `struct` and
+`numpy.frombuffer` only; every length is checked against the file size before it is read.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import sys
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvflash.storage.chunk import chain_digest
+from kvflash.storage.errors import ChunkCorrupt, ChunkMismatch, ForeignFingerprint, SizeMismatch
+from kvflash.storage.format import MAX_DIMS, MAX_SUMMARY_BLOCKS, checked_fields, fingerprint_field, with_crc
+from kvflash.storage.names import MAX_FINGERPRINT
+
+MAGIC = b"KVFLSUMS"
+VERSION = 1
+
+_HEADER = struct.Struct(f"<8sH2x{MAX_FINGERPRINT}s32s7I")
+SUMMARIES_HEADER_SIZE = _HEADER.size + 4
+NATIVE = sys.byteorder == "little"
+"""Entries are read straight into the caller's fp32 tensor, whose bytes are the file's little-endian
+floats on such a host; elsewhere summaries are read per chunk file (which converts)."""
+
+
+@dataclass(frozen=True)
+class SummariesHeader:
+    fingerprint: str
+    last_hash: str
+    n_chunks: int
+    chunk_tokens: int
+    summary_shape: tuple[int, int, int, int]
+    """[L, Hkv, B, D] of every entry's summary."""
+    table_crc: int
+    """crc32 of the table of entry checksums."""
+
+    @property
+    def tokens_len(self) -> int:
+        """Bytes of one entry's token ids."""
+        return 4 * self.chunk_tokens
+
+    @property
+    def summary_len(self) -> int:
+        """Bytes of one entry's summary."""
+        return 4 * math.prod(self.summary_shape)
+
+    @property
+    def tokens_at(self) -> int:
+        return SUMMARIES_HEADER_SIZE + 4 * self.n_chunks
+
+    @property
+    def summaries_at(self) -> int:
+        return self.tokens_at + self.n_chunks * self.tokens_len
+
+    @property
+    def file_len(self) -> int:
+        return self.summaries_at + self.n_chunks * self.summary_len
+
+
+def entry_crc(tokens: bytes | memoryview, summary: bytes | memoryview) -> int:
+    """crc32 of an entry's token ids then its summary: the chunk file's meta crc of that chunk."""
+    return zlib.crc32(summary, zlib.crc32(tokens))
+
+
+def pack_head(
+    fingerprint: str, last_hash: str, chunk_tokens: int, summary_shape: Sequence[int], crcs: Sequence[int]
+) -> bytes:
+    """Header and table of entry checksums: what precedes the entries' token ids and summaries."""
+    table = np.asarray(crcs, dtype="<u4").tobytes()
+    body = _HEADER.pack(
+        MAGIC,
+        VERSION,
+        fingerprint.encode("ascii"),
+        bytes.fromhex(last_hash),
+        len(crcs),
+        chunk_tokens,
+        *summary_shape,
+        zlib.crc32(table),
+    )
+    return with_crc(body) + table
+
+
+def parse_summaries_header(buf: bytes | memoryview, file_len: int, name: str) -> SummariesHeader:
+    """The header of the file named after chain `name`, checked against the file's size before any
+    of the rest is read."""
+    f = checked_fields(buf, _HEADER, MAGIC, VERSION, "summaries file", name)
+    h = SummariesHeader(
+        fingerprint=fingerprint_field(f[2], name),
+        last_hash=f[3].hex(),
+        n_chunks=f[4],
+        chunk_tokens=f[5],
+        summary_shape=tuple(f[6:10]),
+        table_crc=f[10],
+    )
+    if h.last_hash != name:
+        raise ChunkCorrupt(name, f"holds the chain ending at {h.last_hash[:16]}")
+    L, H, B, D = h.summary_shape
+    caps = ((L, MAX_DIMS[0]), (H, MAX_DIMS[2]), (D, MAX_DIMS[4]), (h.chunk_tokens, MAX_DIMS[3]))
+    if h.n_chunks < 1 or any(not 1 <= x <= cap for x, cap in caps):
+        shape = [h.n_chunks, h.chunk_tokens, *h.summary_shape]
+        raise SizeMismatch(name, f"implausible shape {shape} (n, C, L, Hkv, B, D)")
+    if not 1 <= B <= MAX_SUMMARY_BLOCKS or h.chunk_tokens % B:
+        raise SizeMismatch(name, f"{B} summary blocks for a {h.chunk_tokens}-token chunk")
+    if h.file_len != file_len:
+        raise SizeMismatch(name, f"header implies {h.file_len} bytes, the file has {file_len}")
+    return h
+
+
+def check_identity(
+    h: SummariesHeader, name: str, fingerprint: str, n: int, shape: Sequence[int] | None = None
+) -> None:
+    """The file was made under the expected model, holds at least n entries, of the expected shape."""
+    if h.fingerprint != fingerprint:
+        raise ForeignFingerprint(name, f"made under {h.fingerprint}, expected {fingerprint}")
+    if h.n_chunks < n:
+        raise ChunkMismatch(name, f"{h.n_chunks} chunks, {n} asked for")
+    if shape is not None and tuple(shape) != h.summary_shape:
+        raise ChunkMismatch(name, f"summary shape {list(h.summary_shape)}, expected {list(shape)}")
+
+
+def check_table(h: SummariesHeader, table: bytes | memoryview, name: str) -> np.ndarray:
+    """The entries' checksums, once the table's own checksum matches."""
+    if zlib.crc32(table) != h.table_crc:
+        raise ChunkCorrupt(name, "checksum table mismatch")
+    return np.frombuffer(table, dtype="<u4")
+
+
+def check_chain(
+    h: SummariesHeader, tokens: bytes | memoryview, hashes: Sequence[str], name: str
+) -> list[list[int]]:
+    """Token ids of the first len(hashes) entries, whose chain hashes must be `hashes`: the file
+    holds exactly those chunks' ids, whatever it claims."""
+    n, size = len(hashes), h.tokens_len
+    view, parent = memoryview(tokens), bytes(32)
+    for i, expected in enumerate(hashes):
+        got = chain_digest(parent, h.fingerprint, view[i * size : (i + 1) * size])
+        if got != expected:
+            raise ChunkCorrupt(name, f"entry {i} is not chunk {expected[:16]}")
+        parent = bytes.fromhex(got)
+    ids = np.frombuffer(view, dtype="<i4", count=n * h.chunk_tokens)
+    if n and ids.min() < 0:
+        raise ChunkCorrupt(name, "negative token id")
+    return ids.reshape(n, h.chunk_tokens).tolist()
+
+
+def check_entries(
+    h: SummariesHeader,
+    table: np.ndarray,
+    tokens: memoryview,
+    summaries: memoryview,
+    lo: int,
+    hi: int,
+    name: str,
+) -> None:
+    """Entries lo..hi-1 match their checksums (`tokens` and `summaries` hold entries 0.. as bytes)."""
+    t, s = h.tokens_len, h.summary_len
+    for i in range(lo, hi):
+        if entry_crc(tokens[i * t : (i + 1) * t], summaries[i * s : (i + 1) * s]) != table[i]:
+            raise ChunkCorrupt(name, f"entry {i} checksum mismatch")
+
+
+def check_summaries_file(
+    buf: bytes | memoryview, name: str, fingerprint: str, hashes: Sequence[str]
+) -> SummariesHeader:
+    """A whole file, of exactly the chain `hashes` (what `verify` and a copy between tiers check)."""
+    view = memoryview(buf)
+    h = parse_summaries_header(view[:SUMMARIES_HEADER_SIZE], len(view), name)
+    check_identity(h, name, fingerprint, len(hashes))
+    if h.n_chunks != len(hashes):
+        raise ChunkCorrupt(name, f"{h.n_chunks} chunks for a chain of {len(hashes)}")
+    table = check_table(h, view[SUMMARIES_HEADER_SIZE : h.tokens_at], name)
+    tokens = view[h.tokens_at : h.summaries_at]
+    check_chain(h, tokens, hashes, name)
+    check_entries(h, table, tokens, view[h.summaries_at :], 0, h.n_chunks, name)
+    return h
+
+
+class HeadRead:
+    """A read of the first len(hashes) entries of a summaries file: `plan` (a backend's ReadPlan)
+    lays out the destinations from the header, the summaries going straight into `rows`; the checks
+    then run on what was read."""
+
+    def __init__(self, name: str, fingerprint: str, hashes: Sequence[str], out: torch.Tensor | None):
+        self.name, self.fingerprint, self.hashes, self.out = name, fingerprint, hashes, out
+
+    def plan(self, head: memoryview, size: int) -> list[tuple[int, memoryview]]:
+        n, out = len(self.hashes), self.out
+        h = self.header = parse_summaries_header(head, size, self.name)
+        check_identity(h, self.name, self.fingerprint, n, None if out is None else out.shape[1:])
+        self.rows = out if out is not None else torch.empty((n, *h.summary_shape))
+        self.table, self.tokens = bytearray(4 * h.n_chunks), bytearray(n * h.tokens_len)
+        return [
+            (SUMMARIES_HEADER_SIZE, memoryview(self.table)),
+            (h.tokens_at, memoryview(self.tokens)),
+            (h.summaries_at, byte_view(self.rows)),
+        ]
+
+    def check_tokens(self) -> list[list[int]]:
+        """The checksum table and the entries' token ids (as `check_chain`)."""
+        self.crcs = check_table(self.header, self.table, self.name)
+        return check_chain(self.header, self.tokens, self.hashes, self.name)
+
+    def check_entries(self, lo: int, hi: int) -> None:
+        tokens, rows = memoryview(self.tokens), byte_view(self.rows)
+        check_entries(self.header, self.crcs, tokens, rows, lo, hi, self.name)
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, flat."""
+    return memoryview(t.numpy()).cast("B")

@@ -1,0 +1,317 @@
+"""Summaries files (storage/summaries.py): a lazy restore reads a snapshot's token ids and summaries
+from one file in one read, and so does a turn-2 prompt for the prefix it shares with a snapshot; a
+file that is damaged, truncated, missing or another chain's costs only the fallback to the chunk
+files (same result, nothing marked damaged, `verify` names it and writes it again); removals take
+it with the last snapshot of its chain; a store written without them restores as before. Reads are
+counted by a real backend subclass over real files; the shared tier runs on a real redis-server."""
+
+from __future__ import annotations
+
+import shutil
+from collections import Counter
+
+import pytest
+import torch
+
+from kvflash.prefix_cache import PrefixCache
+from kvflash.snapshots import KVSnapshots
+from kvflash.storage import SnapshotStore
+from kvflash.storage.backend import LocalDirBackend
+from kvflash.storage.redis_store import RedisStore
+from kvflash.storage.summaries import SUMMARIES_HEADER_SIZE
+from kvflash.storage.tiered import TieredStore
+from kvflash.turn import TurnStats
+from tests.test_restore import FP as MODEL_FP
+from tests.test_restore import engine as tiny_engine
+from tests.test_restore import lm, prompt, saved  # noqa: F401 (lm: the tiny model's fixture)
+from tests.test_storage import FP, C, bits, make_chain, toks
+
+
+class Counting(LocalDirBackend):
+    """The disk backend, counting its reads of chunk-file sections (`get_range`, what a per-chunk
+    summaries read does) and of summaries files."""
+
+    def __init__(self, root):
+        super().__init__(root)
+        self.calls: Counter[str] = Counter()
+
+    def get_range(self, chunk_hash, start, length):
+        self.calls["get_range"] += 1
+        return super().get_range(chunk_hash, start, length)
+
+    def get_summaries(self, last_hash, head, plan):
+        self.calls["get_summaries"] += 1
+        return super().get_summaries(last_hash, head, plan)
+
+
+@pytest.fixture
+def store(tmp_path):
+    root = tmp_path / "store"
+    with SnapshotStore(root, workers=2, backend=Counting(root)) as st:
+        yield st
+
+
+def hashes_of(blobs) -> list[str]:
+    return [b.chain_hash for b in blobs]
+
+
+def sums_path(store: SnapshotStore, last: str):
+    return store.backend.path(last, ".kvs")
+
+
+def same(got, want) -> bool:
+    """Summaries alike in position, chain, tokens and every bit of the summary."""
+    return len(got) == len(want) and all(
+        (g.index, g.chain_hash, g.parent_hash, g.tokens) == (w.index, w.chain_hash, w.parent_hash, w.tokens)
+        and torch.equal(bits(g.summary), bits(w.summary))
+        for g, w in zip(got, want, strict=True)
+    )
+
+
+def reads(store: SnapshotStore, hashes, fp=FP, out=None):
+    """read_summaries and the backend reads it took."""
+    store.backend.calls.clear()
+    got = store.read_summaries(hashes, fp, out)
+    return got, dict(store.backend.calls)
+
+
+def test_a_snapshots_summaries_are_one_read_of_one_file_straight_into_the_rows(store) -> None:
+    blobs = make_chain(toks(40))
+    hs = hashes_of(blobs)
+    store.put_snapshot("doc", FP, blobs)
+    assert sums_path(store, hs[-1]).is_file()
+    out = torch.full((40, *blobs[0].summary.shape), float("nan"))
+    got, calls = reads(store, hs, out=out)
+    assert calls == {"get_summaries": 1}  # no chunk file read
+    assert same(got, store.chunk_summaries(hs, FP))
+    assert torch.equal(out, torch.stack([b.summary for b in blobs]))
+    assert all(g.summary.data_ptr() == row.data_ptr() for g, row in zip(got, out, strict=True))
+    head, calls = reads(store, hs[:7])  # a prompt that shares 7 chunks with the snapshot
+    assert calls == {"get_summaries": 1} and same(head, got[:7])
+
+
+def test_a_grown_chain_reads_its_prefix_from_the_file_of_the_snapshot_it_extends(store) -> None:
+    first, longer = make_chain(toks(6)), make_chain(toks(9))
+    store.put_snapshot("turn 1", FP, first)
+    store.backend.calls.clear()
+    store.put_snapshot("turn 2", FP, [*hashes_of(first), *longer[6:]])  # as a session's next save
+    assert store.backend.calls["get_range"] == 0
+    got, calls = reads(store, hashes_of(longer))
+    assert calls == {"get_summaries": 1} and same(got, store.chunk_summaries(hashes_of(longer), FP))
+
+
+def _flip(path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def _damage(store: SnapshotStore, kind: str, blobs, other) -> str:
+    """Damages the summaries file of blobs' chain one way; the reason verify gives for it."""
+    last = blobs[-1].chain_hash
+    path = sums_path(store, last)
+    size = path.stat().st_size
+    if kind == "summary bit":
+        _flip(path, size - 5)
+        return "entry 4 checksum mismatch"
+    if kind == "token bit":
+        _flip(path, SUMMARIES_HEADER_SIZE + 4 * 5 + 4 * C + 2)  # entry 1's ids
+        return "entry 1 is not chunk"
+    if kind == "header bit":
+        _flip(path, 30)
+        return "header checksum mismatch"
+    if kind == "table bit":
+        _flip(path, SUMMARIES_HEADER_SIZE + 1)
+        return "checksum table mismatch"
+    if kind == "truncated":
+        path.write_bytes(path.read_bytes()[: size - 100])
+        return "the file has"
+    if kind == "missing":
+        path.unlink()
+        return "file missing"
+    if kind == "another chain":
+        shutil.copy(sums_path(store, other[-1].chain_hash), path)
+        return "holds the chain ending at"
+    assert kind == "another fingerprint"
+    entries = [(b.tokens, b.summary) for b in blobs]
+    store.backend.put_summaries(last, store._summaries_parts("fp-other", last, entries))
+    return "made under fp-other"
+
+
+KINDS = [
+    "summary bit",
+    "token bit",
+    "header bit",
+    "table bit",
+    "truncated",
+    "missing",
+    "another chain",
+    "another fingerprint",
+]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_bad_summaries_file_falls_back_to_the_chunk_files_and_verify_rewrites_it(store, kind) -> None:
+    blobs, other = make_chain(toks(5)), make_chain(toks(5, start=500))
+    hs = hashes_of(blobs)
+    sid = store.put_snapshot("doc", FP, blobs)
+    store.put_snapshot("other", FP, other)
+    want = store.chunk_summaries(hs, FP)
+    reason = _damage(store, kind, blobs, other)
+    got, calls = reads(store, hs)
+    assert same(got, want) and calls["get_range"] >= len(hs)  # per chunk, same result
+    assert all(r.damaged is None for r in store.index.chunk_rows(hs).values())  # no chunk is to blame
+    report = store.verify()
+    assert report.ok, report  # nothing is lost
+    (found,) = report.summaries
+    assert found.chunk_hash == hs[-1] and found.snapshots == (sid,)
+    assert reason in found.reason and found.reason.endswith("written again from the chunk files")
+    assert store.verify().summaries == []
+    got, calls = reads(store, hs)
+    assert calls == {"get_summaries": 1} and same(got, want)
+
+
+def test_a_store_written_without_summaries_files_restores_and_gets_them(store) -> None:
+    """As a store written before summaries files: every chunk file is read; the next save that
+    extends its chain and `verify` write the files."""
+    blobs, longer = make_chain(toks(4)), make_chain(toks(6))
+    sid = store.put_snapshot("old", FP, blobs)
+    sums_path(store, blobs[-1].chain_hash).unlink()
+    got, calls = reads(store, hashes_of(blobs))
+    assert calls["get_range"] >= 4 and same(got, store.chunk_summaries(hashes_of(blobs), FP))
+    store.put_snapshot("grown", FP, [*hashes_of(blobs), *longer[4:]])
+    got, calls = reads(store, hashes_of(longer))
+    assert calls == {"get_summaries": 1} and [g.tokens for g in got] == [b.tokens for b in longer]
+    (missing,) = store.verify().summaries
+    assert missing.snapshots == (sid,) and "file missing" in missing.reason
+    assert sums_path(store, blobs[-1].chain_hash).is_file()
+
+
+def test_rm_and_prune_take_the_file_with_the_last_snapshot_of_its_chain(store) -> None:
+    blobs, other = make_chain(toks(3)), make_chain(toks(2, start=300))
+    a, b = (store.put_snapshot(label, FP, blobs) for label in ("a", "b"))  # one chain, one file
+    store.put_snapshot("other", FP, other)
+    path = sums_path(store, blobs[-1].chain_hash)
+    assert store.du().summaries_files == 2
+    store.rm(a)
+    assert path.is_file() and reads(store, hashes_of(blobs))[1] == {"get_summaries": 1}
+    store.rm(b)
+    assert not path.exists()
+    assert store.prune(max_bytes=0).snapshots and not list(store.backend.list_summaries())
+    usage = store.du()
+    assert (usage.summaries_files, usage.summaries_bytes, usage.orphan_files) == (0, 0, 0)
+
+
+def test_a_summaries_file_of_no_snapshot_is_an_orphan_that_prune_sweeps(store) -> None:
+    """A save killed between its summaries file and its index commit."""
+    sid = store.put_snapshot("s", FP, make_chain(toks(2)))
+    lost = make_chain(toks(3, start=900))
+    last = lost[-1].chain_hash
+    store.backend.put_summaries(last, store._summaries_parts(FP, last, [(b.tokens, b.summary) for b in lost]))
+    usage, report = store.du(), store.verify()
+    assert usage.orphan_files == 1 and report.orphan_files == 1 and usage.summaries_files == 1
+    assert store.prune().swept_files == 1
+    assert not sums_path(store, last).exists() and [s.id for s in store.list_snapshots()] == [sid]
+
+
+def test_an_index_rebuilt_from_the_chunk_files_finds_the_files_again(tmp_path) -> None:
+    root = tmp_path / "store"
+    a, b = make_chain(toks(3)), make_chain(toks(2, start=500))
+    with SnapshotStore(root, workers=2) as st:
+        for label, blobs in (("a", a), ("b", b), ("a-prefix", a[:2])):
+            st.put_snapshot(label, FP, blobs)
+    for suffix in ("-wal", "-shm"):
+        (root / f"index.sqlite{suffix}").unlink(missing_ok=True)
+    (root / "index.sqlite").write_bytes(b"this is not a database" * 100)
+    with pytest.warns(UserWarning, match="rebuilt"):
+        st = SnapshotStore(root, workers=2, backend=Counting(root))
+    with st:
+        for blobs in (a, a[:2], b):  # a's prefix is read from a's file: its own is an orphan now
+            got, calls = reads(st, hashes_of(blobs))
+            assert calls == {"get_summaries": 1} and [g.tokens for g in got] == [x.tokens for x in blobs]
+        assert st.du().orphan_files == 1 and st.prune().swept_files == 1
+        assert st.verify().summaries == []
+
+
+def test_a_lazy_restore_and_a_turn_2_read_the_snapshots_file(lm, tmp_path) -> None:  # noqa: F811
+    """Through the prefix cache on the tiny model: the document again, a turn 2 that extends it, and
+    a prompt that shares part of it each read their summaries in one read of the snapshot's file,
+    and restore what a store without summaries files restores."""
+    root = tmp_path / "store"
+    with SnapshotStore(root, workers=2, backend=Counting(root)) as st:
+        snapshots = KVSnapshots(st, MODEL_FP)
+        doc = prompt(300, 2)
+        hs = st.get_snapshot(saved(lm, snapshots, doc)).chunk_hashes
+        prompts = {"again": doc, "turn 2": doc + prompt(40, 3), "shared part": doc[:200] + prompt(40, 4)}
+        restored = {}
+        for name, ids in prompts.items():
+            st.backend.calls.clear()
+            restored[name] = _lazy(lm, snapshots, ids)
+            assert st.backend.calls["get_summaries"] == 1 and st.backend.calls["get_range"] == 0, name
+        assert restored["turn 2"][0] == doc[: len(hs) * 16] and len(restored["shared part"][0]) == 192
+        sums_path(st, hs[-1]).unlink()
+        for name, ids in prompts.items():
+            st.backend.calls.clear()
+            tokens, rows = _lazy(lm, snapshots, ids)
+            assert st.backend.calls["get_range"] >= len(tokens) // 16, name
+            assert tokens == restored[name][0] and torch.equal(bits(rows), bits(restored[name][1]))
+
+
+def _lazy(lm, snapshots: KVSnapshots, ids: list[int]) -> tuple[list[int], torch.Tensor]:  # noqa: F811
+    """The tokens and summaries a lazy restore of ids' stored prefix adopts."""
+    cache = PrefixCache(tiny_engine(lm), snapshots, lazy=True)
+    try:
+        stats = TurnStats()
+        kv = cache.take(ids, stats)
+        assert stats.source == "lazy", stats
+        n = kv.seq.n_sealed
+        return list(kv.seq.tokens), kv.seq.summaries[:n].cpu().clone()
+    finally:
+        cache.drop(kv)
+        cache.close()
+
+
+# the shared tier
+
+
+def test_the_shared_tier_keeps_and_removes_summaries_files(redis_server, tmp_path) -> None:
+    blobs = make_chain(toks(5))
+    hs = hashes_of(blobs)
+    key = f"kvflash:sums:{hs[-1]}"
+    r = redis_server.client()
+    with RedisStore(redis_server.url) as st:
+        sid = st.put_snapshot("doc", FP, blobs)
+        assert r.ttl(key) == -1  # committed with its snapshot
+        want = st.chunk_summaries(hs, FP)
+        r.delete(key)  # evicted
+        assert same(st.read_summaries(hs, FP), want)
+        (found,) = st.verify().summaries
+        assert found.reason.endswith("written again from the chunk files") and r.ttl(key) == -1
+        for h in hs:  # every chunk blob's summary section damaged: only the summaries file serves
+            r.setrange(f"kvflash:blob:{h}", 208 + 4 * C + 1, b"\xff")
+        assert same(st.read_summaries(hs, FP), want)
+        r.setrange(key, r.strlen(key) - 3, b"\xff")
+        (found,) = st.verify().summaries
+        assert "checksum mismatch" in found.reason and "not written again" in found.reason
+        lost = make_chain(toks(2, start=900))  # a save that never committed: its file expires
+        last = lost[-1].chain_hash
+        st.backend.put_summaries(last, st._summaries_parts(FP, last, [(b.tokens, b.summary) for b in lost]))
+        assert 0 < r.ttl(f"kvflash:sums:{last}") <= 3600
+        assert st.du().orphan_files == 1 and st.prune().swept_files == 0 and r.exists(f"kvflash:sums:{last}")
+        st.rm(sid)
+        assert not r.exists(key)
+
+
+def test_the_tiers_copy_the_file_and_another_server_reads_it(redis_server, tmp_path) -> None:
+    blobs = make_chain(toks(5))
+    hs = hashes_of(blobs)
+    with TieredStore(SnapshotStore(tmp_path / "a"), RedisStore(redis_server.url)) as tiers:
+        tiers.put_snapshot("doc", FP, blobs)
+    r = redis_server.client()
+    assert r.ttl(f"kvflash:sums:{hs[-1]}") == -1  # written back with its snapshot
+    for h in hs:  # the shared blobs' summary sections damaged: only the file serves
+        r.setrange(f"kvflash:blob:{h}", 208 + 4 * C + 1, b"\xff")
+    with TieredStore(SnapshotStore(tmp_path / "b"), RedisStore(redis_server.url)) as other:
+        got = other.read_summaries(hs, FP, torch.empty((5, *blobs[0].summary.shape)))
+        assert [g.tokens for g in got] == [b.tokens for b in blobs]
+        assert all(torch.equal(g.summary, b.summary) for g, b in zip(got, blobs, strict=True))
