@@ -6,6 +6,11 @@ document of about --tokens tokens. Then, --repeats times, turn 1 of a named sess
 `kvflash ask --server` process asks turn 2 of that session (the document's KV live on the server),
 timed from process start to exit. Prints each wall time with the turn's stats line; writes JSON.
 
+Each turn 2 is split into the client's own time and the server's: the client runs under CLIENT, which
+marks when the chat request is sent, when its first text arrives and when the answer ends. Its own
+time is the rest: interpreter start, imports and arguments, the document and session read (before
+the request), then the session saved, the stats line printed and the interpreter's exit (after).
+
   python bench/ask_server.py --tokens 131072 --out out/ask_server
 """
 
@@ -31,6 +36,29 @@ from kvflash.models.loader import load_model
 
 QUESTION_1 = "Summarise the document in one sentence."
 QUESTION_2 = "Name one person the document mentions."
+CLIENT = """
+import time
+marks = {"started": time.monotonic()}
+import json, sys
+from kvflash import client
+from kvflash.cli.app import main
+chat = client.Server.chat
+def timed_chat(self, messages, max_tokens, on_text):
+    def on_first(piece):
+        marks.setdefault("first_text", time.monotonic())
+        on_text(piece)
+    marks["request"] = time.monotonic()
+    reply = chat(self, messages, max_tokens, on_first)
+    marks["done"], marks["stats"] = time.monotonic(), reply.stats
+    return reply
+client.Server.chat = timed_chat
+try:
+    main()
+finally:
+    print(json.dumps(marks), file=sys.stderr)
+"""
+"""`kvflash` with `Server.chat` timed; its last line on stderr is the marks, in seconds of the
+monotonic clock, which the processes of one host share."""
 
 
 def free_port() -> int:
@@ -65,16 +93,38 @@ def wait_up(url: str, proc: subprocess.Popen, timeout: float) -> None:
             time.sleep(0.5)
 
 
-def ask(url: str, doc: Path, question: str, session: str, home: Path, max_tokens: int) -> tuple[float, str]:
-    """One `kvflash ask --server` process: (wall seconds, its stats line)."""
-    cmd = [sys.executable, "-m", "kvflash.cli.app", "ask", str(doc), question, "--server", url,
+def ask(url: str, doc: Path, question: str, session: str, home: Path, max_tokens: int) -> tuple[dict, str]:
+    """One `kvflash ask --server` process: (its times in seconds, its stats line)."""
+    cmd = [sys.executable, "-c", CLIENT, "ask", str(doc), question, "--server", url,
            "--session", session, "-n", str(max_tokens)]  # fmt: skip
-    t0 = time.perf_counter()
+    t0 = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "KVFLASH_HOME": str(home)})
-    wall = time.perf_counter() - t0
+    end = time.monotonic()
     if proc.returncode != 0:
         raise SystemExit(f"kvflash ask failed: {proc.stderr.strip()}")
-    return wall, proc.stdout.strip().splitlines()[-1]
+    marks = json.loads(proc.stderr.strip().splitlines()[-1])
+    return split(t0, marks, end), proc.stdout.strip().splitlines()[-1]
+
+
+def split(t0: float, marks: dict, end: float) -> dict:
+    """A client process's wall time, from its spawn at t0 to its exit at end, in parts (CLIENT's)."""
+    first = marks.get("first_text", marks["done"])  # an answer of no text
+    start, before, after = marks["started"] - t0, marks["request"] - marks["started"], end - marks["done"]
+    return {
+        "wall_s": end - t0, "client_s": start + before + after, "interpreter_s": start,
+        "before_request_s": before, "to_first_text_s": first - marks["request"],
+        "server_ttft_s": marks["stats"]["ttft_s"], "rest_of_answer_s": marks["done"] - first,
+        "after_answer_s": after,
+    }  # fmt: skip
+
+
+def client_line(t: dict) -> str:
+    return (
+        f"client {t['client_s']:.3f} s (interpreter start {t['interpreter_s']:.3f}, then to the request "
+        f"{t['before_request_s']:.3f}, after the answer {t['after_answer_s']:.3f}) | request to first "
+        f"text {t['to_first_text_s']:.3f} s (server TTFT {t['server_ttft_s']:.3f}), rest of the answer "
+        f"{t['rest_of_answer_s']:.3f} s"
+    )
 
 
 def main() -> None:
@@ -101,24 +151,27 @@ def main() -> None:
         server = subprocess.Popen(serve, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             wait_up(url, server, 600)
-            walls, wall1 = [], None
+            turns2, wall1 = [], None
             for i in range(args.repeats):  # turn 2 right after its own turn 1, as a user asks them
                 t1, line1 = ask(url, doc, QUESTION_1, f"bench-{i}", home, args.max_tokens)
-                wall1 = t1 if wall1 is None else wall1
-                print(f"turn 1, session {i + 1}: {t1:.2f} s  {line1}")
-                wall, line = ask(url, doc, QUESTION_2, f"bench-{i}", home, args.max_tokens)
-                walls.append(wall)
-                print(f"turn 2, session {i + 1}: {wall:.2f} s  {line}")
+                wall1 = t1["wall_s"] if wall1 is None else wall1
+                print(f"turn 1, session {i + 1}: {t1['wall_s']:.2f} s  {line1}")
+                t2, line = ask(url, doc, QUESTION_2, f"bench-{i}", home, args.max_tokens)
+                turns2.append(t2)
+                print(f"turn 2, session {i + 1}: {t2['wall_s']:.2f} s  {line}\n  {client_line(t2)}")
         finally:
             server.send_signal(signal.SIGINT)
             server.wait(120)
-        median = statistics.median(walls)
+        walls = [t["wall_s"] for t in turns2]
+        median, client = statistics.median(walls), statistics.median(t["client_s"] for t in turns2)
         result = {
             "tokens": n, "turn1_wall_s": wall1, "turn2_wall_s": walls, "turn2_median_s": median,
-            "turn2_stats": line, "date": time.strftime("%Y-%m-%d"), "args": vars(args),
+            "turn2_client_median_s": client, "turn2_times": turns2, "turn2_stats": line,
+            "date": time.strftime("%Y-%m-%d"), "args": vars(args),
         }  # fmt: skip
         (out / "ask_server.json").write_text(json.dumps(result, indent=1))
-        print(f"turn 2 wall, median of {len(walls)}: {median:.2f} s; wrote {out / 'ask_server.json'}")
+        print(f"turn 2 wall, median of {len(walls)}: {median:.2f} s, the client's own {client:.3f} s; "
+              f"wrote {out / 'ask_server.json'}")  # fmt: skip
 
 
 if __name__ == "__main__":

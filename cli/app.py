@@ -10,9 +10,8 @@ import sys
 import warnings
 from collections.abc import Iterator, MutableMapping
 
-import click
 import typer
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
 from kvflash import KVFlashError
 from kvflash.cli.messages import error, show_warning
@@ -29,8 +28,12 @@ COMMANDS = {
 }
 """Command name -> "module:attribute", a command function or a typer app of subcommands."""
 
+Command = TyperCommand | TyperGroup
+"""What typer builds from a command function or an app: a command of the click that typer vendors,
+so the click package need not be imported."""
 
-def _load(name: str) -> click.Command:
+
+def _load(name: str) -> Command:
     module, attr = COMMANDS[name].split(":")
     obj = getattr(importlib.import_module(module), attr)
     if isinstance(obj, typer.Typer):
@@ -43,20 +46,20 @@ def _load(name: str) -> click.Command:
     return cmd
 
 
-class _LazyCommands(MutableMapping[str, click.Command]):
+class _LazyCommands(MutableMapping[str, Command]):
     """The group's commands, each built from its module on first lookup."""
 
     def __init__(self) -> None:
-        self._built: dict[str, click.Command] = {}
+        self._built: dict[str, Command] = {}
 
-    def __getitem__(self, name: str) -> click.Command:
+    def __getitem__(self, name: str) -> Command:
         if name not in self._built:
             if name not in COMMANDS:
                 raise KeyError(name)
             self._built[name] = _load(name)
         return self._built[name]
 
-    def __setitem__(self, name: str, cmd: click.Command) -> None:
+    def __setitem__(self, name: str, cmd: Command) -> None:
         self._built[name] = cmd
 
     def __delitem__(self, name: str) -> None:

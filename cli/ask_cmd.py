@@ -1,25 +1,18 @@
 """`kvflash ask` and `kvflash chat`: long-document sessions from the terminal, run here or, with
 --server, on a running `kvflash serve` (then nothing heavy is imported: torch and the engine load
-inside the functions that run a local session)."""
+inside the functions that run a local session, and rich inside those that draw progress bars or
+read the terminal)."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import typer
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-)
 
 from kvflash import KVFlashError
 from kvflash.cli.files import read_text
@@ -92,6 +85,9 @@ def pool_tokens(value: str | None) -> int | str:
 
 def load_with_progress(model: Path | None, dtype: str | None, device: str | None):
     """load_model with a progress bar on stderr over the GGUF's tensor bytes (gone once loaded)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
     from kvflash.models.loader import load_model
 
     with Progress(
@@ -161,10 +157,19 @@ def stats_line(s: dict) -> str:
     )
 
 
-def run_turn(
-    sess: Session, question: str, max_tokens: int, console: Console, stream: bool
-) -> tuple[str, TurnStats]:
+def print_stats(stats: dict) -> None:
+    """The stats line on stdout, dim on a terminal: written without rich, which `ask --server` would
+    import for this line alone."""
+    line = stats_line(stats)
+    styled = sys.stdout.isatty() and os.environ.get("TERM") != "dumb"
+    print(f"\x1b[2m{line}\x1b[0m" if styled else line)
+
+
+def run_turn(sess: Session, question: str, max_tokens: int, stream: bool) -> tuple[str, TurnStats]:
     """One turn with a prefill progress bar and, when stream is set, tokens printed as they come."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
     from kvflash.generate import Sampling
     from kvflash.models.tokenizer import StreamDecoder
 
@@ -238,7 +243,7 @@ def remote(url: str, docs: list[Path], session: str | None) -> Remote:
         warnings.simplefilter("always")
         r = Remote(url, docs, session)
     for w in caught:
-        Console(stderr=True).print(f"[yellow]warning:[/] {w.message}", highlight=False)
+        warn(w.message)
     return r
 
 
@@ -266,7 +271,6 @@ def ask(
     """Ask QUESTION about DOCS; restores what an earlier turn stored and prints a stats line."""
     from kvflash.client import server_url
 
-    console = Console(highlight=False)
     if url := server_url(server):
         refuse_local_options(model=model, dtype=dtype, device=device, pool=pool, store=store, lazy=lazy,
                              decode_processes=decode_processes, no_store=no_store, pin=pin)  # fmt: skip
@@ -278,14 +282,14 @@ def ask(
             decode_processes=decode_processes, cuda_graphs=cuda_graphs, host_bytes=host_bytes, pins=pin,
         )  # fmt: skip
         try:
-            text, turn_stats = run_turn(sess, question, max_tokens, console, stream=not as_json)
+            text, turn_stats = run_turn(sess, question, max_tokens, stream=not as_json)
         finally:
             close_session(sess)
         stats = turn_stats.to_dict()
     if as_json:
         print(json.dumps({"answer": text, **stats}))
     else:
-        console.print(f"[dim]{stats_line(stats)}[/]", soft_wrap=True)
+        print_stats(stats)
 
 
 def chat(
@@ -307,6 +311,8 @@ def chat(
     cuda_graphs: bool = GraphsOpt,
 ) -> None:
     """Interactive multi-turn chat about DOCS. Commands: /stats, /reset, /save, /quit."""
+    from rich.console import Console
+
     from kvflash.client import server_url
 
     console = Console(highlight=False)
@@ -357,7 +363,7 @@ def chat(
                 if sess is None:
                     _, last = r.turn(line, max_tokens, stream=True)
                 else:
-                    _, stats = run_turn(sess, line, max_tokens, console, stream=True)
+                    _, stats = run_turn(sess, line, max_tokens, stream=True)
                     last = stats.to_dict()
                 console.print(f"[dim]{stats_line(last)}[/]", soft_wrap=True)
     finally:

@@ -1,10 +1,8 @@
 """One-line messages on stderr. What they carry (file names, labels, session names, error text) is
-printed literally: user text is never rich markup."""
+printed literally: user text is never rich markup. rich is imported by the first message, so a
+command that prints none (`ask --server` answering) never loads it."""
 
 from __future__ import annotations
-
-from rich.console import Console
-from rich.text import Text
 
 
 def error(message: object) -> None:
@@ -21,5 +19,8 @@ def show_warning(message, category, filename, lineno, file=None, line=None) -> N
 
 
 def _line(tag: str, style: str, message: object) -> None:
+    from rich.console import Console
+    from rich.text import Text
+
     text = " ".join(str(message).split("\n"))
     Console(stderr=True, highlight=False).print(Text.assemble((tag, style), " ", text), soft_wrap=True)

@@ -4,6 +4,9 @@ It imports neither torch nor the engine: the model, the KV and the snapshots liv
 As OpenAI clients do, it sends the whole conversation each turn; the server finds the conversation's
 KV live (or in its snapshot) and prefills only the new question. A named session keeps its
 conversation in $KVFLASH_HOME/client-sessions, so a later process sends the same history.
+
+A turn is one request: the id of the model a server serves, which each request must name, is
+remembered in $KVFLASH_HOME/client-models.json from the first time it was asked.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from kvflash import KVFlashError
 from kvflash.documents import Document, system_message
 from kvflash.paths import kvflash_home
 
+CHAT = "/v1/chat/completions"
 SERVER_ENV = "KVFLASH_SERVER"
 API_KEY_ENV = "KVFLASH_API_KEY"
 """The key a server started with --api-key wants (`kvflash serve` reads the same variable)."""
@@ -42,6 +46,10 @@ class Reply:
     usage: dict = field(default_factory=dict)
 
 
+class ModelNotServed(KVFlashError):
+    """The server answered 404 model_not_found: it serves a model other than the one named."""
+
+
 class Server:
     """The OpenAI API of one kvflash server; every failure is a KVFlashError of one line."""
 
@@ -51,24 +59,14 @@ class Server:
         self.url, self.timeout = url, timeout
         self._model: str | None = None
 
-    def model(self) -> str:
-        """The id of the one model the server serves."""
-        if self._model is None:
-            with self._open("/v1/models") as r:
-                cards = json.load(r).get("data") or []
-            if not cards:
-                raise KVFlashError(f"the server at {self.url} lists no model")
-            self._model = cards[0]["id"]
-        return self._model
-
     def chat(self, messages: list[dict], max_tokens: int, on_text: Callable[[str], None]) -> Reply:
         """One streamed, greedy completion: on_text gets each piece of the answer as it comes."""
         body = {
-            "model": self.model(), "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True},
         }  # fmt: skip
         reply = Reply("")
-        with self._open("/v1/chat/completions", body) as r:
+        with self._post_chat(body) as r:
             for event in _events(r):
                 if "error" in event:
                     raise KVFlashError(f"the server failed mid-answer: {event['error'].get('message')}")
@@ -81,6 +79,28 @@ class Server:
                 reply.usage = event.get("usage") or reply.usage
         return reply
 
+    def _post_chat(self, body: dict):
+        """The chat request, naming the model remembered for this server; one the server refuses (it
+        restarted with another model) is replaced by the one it lists, and the request sent again."""
+        if self._model is None:
+            self._model = remembered_models().get(self.url)
+        if self._model is not None:
+            try:
+                return self._open(CHAT, {"model": self._model, **body})
+            except ModelNotServed:
+                pass
+        self._model = self._listed_model()
+        remember_model(self.url, self._model)
+        return self._open(CHAT, {"model": self._model, **body})
+
+    def _listed_model(self) -> str:
+        """The id of the one model the server lists."""
+        with self._open("/v1/models") as r:
+            cards = json.load(r).get("data") or []
+        if not cards:
+            raise KVFlashError(f"the server at {self.url} lists no model")
+        return cards[0]["id"]
+
     def _open(self, path: str, body: dict | None = None):
         data = None if body is None else json.dumps(body).encode()
         headers = {"Content-Type": "application/json"}
@@ -90,7 +110,9 @@ class Server:
         try:
             return urllib.request.urlopen(req, timeout=self.timeout)
         except urllib.error.HTTPError as e:
-            raise KVFlashError(f"the server at {self.url} answered {e.code}: {_error_message(e)}") from None
+            message, code = _error(e)
+            kind = ModelNotServed if e.code == 404 and code == "model_not_found" else KVFlashError
+            raise kind(f"the server at {self.url} answered {e.code}: {message}") from None
         except (urllib.error.URLError, OSError, ValueError) as e:
             reason = getattr(e, "reason", e)
             raise KVFlashError(f"cannot reach a kvflash server at {self.url} ({reason})") from None
@@ -111,11 +133,51 @@ def _events(response) -> Iterator[dict]:
             raise KVFlashError(f"the server sent an event that is not JSON: {data[:80]!r}") from None
 
 
-def _error_message(e: urllib.error.HTTPError) -> str:
+def _error(e: urllib.error.HTTPError) -> tuple[str, str | None]:
+    """An error answer's message and OpenAI error code."""
     try:
-        return json.loads(e.read())["error"]["message"]
-    except (ValueError, KeyError, TypeError, OSError):
-        return e.reason or "no message"
+        body = json.loads(e.read())["error"]
+        return str(body["message"]), body.get("code")
+    except (ValueError, KeyError, TypeError, AttributeError, OSError):
+        return e.reason or "no message", None
+
+
+def models_path() -> Path:
+    return kvflash_home() / "client-models.json"
+
+
+def remembered_models() -> dict[str, str]:
+    """Server URL -> the model id it listed. The file only saves a request: one that is missing or
+    unreadable counts as empty."""
+    try:
+        saved = json.loads(models_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(saved, dict):
+        return {}
+    return {url: model for url, model in saved.items() if isinstance(model, str)}
+
+
+def remember_model(url: str, model: str) -> None:
+    """Added to the file; a failure to write it is ignored, as the file only saves a request."""
+    try:
+        write_whole(models_path(), json.dumps({**remembered_models(), url: model}))
+    except OSError:
+        pass
+
+
+def write_whole(path: Path, text: str) -> None:
+    """Written to a temporary file beside `path`, then renamed into place: a crash leaves the previous
+    file whole."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".part")
+    try:
+        with os.fdopen(fd, "w") as out:
+            out.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 class Conversation:
@@ -170,17 +232,9 @@ class Conversation:
             self.turns = turns
 
     def _save(self) -> None:
-        """Written whole and renamed into place: a crash leaves the previous turn's file."""
+        """Written whole: a crash leaves the previous turn's file."""
         record = json.dumps({"name": self.name, "docs": self.docs, "turns": self.turns})
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".", suffix=".part")
+            write_whole(self.path, record)
         except OSError as e:
-            raise KVFlashError(f"could not save session {self.name!r} in {self.path.parent}: {e}") from None
-        try:
-            with os.fdopen(fd, "w") as out:
-                out.write(record)
-            os.replace(tmp, self.path)
-        except OSError as e:
-            Path(tmp).unlink(missing_ok=True)
             raise KVFlashError(f"could not save session {self.name!r} in {self.path.parent}: {e}") from None
