@@ -53,6 +53,12 @@ def serve(
     max_batch: int = typer.Option(
         1, "--max-batch", min=1, help="Requests decoded together; each gets pool/N (default: all of it)."
     ),
+    max_waiting: int = typer.Option(
+        256,
+        "--max-waiting",
+        min=0,
+        help="Requests that may wait for admission; more get 429 with Retry-After.",
+    ),
     max_prompt_tokens: int = typer.Option(
         None,
         "--max-prompt-tokens",
@@ -83,7 +89,9 @@ def serve(
     st = None if no_store else open_tiers(store, shared_store, decode_processes, tiers)
     snapshots = KVSnapshots(st, lm.fingerprint(engine.cfg.residency.chunk_tokens)) if st else None
     model_name = name or lm.path.name.split(".")[0]
-    server = Server(engine, lm.tokenizer, model_name, snapshots, max_tokens, max_batch, max_prompt_tokens)
+    server = Server(
+        engine, lm.tokenizer, model_name, snapshots, max_tokens, max_batch, max_prompt_tokens, max_waiting
+    )
     # uvicorn stops on SIGTERM, then raises it again: the default action would end the process
     # before the answers in flight are ended and their snapshots written (Server.close, below).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

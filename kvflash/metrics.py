@@ -18,7 +18,8 @@ class ServerMetrics:
     """Counters a server adds to as requests end; read by `render` on another thread."""
 
     requests: Counter = field(default_factory=Counter)
-    """Ended requests by outcome: the finish reason ("stop", "length"), "error" or "refused"."""
+    """Ended requests by outcome: the finish reason ("stop", "length"), "error", "refused" (a bad
+    request) or "busy" (the waiting queue was full)."""
     tokens: Counter = field(default_factory=Counter)
     """Prompt tokens by where their KV came from ("cold" prefilled, "memory", "disk", "lazy"), and
     "generated"."""
@@ -37,7 +38,8 @@ class ServerMetrics:
             self.ttft_sum += stats.ttft_s
 
     def failed(self, outcome: str = "error") -> None:
-        """A request that failed in the engine ("error"), or that was refused before it ("refused")."""
+        """A request that failed in the engine ("error"), or that was refused before it ("refused",
+        "busy")."""
         with self._lock:
             self.requests[outcome] += 1
 

@@ -138,6 +138,11 @@ class Scheduler:
         """Requests submitted and not yet answered (a snapshot: the loop moves on meanwhile)."""
         return self._queue.qsize() + len(self._retry) + len(self._filling) + len(self._running)
 
+    @property
+    def waiting(self) -> int:
+        """Requests submitted and not yet admitted (a snapshot)."""
+        return self._queue.qsize() + len(self._retry)
+
     def submit(self, job: Job) -> None:
         """Queues a job; SchedulerDown if the loop has stopped (it would never be answered)."""
         with self._lock:

@@ -169,8 +169,12 @@ class Server:
         default_max_tokens: int = 512,
         max_batch: int = 1,
         max_prompt_tokens: int | None = None,
+        max_waiting: int = 256,
     ):
         self.tok, self.model_name, self.snapshots = tokenizer, model_name, snapshots
+        self.max_waiting = max_waiting
+        """Requests that may wait for admission; past them a request is refused (429): a client
+        that is told to come back later loses less than one whose request waits without bound."""
         self.default_max_tokens = default_max_tokens
         self.scheduler = Scheduler(engine, snapshots, tokenizer.eos_ids, max_batch)
         self.content_ids = ContentIds(tokenizer)
@@ -211,7 +215,13 @@ class Server:
         the error). The sealed prefix is then staged (its new chunks copied) and written by the
         saver thread, so neither this client nor the requests decoding beside it wait for the disk.
         `gone` set (the client left) ends the request at its next prefill piece or token. Callbacks
-        run on the scheduler's thread. SchedulerDown if the scheduler has stopped."""
+        run on the scheduler's thread. SchedulerDown if the scheduler has stopped, Busy if
+        `max_waiting` requests already wait."""
+        if self.scheduler.waiting >= self.max_waiting:
+            raise Busy(
+                f"{self.scheduler.waiting} requests are waiting, the most this server queues "
+                f"(kvflash serve --max-waiting); retry later"
+            )
         max_tokens = req.max_completion_tokens or req.max_tokens or self.default_max_tokens
         stop, decoder = StopText(req.stop_strings()), StreamDecoder(self.tok)
         label = conversation_label(req.messages)
@@ -284,6 +294,14 @@ class ContextTooLong(KVFlashError):
     pass
 
 
+class Busy(KVFlashError):
+    """The waiting queue is full."""
+
+
+RETRY_AFTER_S = 1
+"""What a refused client is told to wait (Retry-After): about one answer's time."""
+
+
 def conversation_label(messages: list[Message]) -> str:
     """The snapshot label of a conversation: a hash of its messages up to its first user message
     (the document and the first question, as a rule), which every later turn resends unchanged.
@@ -317,6 +335,7 @@ ERRORS = {status: {"model": ErrorBody, "description": why} for status, why in (
     (401, "A missing or wrong API key (a server started with --api-key)"),
     (404, "The model is not served here"),
     (413, f"The body is larger than {MAX_BODY_BYTES} bytes"),
+    (429, "Too many requests wait for the engine: retry after Retry-After seconds"),
     (500, "The request failed in the engine"),
     (503, "The scheduler has stopped: the server cannot answer"),
 )}  # fmt: skip
@@ -435,6 +454,9 @@ def create_app(server: Server, max_body_bytes: int = MAX_BODY_BYTES, api_key: st
             items = _submit(server, req, ids, gone)
         except SchedulerDown as e:
             return error(503, str(e), "server_error")
+        except Busy as e:
+            server.metrics.failed("busy")
+            return error(429, str(e), "rate_limit_error", headers={"Retry-After": str(RETRY_AFTER_S)})
         if req.stream:
             return StreamingResponse(_stream(req, items, head, gone), media_type="text/event-stream")
         watch = asyncio.create_task(_watch_disconnect(request, gone))

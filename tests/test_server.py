@@ -44,7 +44,13 @@ def lm(smollm_path):
 
 @contextmanager
 def serving(
-    lm, store: Path | object | None, max_tokens: int = 16, max_prompt_tokens: int | None = None, **app
+    lm,
+    store: Path | object | None,
+    max_tokens: int = 16,
+    max_prompt_tokens: int | None = None,
+    max_batch: int = 4,
+    max_waiting: int = 256,
+    **app,
 ) -> Iterator[tuple[str, Server]]:
     """A server on a free port of 127.0.0.1, in a thread of this process, over a new engine whose
     pool (4,096 tokens) gives each of the 4 requests that may decode together 1,024. `store` is a
@@ -52,7 +58,9 @@ def serving(
     engine = Engine(lm, EngineConfig(pool_tokens=4096))
     st = SnapshotStore(store) if isinstance(store, Path) else store
     snapshots = KVSnapshots(st, lm.fingerprint(engine.cfg.residency.chunk_tokens)) if st else None
-    server = Server(engine, lm.tokenizer, MODEL, snapshots, max_tokens, 4, max_prompt_tokens)
+    server = Server(
+        engine, lm.tokenizer, MODEL, snapshots, max_tokens, max_batch, max_prompt_tokens, max_waiting
+    )
     config = uvicorn.Config(create_app(server, **app), host="127.0.0.1", port=0, log_level="warning")
     uv = uvicorn.Server(config)
     thread = threading.Thread(target=uv.run, daemon=True)
@@ -526,3 +534,28 @@ def test_an_api_key_is_required_everywhere_but_health(lm) -> None:
         keyed = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0, timeout=120)
         reply = keyed.chat.completions.create(model=MODEL, messages=TURN1, temperature=0, max_tokens=2)
         assert reply.choices[0].message.content is not None
+
+
+def test_past_the_waiting_queue_a_request_gets_429_with_retry_after(lm) -> None:
+    """One request decoding, one waiting for the only batch slot: a third is refused at once with
+    429 and Retry-After, and the other two are answered."""
+    with serving(lm, None, max_tokens=64, max_batch=1, max_waiting=1) as (url, server):
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(ask, url, TURN1, extra_body={"min_tokens": 64})
+            deadline = time.monotonic() + 60
+            while server.scheduler.in_flight < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            second = pool.submit(ask, url, TURN1, max_tokens=2)
+            while server.scheduler.waiting < 1:
+                assert time.monotonic() < deadline and not first.done(), "the queue never filled"
+                time.sleep(0.01)
+            refused = post(url, messages=TURN1, max_tokens=2)
+            assert refused.status_code == 429, refused.text
+            assert (
+                refused.headers["retry-after"] == "1"
+                and "--max-waiting" in refused.json()["error"]["message"]
+            )
+            assert first.result().usage.completion_tokens == 64
+            assert second.result().usage.completion_tokens == 2
+        assert _metric(httpx.get(f"{url}/metrics").text, 'requests_total{outcome="busy"}') == 1
