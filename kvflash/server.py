@@ -1,7 +1,8 @@
-"""An OpenAI-compatible HTTP server: /v1/chat/completions (streamed or not) and /v1/models over one
-engine, with KV reused across requests.
+"""An OpenAI-compatible HTTP server: /v1/chat/completions and /v1/completions (streamed or not) and
+/v1/models over one engine, with KV reused across requests.
 
-A request's prompt is the chat template over its messages. The prefix cache reuses a live sequence
+A chat request's prompt is the chat template over its messages; a text completion's is its prompt
+string, after the model's BOS. The prefix cache reuses a live sequence
 when the prompt extends a conversation served before (the client sent it back with one more
 question), else the longest prefix stored on disk; after the answer the sealed prefix is snapshotted,
 so a conversation's next turn, in this process or after a restart, restores instead of prefilling.
@@ -83,13 +84,11 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class ChatRequest(BaseModel):
-    """The fields of OpenAI's chat completion request that kvflash honours; others are ignored."""
+class Sampled(BaseModel):
+    """The fields the chat and the text completion requests share; others are ignored."""
 
     model: Text
-    messages: list[Message] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)
@@ -103,6 +102,27 @@ class ChatRequest(BaseModel):
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return [s for s in stops if s]
+
+    def answer_tokens(self, default: int) -> int:
+        return self.max_tokens or default
+
+
+class ChatRequest(Sampled):
+    """OpenAI's chat completion request, as far as kvflash honours it."""
+
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    def answer_tokens(self, default: int) -> int:
+        return self.max_completion_tokens or self.max_tokens or default
+
+
+class CompletionRequest(Sampled):
+    """OpenAI's (legacy) text completion request: one prompt string, its continuation back."""
+
+    prompt: Text = Field(min_length=1)
+    max_tokens: int | None = Field(16, ge=1)
+    """OpenAI's default for this route."""
 
 
 @dataclass
@@ -192,11 +212,15 @@ class Server:
         self.scheduler.close(cancel=True, timeout=timeout)
         self._saver.shutdown()
 
-    def prompt_ids(self, req: ChatRequest) -> list[int]:
-        """The prompt's ids; KVFlashError for a template that refuses the messages or a prompt longer
-        than `max_prompt_tokens` (refused before it takes the engine's time)."""
-        messages = [m.as_template_message() for m in req.messages]
-        ids = encode_messages(self.tok, messages, known=self.content_ids.known(messages))
+    def prompt_ids(self, req: ChatRequest | CompletionRequest) -> list[int]:
+        """The prompt's ids (a chat's rendered by the model's template; a completion's prompt is
+        user text after the model's BOS); KVFlashError for a template that refuses the messages or
+        a prompt longer than `max_prompt_tokens` (refused before it takes the engine's time)."""
+        if isinstance(req, CompletionRequest):
+            ids = [self.tok.bos_id] * self.tok.add_bos + self.tok.encode_plain(req.prompt)
+        else:
+            messages = [m.as_template_message() for m in req.messages]
+            ids = encode_messages(self.tok, messages, known=self.content_ids.known(messages))
         if len(ids) > self.max_prompt_tokens:
             raise ContextTooLong(
                 f"context too long: the prompt has {len(ids)} tokens, this server takes at most "
@@ -206,7 +230,7 @@ class Server:
 
     def submit(
         self,
-        req: ChatRequest,
+        req: ChatRequest | CompletionRequest,
         ids: list[int],
         emit: Callable[[str | Completion | BaseException], None],
         gone: threading.Event,
@@ -222,9 +246,9 @@ class Server:
                 f"{self.scheduler.waiting} requests are waiting, the most this server queues "
                 f"(kvflash serve --max-waiting); retry later"
             )
-        max_tokens = req.max_completion_tokens or req.max_tokens or self.default_max_tokens
+        max_tokens = req.answer_tokens(self.default_max_tokens)
         stop, decoder = StopText(req.stop_strings()), StreamDecoder(self.tok)
-        label = conversation_label(req.messages)
+        label = conversation_label(req.messages) if isinstance(req, ChatRequest) else prompt_label(req.prompt)
 
         def relay(item: str | Completion | BaseException) -> None:
             if isinstance(item, BaseException):
@@ -313,6 +337,17 @@ def conversation_label(messages: list[Message]) -> str:
             break
     text = json.dumps(head, sort_keys=True, ensure_ascii=False)
     return "serve:" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+LABEL_CHARS = 4096
+"""A text completion's snapshot label hashes this much of its prompt's head."""
+
+
+def prompt_label(prompt: str) -> str:
+    """The snapshot label of a text completion: a hash of its prompt's first LABEL_CHARS characters
+    (the document, as a rule), so a prompt that extends an earlier one replaces that one's snapshot;
+    chunks are shared, so another question over the document still finds the document's."""
+    return "complete:" + hashlib.sha256(prompt[:LABEL_CHARS].encode()).hexdigest()[:16]
 
 
 MAX_BODY_BYTES = 8 << 20
@@ -438,46 +473,91 @@ def create_app(server: Server, max_body_bytes: int = MAX_BODY_BYTES, api_key: st
 
     @app.post("/v1/chat/completions", responses={200: ok, **ERRORS})
     async def chat(req: ChatRequest, request: Request):
-        if req.model != server.model_name:
-            server.metrics.failed("refused")
-            msg = f"model {req.model!r} is not served here; this server serves {server.model_name!r}"
-            return error(404, msg, "invalid_request_error", "model", "model_not_found")
-        try:  # off the event loop: a long prompt takes a while to tokenise
-            ids = await asyncio.to_thread(server.prompt_ids, req)
-        except KVFlashError as e:
-            server.metrics.failed("refused")
-            code = "context_length_exceeded" if isinstance(e, ContextTooLong) else None
-            return error(400, str(e), "invalid_request_error", "messages", code)
-        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": server.model_name}
-        gone = threading.Event()
-        try:
-            items = _submit(server, req, ids, gone)
-        except SchedulerDown as e:
-            return error(503, str(e), "server_error")
-        except Busy as e:
-            server.metrics.failed("busy")
-            return error(429, str(e), "rate_limit_error", headers={"Retry-After": str(RETRY_AFTER_S)})
-        if req.stream:
-            return StreamingResponse(_stream(req, items, head, gone), media_type="text/event-stream")
-        watch = asyncio.create_task(_watch_disconnect(request, gone))
-        try:
-            while isinstance(done := await items.get(), str):
-                pass
-        finally:
-            gone.set()  # a handler cancelled (the server stopping) ends its request too
-            watch.cancel()
-        if isinstance(done, SchedulerDown):
-            return error(503, str(done), "server_error")
-        if isinstance(done, KVFlashError):
-            return error(400, str(done), "invalid_request_error")
-        if isinstance(done, BaseException):
-            raise done
-        message = {"role": "assistant", "content": done.text}
-        choice = {"index": 0, "message": message, "finish_reason": done.finish_reason, "logprobs": None}
-        body = {**head, "object": "chat.completion", "choices": [choice], "usage": done.usage()}
-        return {**body, "kvflash": done.stats.to_dict()}
+        return await _answer(server, req, request, CHAT)
+
+    @app.post("/v1/completions", responses={200: ok, **ERRORS})
+    async def complete(req: CompletionRequest, request: Request):
+        return await _answer(server, req, request, TEXT)
 
     return app
+
+
+@dataclass(frozen=True)
+class Shape:
+    """How one route's answers look: the object names and a choice's text field."""
+
+    prefix: str
+    whole: str
+    """The object of an unstreamed answer."""
+    part: str
+    """The object of a streamed chunk."""
+    param: str
+    """The request field a bad prompt is blamed on."""
+
+    def choice(self, text: str, finish: str | None, first: bool = False, streamed: bool = False) -> dict:
+        if self is CHAT:
+            if not streamed:
+                body = {"message": {"role": "assistant", "content": text}}
+            else:
+                body = {
+                    "delta": {"role": "assistant", "content": ""}
+                    if first
+                    else {"content": text}
+                    if text
+                    else {}
+                }
+        else:
+            body = {"text": text}
+        return {"index": 0, **body, "finish_reason": finish, "logprobs": None}
+
+
+CHAT = Shape("chatcmpl", "chat.completion", "chat.completion.chunk", "messages")
+TEXT = Shape("cmpl", "text_completion", "text_completion", "prompt")
+
+
+async def _answer(server: Server, req: ChatRequest | CompletionRequest, request: Request, shape: Shape):
+    """A request of either route: refused up front, streamed, or answered whole."""
+    if req.model != server.model_name:
+        server.metrics.failed("refused")
+        msg = f"model {req.model!r} is not served here; this server serves {server.model_name!r}"
+        return error(404, msg, "invalid_request_error", "model", "model_not_found")
+    try:  # off the event loop: a long prompt takes a while to tokenise
+        ids = await asyncio.to_thread(server.prompt_ids, req)
+    except KVFlashError as e:
+        server.metrics.failed("refused")
+        code = "context_length_exceeded" if isinstance(e, ContextTooLong) else None
+        return error(400, str(e), "invalid_request_error", shape.param, code)
+    head = {
+        "id": f"{shape.prefix}-{uuid.uuid4().hex}",
+        "created": int(time.time()),
+        "model": server.model_name,
+    }
+    gone = threading.Event()
+    try:
+        items = _submit(server, req, ids, gone)
+    except SchedulerDown as e:
+        return error(503, str(e), "server_error")
+    except Busy as e:
+        server.metrics.failed("busy")
+        return error(429, str(e), "rate_limit_error", headers={"Retry-After": str(RETRY_AFTER_S)})
+    if req.stream:
+        return StreamingResponse(_stream(req, items, head, gone, shape), media_type="text/event-stream")
+    watch = asyncio.create_task(_watch_disconnect(request, gone))
+    try:
+        while isinstance(done := await items.get(), str):
+            pass
+    finally:
+        gone.set()  # a handler cancelled (the server stopping) ends its request too
+        watch.cancel()
+    if isinstance(done, SchedulerDown):
+        return error(503, str(done), "server_error")
+    if isinstance(done, KVFlashError):
+        return error(400, str(done), "invalid_request_error")
+    if isinstance(done, BaseException):
+        raise done
+    choice = shape.choice(done.text, done.finish_reason)
+    body = {**head, "object": shape.whole, "choices": [choice], "usage": done.usage()}
+    return {**body, "kvflash": done.stats.to_dict()}
 
 
 async def _watch_disconnect(request: Request, gone: threading.Event) -> None:
@@ -489,35 +569,42 @@ async def _watch_disconnect(request: Request, gone: threading.Event) -> None:
 
 
 async def _stream(
-    req: ChatRequest, items: asyncio.Queue, head: dict, gone: threading.Event
+    req: ChatRequest | CompletionRequest,
+    items: asyncio.Queue,
+    head: dict,
+    gone: threading.Event,
+    shape: Shape,
 ) -> AsyncIterator[str]:
-    """Server-sent events: a role chunk, one chunk per text piece, the finish chunk, usage if asked,
-    then [DONE]. An error after the first byte can only be reported as an event. A client that
-    disconnects cancels this generator (Starlette listens for it), which ends the request at its
-    next prefill piece or token."""
+    """Server-sent events: (for a chat) a role chunk, one chunk per text piece, the finish chunk,
+    usage if asked, then [DONE]. An error after the first byte can only be reported as an event. A
+    client that disconnects cancels this generator (Starlette listens for it), which ends the request
+    at its next prefill piece or token."""
 
-    def chunk(delta: dict, finish: str | None = None, **extra) -> str:
-        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-        return _event({**head, "object": "chat.completion.chunk", "choices": [choice], **extra})
+    def chunk(text: str, finish: str | None = None, first: bool = False, **extra) -> str:
+        choice = shape.choice(text, finish, first, streamed=True)
+        return _event({**head, "object": shape.part, "choices": [choice], **extra})
 
     try:
-        yield chunk({"role": "assistant", "content": ""})
+        if shape is CHAT:
+            yield chunk("", first=True)
         while isinstance(piece := await items.get(), str):
-            yield chunk({"content": piece})
+            yield chunk(piece)
         if isinstance(piece, BaseException):  # headers are sent: the error goes in the stream
             kind = "invalid_request_error" if isinstance(piece, KVFlashError) else "server_error"
             yield _event({"error": {"message": str(piece), "type": kind, "param": None, "code": None}})
             return
         done = piece
-        yield chunk({}, done.finish_reason, kvflash=done.stats.to_dict())  # the turn's stats, as unstreamed
+        yield chunk("", done.finish_reason, kvflash=done.stats.to_dict())  # the turn's stats, as unstreamed
         if req.stream_options and req.stream_options.include_usage:
-            yield _event({**head, "object": "chat.completion.chunk", "choices": [], "usage": done.usage()})
+            yield _event({**head, "object": shape.part, "choices": [], "usage": done.usage()})
         yield "data: [DONE]\n\n"
     finally:
         gone.set()
 
 
-def _submit(server: Server, req: ChatRequest, ids: list[int], gone: threading.Event) -> asyncio.Queue:
+def _submit(
+    server: Server, req: ChatRequest | CompletionRequest, ids: list[int], gone: threading.Event
+) -> asyncio.Queue:
     """Queues the request; its text pieces, then its Completion or error, arrive on the queue."""
     loop, items = asyncio.get_running_loop(), asyncio.Queue()
 

@@ -559,3 +559,22 @@ def test_past_the_waiting_queue_a_request_gets_429_with_retry_after(lm) -> None:
             assert first.result().usage.completion_tokens == 64
             assert second.result().usage.completion_tokens == 2
         assert _metric(httpx.get(f"{url}/metrics").text, 'requests_total{outcome="busy"}') == 1
+
+
+def test_text_completions_answer_stream_and_reuse_the_prompts_kv(lm) -> None:
+    """/v1/completions through the openai client: the streamed text is the unstreamed one, and a
+    prompt that extends the last one (its answer appended) reuses its live KV."""
+    prompt = DOC + "\nQuestion: who built the lighthouse?\nAnswer:"
+    with serving(lm, None) as (url, _):
+        c = client(url)
+        whole = c.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+        text = whole.choices[0].text
+        assert whole.object == "text_completion" and text and whole.usage.completion_tokens <= 8
+        parts = c.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=True)
+        assert "".join(p.choices[0].text for p in parts if p.choices) == text
+        longer = c.completions.create(
+            model=MODEL, prompt=prompt + text + "\nWhen?", max_tokens=4, temperature=0
+        )
+        assert longer.usage.prompt_tokens_details.cached_tokens >= 64
+        bad = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": ""}, timeout=30)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] is not None
