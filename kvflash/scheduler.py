@@ -259,6 +259,8 @@ class Scheduler:
             planned.append((job, piece))
             room -= len(piece.ids)
         running = self._running
+        if not (planned or running):  # every filling job ended before its piece
+            return
         try:
             pieces = [p for _, p in planned]
             decoded, filled = self.engine.forward([j.kv for j in running], [j.next for j in running], pieces)
