@@ -119,6 +119,8 @@ class Scheduler:
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._retry: collections.deque[Job] = collections.deque()
         """Requests sent back to prefill (damaged lazy chunks), admitted before the queue."""
+        self._deferred: list[Job] = []
+        """Requests whose prompt begins as a busy request's does, waiting for it to end (`_admit`)."""
         self._running: list[Job] = []
         self._filling: list[Job] = []
         """Admitted requests still prefilling, in the order they came."""
@@ -136,12 +138,12 @@ class Scheduler:
     @property
     def in_flight(self) -> int:
         """Requests submitted and not yet answered (a snapshot: the loop moves on meanwhile)."""
-        return self._queue.qsize() + len(self._retry) + len(self._filling) + len(self._running)
+        return self.waiting + len(self._filling) + len(self._running)
 
     @property
     def waiting(self) -> int:
         """Requests submitted and not yet admitted (a snapshot)."""
-        return self._queue.qsize() + len(self._retry)
+        return self._queue.qsize() + len(self._retry) + len(self._deferred)
 
     def submit(self, job: Job) -> None:
         """Queues a job; SchedulerDown if the loop has stopped (it would never be answered)."""
@@ -177,8 +179,8 @@ class Scheduler:
 
     def _held(self) -> list[Job]:
         """Every job not yet answered: running, filling, sent back and queued."""
-        jobs = [*self._running, *self._filling, *self._retry]
-        self._running, self._filling = [], []
+        jobs = [*self._running, *self._filling, *self._retry, *self._deferred]
+        self._running, self._filling, self._deferred = [], [], []
         self._retry.clear()
         while True:
             try:
@@ -189,18 +191,36 @@ class Scheduler:
                 jobs.append(job)
 
     def _serve(self) -> None:
-        while self._running or self._filling or self._retry or not self._closed:
+        while self._running or self._filling or self._retry or self._deferred or not self._closed:
             self._admit()
             if self._running or self._filling:
                 self._round()
 
     def _admit(self) -> None:
+        """Starts waiting jobs while the batch has room. A job whose prompt begins with the same
+        chunk as a busy job's (one document, several conversations) waits for that job to end, then
+        takes its chunks from the sequence it leaves (`PrefixCache`) instead of computing the same
+        prefix beside it: a sequence's chunks are not shared while it is in use."""
         while len(self._running) + len(self._filling) < self.max_batch:
-            job = self._next_job()
+            job = self._next_free_deferred() or self._next_job()
             if job is None:
                 return
-            if self._start(job):
+            if self._shares_busy_prefix(job):
+                self._deferred.append(job)
+            elif self._start(job):
                 self._filling.append(job)
+
+    def _shares_busy_prefix(self, job: Job) -> bool:
+        c = self.engine.cfg.residency.chunk_tokens
+        head = job.ids[:c]
+        return len(head) == c and any(j.ids[:c] == head for j in (*self._filling, *self._running))
+
+    def _next_free_deferred(self) -> Job | None:
+        """The oldest deferred job that no busy job holds back any more."""
+        for i, job in enumerate(self._deferred):
+            if not self._shares_busy_prefix(job):
+                return self._deferred.pop(i)
+        return None
 
     def _next_job(self) -> Job | None:
         """A job sent back first, else the next queued one (waiting only when nothing else runs)."""

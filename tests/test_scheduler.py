@@ -310,3 +310,40 @@ def test_max_context_tokens_is_what_one_sequence_holds(lm, policy: str) -> None:
                 sched.cache.drop(kv)
     finally:
         sched.close()
+
+
+def test_a_request_sharing_a_busy_requests_document_waits_and_reuses_its_chunks(lm) -> None:
+    """Two prompts over one 100-token document, submitted together: the second waits for the first
+    to end and takes the document's whole chunks from the sequence it leaves, instead of computing
+    them beside it; both answers are the ones each gets alone."""
+    doc = prompt(100, 70)
+    prompts = [doc + prompt(9, 71), doc + prompt(12, 72)]
+    alone = []
+    for ids in prompts:
+        sched = Scheduler(engine(lm), None, frozenset(), max_batch=1)
+        try:
+            alone += run_jobs(sched, [ids], 6)
+        finally:
+            sched.close()
+    stats: list = []
+    done = threading.Semaphore(0)
+
+    def job(ids: list[int]) -> Job:
+        def finished(out, st, kv) -> None:
+            stats.append((ids, out, st))
+            done.release()
+
+        return Job(
+            ids, 6, Sampling(), lambda tok: False, finished, lambda e: (stats.append(e), done.release())
+        )
+
+    sched = Scheduler(engine(lm), None, frozenset(), max_batch=4)
+    try:
+        for ids in prompts:
+            sched.submit(job(ids))
+        assert done.acquire(timeout=120) and done.acquire(timeout=120)
+    finally:
+        sched.close()
+    (first_ids, first, one), (second_ids, second, two) = stats
+    assert [first_ids, second_ids] == prompts and [first, second] == alone
+    assert one.source == "cold" and two.source == "memory" and two.restored_tokens == 96  # 6 chunks of 16
