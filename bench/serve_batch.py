@@ -2,12 +2,12 @@
 
 For each count N of --conversations: N clients (the official `openai` client, streaming, on
 127.0.0.1), each with its own document of --doc-tokens tokens (windows of the reference document at
-different offsets, so no two share a prefix), ask turn 1 together; then each resends its conversation
-with one more question (turn 2, whose document KV the server holds) and all decode --decode-tokens
-tokens together. The same runs on a server at `--max-batch 1` (one request at a time: the sum of the
-prefills alone, and the throughput batching must beat). Then N conversations over one shared document
-of --shared-tokens tokens ask at once: the prompt tokens the server computed (from /metrics) against
-one document plus the questions.
+different offsets, so no two share a prefix), ask turn 1 together on a server with its own store;
+then each resends its conversation with one more question (turn 2, whose document KV the server
+holds live or on disk) and all decode --decode-tokens tokens together. The same runs on a server at
+`--max-batch 1` (one request at a time: the sum of the prefills alone, and the throughput batching
+must beat). Then N conversations over one shared document of --shared-tokens tokens ask at once:
+the prompt tokens the server computed (from /metrics) against one document plus the questions.
 
 The peer is HF transformers on the same GPU, batched `generate` over the same turn-1 prompts (left
 padded, SDPA, whole KV on the GPU): a prefill alone, --max-tokens and --decode-tokens new tokens, so
@@ -24,6 +24,7 @@ import json
 import platform
 import re
 import statistics
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -109,8 +110,11 @@ def computed_tokens(server: Served) -> int:
 
 
 def conversations(args, docs: list[str], max_batch: int) -> dict:
-    """Turn 1 of every conversation together, then turn 2 of every one together."""
-    server = Served(args, None, max_batch)
+    """Turn 1 of every conversation together, then turn 2 of every one together, on a server with a
+    store of its own: a conversation whose sequence is no longer live (`--max-batch 1` keeps one)
+    restores its turn 2 from disk instead of prefilling it again."""
+    store = tempfile.TemporaryDirectory()
+    server = Served(args, Path(store.name) / "store", max_batch)
     try:
         stream(server, [{"role": "user", "content": "Hello."}], 2)  # warm
         convs = [
@@ -123,6 +127,7 @@ def conversations(args, docs: list[str], max_batch: int) -> dict:
         turn2, _ = together(server, convs, args.decode_tokens)
     finally:
         server.stop()
+        store.cleanup()
     return {"max_batch": max_batch, "turn1": turn1, "turn2": turn2}
 
 
