@@ -5,11 +5,12 @@ sequence from the prefix cache (live, restored from disk, or empty) and prefills
 prompt in pieces. A step is a token budget (`Engine.step_tokens`): one decode token of every running
 request, then the next pieces of the prefilling ones in the order they came, as many as fit, all in
 one forward (`Engine.forward`, chunked prefill mixed with decode): a long prompt never stalls the
-others' answers, and the short next turns of many conversations prefill in one step. A step of
-decode tokens alone replays CUDA graphs. A request ends at a stop id, at max_tokens or when its
-consumer says so; its sequence goes back to the prefix cache, live. Each sequence's budget is the
-pool divided by `max_batch`, and the prefix cache holds at most `max_batch` sequences, so the pool
-never runs out.
+others' answers, and the short next turns of many conversations prefill in one step. A request
+whose prompt begins as a busy one's (one document, several conversations) waits for it to end and
+takes its chunks from the sequence it leaves. A step of decode tokens alone replays CUDA graphs.
+A request ends at a stop id, at max_tokens or when its consumer says so; its sequence goes back to
+the prefix cache, live. Each sequence's budget is the pool divided by `max_batch`, and the prefix
+cache holds at most `max_batch` sequences, so the pool never runs out.
 
 Isolation: whatever a request's admission, prefill piece, sampling or callbacks raise fails that
 request alone. A step that raises is run again part by part (the decode tokens together, then each
