@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import urllib.error
 import urllib.request
 import warnings
@@ -24,7 +23,7 @@ from pathlib import Path
 
 from kvflash import KVFlashError
 from kvflash.documents import Document, system_message
-from kvflash.paths import kvflash_home
+from kvflash.paths import kvflash_home, write_whole
 
 CHAT = "/v1/chat/completions"
 SERVER_ENV = "KVFLASH_SERVER"
@@ -164,20 +163,6 @@ def remember_model(url: str, model: str) -> None:
         write_whole(models_path(), json.dumps({**remembered_models(), url: model}))
     except OSError:
         pass
-
-
-def write_whole(path: Path, text: str) -> None:
-    """Written to a temporary file beside `path`, then renamed into place: a crash leaves the previous
-    file whole."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".part")
-    try:
-        with os.fdopen(fd, "w") as out:
-            out.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 class Conversation:

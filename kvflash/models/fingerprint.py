@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 
 from kvflash.config import ModelConfig
-from kvflash.paths import kvflash_home
+from kvflash.paths import kvflash_home, write_whole
 
 _CHUNK = 1 << 22
 
@@ -67,14 +65,8 @@ def _stat(f: Path) -> list[int]:
 
 
 def _write_atomic(path: Path, text: str) -> None:
+    """`write_whole`, where a marker that cannot be written only costs the next start a re-hash."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".part")
+        write_whole(path, text)
     except OSError:
-        return
-    try:
-        with os.fdopen(fd, "w") as out:
-            out.write(text)
-        os.replace(tmp, path)
-    except OSError:
-        Path(tmp).unlink(missing_ok=True)
+        pass
