@@ -141,14 +141,20 @@ class Engine:
 
     def _scout(self, piece: Piece) -> None:
         """Runs a prompt's last piece as scouts: their queries score the chunks (nothing is written)."""
-        ids = torch.tensor(piece.ids, device=self.lm.device)
-        positions = torch.arange(piece.start, piece.start + len(piece.ids), device=self.lm.device)
+        ids, positions = self._inputs(piece)
         piece.kv.scout = True
         try:
             for _ in range(piece.kv.cfg.scout_rounds):
                 self.lm.model(ids, positions, piece.kv)
         finally:
             piece.kv.scout = False
+
+    def _inputs(self, piece: Piece) -> tuple[torch.Tensor, torch.Tensor]:
+        """A lone piece's ids and positions [T] on the device."""
+        dev = self.lm.device
+        return torch.tensor(piece.ids, device=dev), torch.arange(
+            piece.start, piece.start + len(piece.ids), device=dev
+        )
 
     def forward(
         self, seqs: list[PagedKV], tokens: list[int], pieces: list[Piece]
@@ -160,10 +166,7 @@ class Engine:
         if not pieces:
             return self.decode_batch(seqs, tokens), self._no_logits
         if not seqs and len(pieces) == 1:
-            p = pieces[0]
-            ids = torch.tensor(p.ids, device=self.lm.device)
-            positions = torch.arange(p.start, p.start + len(p.ids), device=self.lm.device)
-            return None, self.lm.model(ids, positions, p.kv)
+            return None, self.lm.model(*self._inputs(pieces[0]), pieces[0].kv)
         with torch.inference_mode():
             mixed = MixedKV(self._batch(seqs) if seqs else None, pieces)
             ids, positions, rows = mixed.begin(tokens)
