@@ -51,7 +51,16 @@ def serve(
     name: str = typer.Option(None, "--served-model-name", help="Model id in requests (default: file stem)."),
     max_tokens: int = typer.Option(512, "--max-tokens", min=1, help="Answer length if a request sets none."),
     max_batch: int = typer.Option(
-        1, "--max-batch", min=1, help="Requests decoded together; each gets pool/N (default: all of it)."
+        32,
+        "--max-batch",
+        min=1,
+        help="Most requests run together; each is admitted when the pool has room for its prompt and answer.",
+    ),
+    sequence_tokens: int = typer.Option(
+        None,
+        "--sequence-tokens",
+        min=1,
+        help="Most pool tokens one request holds; a longer context evicts (default: the pool, up to 262,144).",
     ),
     max_waiting: int = typer.Option(
         256,
@@ -90,7 +99,15 @@ def serve(
     snapshots = KVSnapshots(st, lm.fingerprint(engine.cfg.residency.chunk_tokens)) if st else None
     model_name = name or lm.path.name.split(".")[0]
     server = Server(
-        engine, lm.tokenizer, model_name, snapshots, max_tokens, max_batch, max_prompt_tokens, max_waiting
+        engine,
+        lm.tokenizer,
+        model_name,
+        snapshots,
+        max_tokens,
+        max_batch,
+        max_prompt_tokens,
+        max_waiting,
+        sequence_tokens,
     )
     # uvicorn stops on SIGTERM, then raises it again: the default action would end the process
     # before the answers in flight are ended and their snapshots written (Server.close, below).

@@ -38,8 +38,9 @@ class Made:
 
 
 class PrefixCache:
-    """Sequences are taken for a turn and kept (idle, live) after it; at most `capacity` sequences,
-    idle and busy together, hold pool slots, so with budgets of pool/capacity the pool never runs out."""
+    """Sequences are taken for a turn and kept (idle, live) after it. With a `capacity`, at most that
+    many sequences, idle and busy together, hold pool slots (with budgets of pool/capacity the pool
+    never runs out); without one, the owner frees idle sequences when it needs their room (`reclaim`)."""
 
     def __init__(
         self,
@@ -47,7 +48,7 @@ class PrefixCache:
         snapshots: KVSnapshots | None,
         budget_tokens: int | None = None,
         lazy: bool | None = None,
-        capacity: int = 1,
+        capacity: int | None = 1,
     ):
         self.engine, self.snapshots = engine, snapshots
         self.budget_tokens, self.lazy, self.capacity = budget_tokens, lazy, capacity
@@ -77,7 +78,7 @@ class PrefixCache:
             self.idle.remove(live)
             stats.source, stats.restored_tokens = "memory", len(live.seq)
             return live
-        while self.idle and len(self._made) >= self.capacity:
+        while self.idle and self.capacity is not None and len(self._made) >= self.capacity:
             self.drop(self.idle.pop(0))
         kv = self._new()
         if not (reuse and self.snapshots):
@@ -90,22 +91,45 @@ class PrefixCache:
             return self._new()
         return kv
 
+    def continued(self, ids: list[int]) -> PagedKV | None:
+        """The idle sequence `take` would continue for ids (left as it is)."""
+        return self._match(ids)[0]
+
+    def reclaim(self, gpu_slots: int, host_slots: int, keep: PagedKV | None = None) -> None:
+        """Frees idle sequences, oldest first and never `keep`, until the pool has `gpu_slots` free
+        slots and the host tier `host_slots` (or no other idle sequence is left)."""
+        pool, host = self.engine.pool, self.engine.host
+        for kv in list(self.idle):
+            if pool.n_free >= gpu_slots and host.max_slots - host.n_used >= host_slots:
+                return
+            if kv is not keep:
+                self.idle.remove(kv)
+                self.drop(kv)
+
     def _live(self, ids: list[int]) -> PagedKV | None:
         """The idle sequence sharing the longest prefix with ids, cut to what it shares: all of it
         where ids extend it, else its whole chunks before the first difference (a client resends
         the conversation with the answer re-encoded from text, whose ids may differ from the ones
         generated), leaving at least one token to prefill. None where none shares a whole chunk."""
+        best, best_n = self._match(ids)
+        if best is not None and best_n < len(best.seq):
+            best.truncate(best_n // self.engine.cfg.residency.chunk_tokens)
+        return best
+
+    def _match(self, ids: list[int]) -> tuple[PagedKV | None, int]:
+        """The idle sequence sharing the longest reusable prefix with ids, and its length."""
         c = self.engine.cfg.residency.chunk_tokens
         best, best_n = None, 0
         for kv in reversed(self.idle):
+            k = min(c, len(kv.seq))
+            if kv.seq.tokens[:k] != ids[:k]:  # shares no whole chunk: reuses nothing (skip the scan)
+                continue
             n = _common_prefix(kv.seq.tokens, ids[: len(ids) - 1])
             if n < len(kv.seq):
                 n = min(n // c, kv.seq.n_sealed) * c
             if n > best_n:
                 best, best_n = kv, n
-        if best is not None and best_n < len(best.seq):
-            best.truncate(best_n // c)
-        return best
+        return best, best_n
 
     def _restore(
         self,

@@ -1,16 +1,23 @@
 """Continuous batching: the requests of a server advance together, a step at a time, in one forward.
 
-One thread owns the engine. It admits waiting requests while fewer than `max_batch` run: each takes a
-sequence from the prefix cache (live, restored from disk, or empty) and prefills the rest of its
-prompt in pieces. A step is a token budget (`Engine.step_tokens`): one decode token of every running
+One thread owns the engine. It admits waiting requests in the order they came while the pool has room
+for them and fewer than `max_batch` run: each takes a sequence from the prefix cache (live, restored
+from disk, or empty) and prefills the rest of its prompt in pieces. A step is a token budget (`Engine.step_tokens`): one decode token of every running
 request, then the next pieces of the prefilling ones in the order they came, as many as fit, all in
 one forward (`Engine.forward`, chunked prefill mixed with decode): a long prompt never stalls the
 others' answers, and the short next turns of many conversations prefill in one step. A request
 whose prompt begins as a busy one's (one document, several conversations) waits for it to end and
 takes its chunks from the sequence it leaves. A step of decode tokens alone replays CUDA graphs.
 A request ends at a stop id, at max_tokens or when its consumer says so; its sequence goes back to
-the prefix cache, live. Each sequence's budget is the pool divided by `max_batch`, and the prefix
-cache holds at most `max_batch` sequences, so the pool never runs out.
+the prefix cache, live.
+
+Admission by room: every sequence has one budget (`sequence_tokens`, at most the pool), and a
+request reserves the pool slots its prompt and answer can fill, up to that budget (and, when it
+will evict, host-tier slots for its chunks). It is admitted when its reservation fits beside the
+reservations of the requests running, once idle live sequences (oldest first, never the one it
+continues) are freed for it; else it waits at the head of the queue, so a long prompt is not
+overtaken forever by short ones. Thirty short chats thus run together in a pool that one long
+document fills alone, and the pool never runs out under a running request.
 
 Isolation: whatever a request's admission, prefill piece, sampling or callbacks raise fails that
 request alone. A step that raises is run again part by part (the decode tokens together, then each
@@ -56,6 +63,37 @@ class Cancelled(KVFlashError):
     """The request ended before its first token: its client left, or the server is stopping."""
 
 
+MAX_SEQUENCE_TOKENS = 262_144
+"""The default budget of a sequence when the pool is larger: a sequence's decode buffers and every
+batch's stacked slot tables are as wide as its budget, so the budget of a whole large pool would cost
+device memory per batch row that no sequence uses."""
+
+
+@dataclass(frozen=True)
+class Room:
+    """Slots of the pool and of the host tier."""
+
+    gpu: int
+    host: int
+
+    def __sub__(self, other: Room) -> Room:
+        return Room(self.gpu - other.gpu, self.host - other.host)
+
+    def __add__(self, other: Room) -> Room:
+        return Room(self.gpu + other.gpu, self.host + other.host)
+
+    def covers(self, other: Room) -> bool:
+        return self.gpu >= other.gpu and self.host >= other.host
+
+
+def held(kv: PagedKV | None) -> Room:
+    """The slots a sequence holds now."""
+    if kv is None:
+        return Room(0, 0)
+    chunks = kv.seq.chunks
+    return Room(sum(ch.gpu is not None for ch in chunks), sum(ch.host is not None for ch in chunks))
+
+
 @dataclass
 class Job:
     """One request: its prompt ids and how to answer; the callbacks run on the scheduler's thread."""
@@ -81,6 +119,8 @@ class Job:
     recoveries: int = 0
     min_tokens: int = 0
     """Stop ids are not sampled before this many tokens."""
+    need: Room | None = None
+    """The slots it reserved when it was admitted."""
 
     @property
     def context(self) -> list[int]:
@@ -90,19 +130,26 @@ class Job:
 
 class Scheduler:
     def __init__(
-        self, engine: Engine, snapshots: KVSnapshots | None, stop_ids: frozenset[int], max_batch: int = 4
+        self,
+        engine: Engine,
+        snapshots: KVSnapshots | None,
+        stop_ids: frozenset[int],
+        max_batch: int = 32,
+        sequence_tokens: int | None = None,
     ):
         self.engine, self.stop_ids, self.max_batch = engine, stop_ids, max_batch
         res = engine.cfg.residency
-        chunks = engine.pool.n_slots // max_batch
-        if chunks < res.floor_chunks():
+        c = res.chunk_tokens
+        self.budget = min(engine.pool.n_slots, -(-(sequence_tokens or MAX_SEQUENCE_TOKENS) // c))
+        """Every sequence's budget in chunks: the most pool slots one request holds."""
+        if self.budget < res.floor_chunks():
             raise KVFlashError(
-                f"a pool of {engine.pool.n_slots} chunks gives each of max_batch {max_batch} requests "
-                f"{chunks} chunks, below the floor of {res.floor_chunks()}: a larger pool or a smaller batch"
+                f"a sequence budget of {self.budget} chunks ({self.budget * c} tokens) is below the "
+                f"floor of {res.floor_chunks()} chunks: a larger pool or --sequence-tokens"
             )
-        budget = chunks * res.chunk_tokens
+        budget = self.budget * c
         engine.warm_batches(max_batch, budget)
-        self.cache = PrefixCache(engine, snapshots, budget_tokens=budget, capacity=max_batch)
+        self.cache = PrefixCache(engine, snapshots, budget_tokens=budget, capacity=None)
         host = engine.host.max_slots * res.chunk_tokens
         self.max_context_tokens = budget if res.policy == "full" else max(budget, host)
         """The most tokens one sequence is sure to hold: its budget, or under an evicting policy the
@@ -119,7 +166,8 @@ class Scheduler:
         """What stopped the loop, if anything did."""
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._retry: collections.deque[Job] = collections.deque()
-        """Requests sent back to prefill (damaged lazy chunks), admitted before the queue."""
+        """Requests admitted before the queue: those sent back to prefill (damaged lazy chunks), and
+        at its head the one the pool has no room for yet."""
         self._deferred: list[Job] = []
         """Requests whose prompt begins as a busy request's does, waiting for it to end (`_admit`)."""
         self._running: list[Job] = []
@@ -198,18 +246,51 @@ class Scheduler:
                 self._round()
 
     def _admit(self) -> None:
-        """Starts waiting jobs while the batch has room. A job whose prompt begins with the same
-        chunk as a busy job's (one document, several conversations) waits for that job to end, then
-        takes its chunks from the sequence it leaves (`PrefixCache`) instead of computing the same
-        prefix beside it: a sequence's chunks are not shared while it is in use."""
+        """Starts waiting jobs, in order, while the pool has room for them and the batch is not full.
+        A job whose prompt begins with the same chunk as a busy job's (one document, several
+        conversations) waits for that job to end, then takes its chunks from the sequence it leaves
+        (`PrefixCache`) instead of computing the same prefix beside it: a sequence's chunks are not
+        shared while it is in use."""
         while len(self._running) + len(self._filling) < self.max_batch:
             job = self._next_free_deferred() or self._next_job()
             if job is None:
                 return
             if self._shares_busy_prefix(job):
                 self._deferred.append(job)
+            elif not self._make_room(job):
+                self._retry.appendleft(job)
+                return
             elif self._start(job):
                 self._filling.append(job)
+
+    def need(self, job: Job) -> Room:
+        """The slots a job may fill: a chunk per `chunk_tokens` of its prompt and answer and one for
+        the append head, up to the budget in the pool; all of them on the host when it evicts (a
+        chunk paged back in keeps its host copy)."""
+        chunks = -(-(len(job.ids) + job.max_tokens) // self.engine.cfg.residency.chunk_tokens) + 1
+        return Room(min(self.budget, chunks), chunks if chunks > self.budget else 0)
+
+    def _make_room(self, job: Job) -> bool:
+        """Whether the job's reservation fits beside the busy jobs' once idle sequences are freed;
+        if so, frees as many as it takes, oldest first, keeping the one the job continues. With no
+        job busy it is always admitted (what it cannot hold fails it alone, at its own step)."""
+        job.need = self.need(job)
+        busy = [*self._running, *self._filling]
+        owed = Room(0, 0)  # what the busy jobs may still take
+        for j in busy:
+            has = held(j.kv)
+            owed += Room(max(0, j.need.gpu - has.gpu), max(0, j.need.host - has.host))
+        live = self.cache.continued(job.context) if job.recoveries < RECOVERIES else None
+        want = job.need - held(live) + owed
+        free = Room(self.engine.pool.n_free, self.engine.host.max_slots - self.engine.host.n_used)
+        idle = Room(0, 0)
+        for kv in self.cache.idle:
+            if kv is not live:
+                idle += held(kv)
+        if busy and not (free + idle).covers(want):
+            return False
+        self.cache.reclaim(want.gpu, want.host, keep=live)
+        return True
 
     def _shares_busy_prefix(self, job: Job) -> bool:
         c = self.engine.cfg.residency.chunk_tokens

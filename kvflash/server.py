@@ -187,16 +187,17 @@ class Server:
         model_name: str,
         snapshots: KVSnapshots | None,
         default_max_tokens: int = 512,
-        max_batch: int = 1,
+        max_batch: int = 32,
         max_prompt_tokens: int | None = None,
         max_waiting: int = 256,
+        sequence_tokens: int | None = None,
     ):
         self.tok, self.model_name, self.snapshots = tokenizer, model_name, snapshots
         self.max_waiting = max_waiting
         """Requests that may wait for admission; past them a request is refused (429): a client
         that is told to come back later loses less than one whose request waits without bound."""
         self.default_max_tokens = default_max_tokens
-        self.scheduler = Scheduler(engine, snapshots, tokenizer.eos_ids, max_batch)
+        self.scheduler = Scheduler(engine, snapshots, tokenizer.eos_ids, max_batch, sequence_tokens)
         self.content_ids = ContentIds(tokenizer)
         self.metrics = ServerMetrics()
         self.max_prompt_tokens = max_prompt_tokens or self.scheduler.max_context_tokens - default_max_tokens

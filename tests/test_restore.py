@@ -122,12 +122,12 @@ def test_damaged_lazy_chunks_fall_back_to_a_cold_prefill_with_no_hit(lm, store) 
     ids = doc + prompt(20, 3)
     sid = saved(lm, snapshots, doc, budget=128)  # the serving budget: approximate KV
     damage_payloads(store, sid)
-    cold_sched = Scheduler(engine(lm), None, frozenset(), max_batch=4)
+    cold_sched = Scheduler(engine(lm), None, frozenset(), max_batch=4, sequence_tokens=128)
     try:
         cold, _ = run_one(cold_sched, ids, 8)
     finally:
         cold_sched.close()
-    sched = Scheduler(engine(lm), snapshots, frozenset(), max_batch=4)
+    sched = Scheduler(engine(lm), snapshots, frozenset(), max_batch=4, sequence_tokens=128)
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -145,7 +145,7 @@ def test_a_lazy_restore_counts_its_hit_when_its_turn_completes(lm, store) -> Non
     snapshots = KVSnapshots(store, FP)
     doc = prompt(300, 2)
     sid = saved(lm, snapshots, doc, budget=128)
-    sched = Scheduler(engine(lm), snapshots, frozenset(), max_batch=4)
+    sched = Scheduler(engine(lm), snapshots, frozenset(), max_batch=4, sequence_tokens=128)
     try:
         _, stats = run_one(sched, doc + prompt(20, 3), 4)
     finally:

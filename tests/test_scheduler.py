@@ -98,11 +98,10 @@ def test_the_scheduler_answers_each_request_as_it_is_answered_alone(lm) -> None:
         kv = eng.new_sequence(128)
         alone.append(answer(eng, kv, ids, 12, Sampling(), frozenset(), TurnStats(), 0.0))
         kv.free()
-    sched = Scheduler(engine(lm), None, frozenset(), max_batch=4)
+    sched = Scheduler(engine(lm), None, frozenset(), max_batch=4, sequence_tokens=128)
     try:
         got = run_jobs(sched, prompts, 12)
         assert sched.batched > sched.steps, "no step decoded more than one request"
-        assert len(sched.cache.idle) <= 4  # at most max_batch sequences hold slots
     finally:
         sched.close()
     assert got == alone
@@ -185,9 +184,9 @@ def test_a_request_whose_consumer_fails_leaves_the_others_and_the_scheduler_runn
         sched.close()
 
 
-def test_a_pool_too_small_for_the_batch_is_refused(lm) -> None:
-    with pytest.raises(KVFlashError, match="max_batch"):
-        Scheduler(engine(lm, pool_tokens=256), None, frozenset(), max_batch=8)
+def test_a_sequence_budget_below_the_floor_is_refused(lm) -> None:
+    with pytest.raises(KVFlashError, match="--sequence-tokens"):
+        Scheduler(engine(lm, pool_tokens=256), None, frozenset(), sequence_tokens=32)
 
 
 def outcome(i: int, results: dict, done: threading.Semaphore, **kw) -> dict:
@@ -232,7 +231,7 @@ def test_a_request_that_fails_inside_a_batched_forward_fails_alone(lm) -> None:
     res = ResidencyConfig(chunk_tokens=16, tail_chunks=1, tau=8, tau_history_div=1 << 30, policy="full")
     eng = Engine(lm, EngineConfig(pool_tokens=512, residency=res))
     short = prompt(30, 6)
-    sched = Scheduler(eng, None, frozenset(), max_batch=2)
+    sched = Scheduler(eng, None, frozenset(), max_batch=2, sequence_tokens=256)
     try:
         (alone,) = run_jobs(sched, [short], 30)
         results, done = {}, threading.Semaphore(0)
@@ -294,7 +293,7 @@ def test_max_context_tokens_is_what_one_sequence_holds(lm, policy: str) -> None:
     res = ResidencyConfig(chunk_tokens=16, tail_chunks=1, policy=policy)
     chunk = CFG.kv_bytes_per_token(torch.float32) * 16
     eng = Engine(lm, EngineConfig(pool_tokens=256, residency=res, host_bytes=20 * chunk))
-    sched = Scheduler(eng, None, frozenset(), max_batch=2)
+    sched = Scheduler(eng, None, frozenset(), max_batch=2, sequence_tokens=128)
     try:
         limit = sched.max_context_tokens
         assert limit == (20 if policy == "qk" else 8) * 16
@@ -347,3 +346,96 @@ def test_a_request_sharing_a_busy_requests_document_waits_and_reuses_its_chunks(
     (first_ids, first, one), (second_ids, second, two) = stats
     assert [first_ids, second_ids] == prompts and [first, second] == alone
     assert one.source == "cold" and two.source == "memory" and two.restored_tokens == 96  # 6 chunks of 16
+
+
+def alone_answers(lm, prompts: list[list[int]], max_tokens: int, pool_tokens: int) -> list[list[int]]:
+    """Each prompt's answer from a scheduler that serves it alone."""
+    out = []
+    for ids in prompts:
+        sched = Scheduler(engine(lm, pool_tokens), None, frozenset(), max_batch=1)
+        try:
+            out += run_jobs(sched, [ids], max_tokens)
+        finally:
+            sched.close()
+    return out
+
+
+def test_thirty_short_requests_run_together_in_a_pool_one_long_prompt_fills(lm) -> None:
+    """Admission by room: thirty 20-token chats reserve 3 chunks each (prompt, answer, append head)
+    of a 128-chunk pool whose whole is one sequence's budget, so they decode together instead of
+    one after another; each answer is the one it gets alone."""
+    prompts = [prompt(20, 100 + i) for i in range(30)]
+    alone = alone_answers(lm, prompts, 6, 2048)
+    sched = Scheduler(engine(lm, 2048), None, frozenset(), max_batch=32)
+    try:
+        assert sched.budget == sched.engine.pool.n_slots == 128
+        got = run_jobs(sched, prompts, 6)
+        assert sched.batched / sched.steps >= 10, (sched.batched, sched.steps)
+    finally:
+        sched.close()
+    assert got == alone
+
+
+def test_a_prompt_without_room_waits_at_the_head_of_the_queue(lm) -> None:
+    """A 470-token prompt reserves 31 of 32 chunks and cannot start beside a running chat; the chat
+    queued after it does not overtake it, though it would fit: it starts once the long one ends."""
+    short, long_, later = prompt(20, 1), prompt(470, 2), prompt(25, 3)
+    alone = alone_answers(lm, [short, long_, later], 6, 512)
+    sched = Scheduler(engine(lm), None, frozenset(), max_batch=8)
+    events: list[str] = []
+    submitted = threading.Event()
+    results, done = {}, threading.Semaphore(0)
+
+    def first_token(name: str):
+        def on_token(tok: int) -> bool:
+            if name == "short" and not submitted.is_set():
+                assert submitted.wait(30)  # the others queue while this chat runs
+            if f"{name}: token" not in events:
+                events.append(f"{name}: token")
+            return False
+
+        return on_token
+
+    def job(i: int, name: str, ids: list[int]) -> Job:
+        kw = outcome(i, results, done)
+        finished = kw.pop("on_done")
+
+        def on_done(out, stats, kv) -> None:
+            events.append(f"{name}: done")
+            finished(out, stats, kv)
+
+        return Job(ids, 6, Sampling(), first_token(name), on_done, **kw)
+
+    try:
+        sched.submit(job(0, "short", short))
+        sched.submit(job(1, "long", long_))
+        sched.submit(job(2, "later", later))
+        submitted.set()
+        for _ in range(3):
+            assert done.acquire(timeout=120)
+    finally:
+        sched.close()
+    assert [results[i][0] for i in range(3)] == alone
+    assert events.index("long: token") > events.index("short: done"), events
+    assert events.index("later: token") > events.index("long: done"), events
+    assert sched.engine.pool.n_free == sched.engine.pool.n_slots
+
+
+def test_idle_sequences_are_freed_for_a_prompt_that_needs_their_room(lm) -> None:
+    """Three conversations stay live after their turns; a prompt needing nearly the whole pool frees
+    the oldest ones it needs (never the one it continues) and answers as it does alone."""
+    chats = [prompt(100, 20 + i) for i in range(3)]
+    big = chats[2] + prompt(300, 30)
+    (alone,) = alone_answers(lm, [big], 6, 512)
+    sched = Scheduler(engine(lm), None, frozenset(), max_batch=8)
+    try:
+        outs = run_jobs(sched, chats, 4)
+        assert len(sched.cache.idle) == 3
+        kept = sched.cache.idle[-1]
+        assert kept.seq.tokens[:100] == chats[2]
+        (got,) = run_jobs(sched, [big], 6)
+        assert [kv.seq.tokens[:100] for kv in sched.cache.idle] == [chats[2]]  # continued, others freed
+        assert sched.cache.idle[0] is kept
+    finally:
+        sched.close()
+    assert got == alone and all(len(o) == 4 for o in outs)
