@@ -60,7 +60,7 @@ def serve(
         None,
         "--sequence-tokens",
         min=1,
-        help="Most pool tokens one request holds; a longer context evicts (default: the pool, up to 262,144).",
+        help="Most pool tokens one request holds; a longer context evicts (default: the pool, to 262,144).",
     ),
     max_waiting: int = typer.Option(
         256,

@@ -2,8 +2,8 @@
 
 One thread owns the engine. It admits waiting requests in the order they came while the pool has room
 for them and fewer than `max_batch` run: each takes a sequence from the prefix cache (live, restored
-from disk, or empty) and prefills the rest of its prompt in pieces. A step is a token budget (`Engine.step_tokens`): one decode token of every running
-request, then the next pieces of the prefilling ones in the order they came, as many as fit, all in
+from disk, or empty) and prefills the rest of its prompt in pieces. A step is a token budget
+(`Engine.step_tokens`): one decode token of every running request, then the next pieces of the prefilling ones in the order they came, as many as fit, all in
 one forward (`Engine.forward`, chunked prefill mixed with decode): a long prompt never stalls the
 others' answers, and the short next turns of many conversations prefill in one step. A request
 whose prompt begins as a busy one's (one document, several conversations) waits for it to end and
