@@ -71,7 +71,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ResidencyConfig:
-    """What stays on the GPU for a sequence whose KV is larger than its budget (DESIGN: Residency).
+    """What stays on the GPU for a sequence whose KV is larger than its budget (docs/DESIGN.md: Residency).
 
     The floor is sinks + tail + pins + 2 chunks: the append head and at least one selected chunk.
     """

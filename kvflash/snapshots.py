@@ -1,6 +1,6 @@
 """Between a live sequence and the disk store: save a chunk-aligned prefix, find and restore one.
 
-A restore is a transaction (DESIGN: Scheduler): chunks are leased, read and validated into host-tier
+A restore is a transaction (docs/DESIGN.md: Scheduler): chunks are leased, read and validated into host-tier
 slots, and only then does the sequence adopt them (the caller counts the hit once the restore is
 validated). Any failure leaves the sequence empty and the stored copy untouched, and the caller
 prefills cold. A lazy restore reads

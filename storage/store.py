@@ -1,6 +1,6 @@
 """`SnapshotStore`: chunk files content-addressed by chain hash, snapshots as ordered lists of them.
 
-Ordering rules that keep the invariants (DESIGN: Disk store):
+Ordering rules that keep the invariants (docs/DESIGN.md: Disk store):
 - a chunk file is durable before the index row that names it is committed;
 - rows are deleted (and committed) before their files are unlinked, under the exclusive store lock,
   which saves hold shared from their existence checks to their commit;
