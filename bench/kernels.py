@@ -52,11 +52,10 @@ LONG_CONTEXT = 65536
 L2_DEFEAT_BYTES = 512 << 20
 SETTLE_BYTES = 4 << 30
 SETTLE_S = 5.0
-"""After a shape that held more than SETTLE_BYTES, wait SETTLE_S before the next: on the H200 a
-batch-1 paged decode measured right after tens of GB were freed ran up to 10 points of copy
-bandwidth slower (Llama-8B 128K x1: 81.0 % right after 128K x64, 91.0 % half a second later, and
-no slower after longer waits; memory at 38-55 C throughout), an artefact of the harness freeing
-its buffers, not of a serving engine, which allocates its pool once."""
+"""After a shape that held more than SETTLE_BYTES, wait SETTLE_S before the next: a batch-1 paged
+decode measured right after tens of GB were freed reads several points of copy bandwidth low, an
+artefact of the harness freeing its buffers, not of a serving engine, which allocates its pool once
+(docs/BENCHMARKS.md: Kernels, "Decode launch rules and why")."""
 
 
 @dataclass
@@ -93,8 +92,8 @@ def _stream_read_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, STEPS: tl.conste
 
 
 def read_limit(buffers: list[torch.Tensor]) -> float:
-    """GB/s of the fastest streaming read (2 or 4 steps a program: many short programs were fastest
-    on the H200 at 50-540 MB) over each buffer once, all replayed from one graph."""
+    """GB/s of the fastest streaming read (2 or 4 steps a program: many short programs read fastest
+    at the sizes this bench reads) over each buffer once, all replayed from one graph."""
     best = 0.0
     for steps in (2, 4):
         calls = []

@@ -4,7 +4,7 @@ Every cold restore comes right after a raw cold read of the same files (their pa
 posix_fadvise DONTNEED before each), read the way a restore reads them minus the decoding: all
 hinted at once (WILLNEED), then read by as many threads as the restore uses into reused buffers.
 Each restore's share is against the read just before it, so a disk whose speed drifts between runs
-(1.0-2.0 GB/s on the H200 host) does not skew the ratio; --repeats pairs per kind, median share.
+(docs/BENCHMARKS.md: Snapshot store) does not skew the ratio; --repeats pairs per kind, median share.
 Kinds: into fresh tensors, into destinations allocated before the clock starts (as the engine
 restores into its host-tier slots), and the same with the store's threads only (no decode
 processes). Then warm restores (files in the page cache: what decoding sustains) and the async

@@ -213,9 +213,8 @@ class KVSnapshots:
 
     def start_prefetch(self, kv: PagedKV) -> None:
         """Starts reading a lazy sequence's remaining chunks in the background. Called after the
-        answer: during decode its decoding threads took the GIL from the token loop (3.5 tok/s with
-        it, 38 without, after a lazy 128K restore on the H200), and the next question is what the
-        prefetch is for."""
+        answer: during decode its decoding threads would take the GIL from the token loop
+        (docs/BENCHMARKS.md: Sessions), and the next question is what the prefetch is for."""
         if self.prefetch and kv.fetch is not None:
             threading.Thread(target=self._prefetch, args=(kv,), daemon=True, name="kvflash-prefetch").start()
 

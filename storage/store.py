@@ -95,8 +95,8 @@ T = TypeVar("T")
 MAX_META_BYTES = 1 << 20
 MAX_DEFAULT_WORKERS = 8
 """A decode thread holds the GIL for 12-17% of its CPU time (perf, 2-core VM), so 8 threads come near
-one GIL's worth and 16 are over it: on the H200's 16-core host, 16 threads restored 1.70-1.92 GB/s
-from the page cache, 8 threads 1.85-2.46 GB/s (docs/BENCHMARKS.md)."""
+one GIL's worth and 16 are over it: 16 threads restore no faster than 8 (docs/BENCHMARKS.md:
+Snapshot store)."""
 RESERVE_BYTES = 1 << 20
 """`<root>/reserve`: space held back so that a removal on a full disk can write its index
 transaction (a WAL of a few hundred pages for thousands of chunks) and so free the rest."""
