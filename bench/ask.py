@@ -9,7 +9,7 @@ with the same weights (the whole prompt in one forward, KV on the GPU): its TTFT
 tokenisation of the prompt as kvflash's does. --rounds repeats both turns, each round over a new
 store. Prints one table, writes JSON and a PNG.
 
-  python bench/ask.py --tokens 131072 --pool-tokens 8192 --out out/ask
+  python -m bench.ask --tokens 131072 --pool-tokens 8192 --out out/ask
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ import time
 from pathlib import Path
 
 import torch
-from decode import save
-from document import reference_text
-from hf import hf_llama, hf_prefill_s
 from rich.console import Console
 from rich.table import Table
 
+from bench.document import reference_text
+from bench.harness import out_dir, pyplot, require_cuda, save, save_png
+from bench.hf import hf_llama, hf_prefill_s
 from kvflash.models.fetch import default_model_path
 from kvflash.models.loader import load_model
 from kvflash.prompt import encode_messages
@@ -84,10 +84,7 @@ def table(rows: list[dict]) -> Table:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     med = {k: statistics.median(r[k] for r in rows) for k in ("hf_ttft_s",)}
     bars = {
@@ -102,7 +99,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set_xlabel("time to first token, s")
     ax.set_title(f"{rows[0]['prompt_tokens']:,}-token document, {torch.cuda.get_device_name()}")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_png(fig, path)
     plt.close(fig)
 
 
@@ -115,10 +112,8 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="GGUF or HF directory (default: the default model)")
     ap.add_argument("--out", default="out/ask")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench/ask.py measures the GPU path; no CUDA device here")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    require_cuda("ask", "the GPU path")
+    out = out_dir(args.out)
     console = Console()
     lm = load_model(Path(args.model) if args.model else default_model_path(fetch=False))
     doc = out / "reference.txt"

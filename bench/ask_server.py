@@ -11,7 +11,7 @@ marks when the chat request is sent, when its first text arrives and when the an
 time is the rest: interpreter start, imports and arguments, the document and session read (before
 the request), then the session saved, the stats line printed and the interpreter's exit (after).
 
-  python bench/ask_server.py --tokens 131072 --out out/ask_server
+  python -m bench.ask_server --tokens 131072 --out out/ask_server
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from bench.harness import out_dir, write_json
 from kvflash.haystack import filler_sentences
 from kvflash.models.fetch import default_model_path
 from kvflash.models.loader import load_model
@@ -137,8 +138,7 @@ def main() -> None:
     ap.add_argument("--out", default="out/ask_server")
     args = ap.parse_args()
     model = Path(args.model) if args.model else default_model_path(fetch=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_dir(args.out)
     with tempfile.TemporaryDirectory(prefix="kvflash-ask-server-") as tmp:
         tmp = Path(tmp)
         doc, home = tmp / "document.txt", tmp / "home"
@@ -169,7 +169,7 @@ def main() -> None:
             "turn2_client_median_s": client, "turn2_times": turns2, "turn2_stats": line,
             "date": time.strftime("%Y-%m-%d"), "args": vars(args),
         }  # fmt: skip
-        (out / "ask_server.json").write_text(json.dumps(result, indent=1))
+        write_json(out / "ask_server.json", result)
         print(f"turn 2 wall, median of {len(walls)}: {median:.2f} s, the client's own {client:.3f} s; "
               f"wrote {out / 'ask_server.json'}")  # fmt: skip
 

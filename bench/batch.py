@@ -10,13 +10,12 @@ replayed from the batch's CUDA graph on CUDA); `served` runs the same prompts as
 the scheduler (`serve`'s engine loop, sampling and callbacks included; not over HTTP).
 Tokens per second of each, per B; rounds alternate them. Prints one table, writes JSON and a PNG.
 
-  python bench/batch.py --batches 1 2 4 8 --out out/batch
+  python -m bench.batch --batches 1 2 4 8 --out out/batch
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import threading
@@ -26,9 +25,9 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
 
+from bench.harness import out_dir, progress_bar, pyplot, save_png, write_json
 from kvflash.config import EngineConfig
 from kvflash.engine import Engine
 from kvflash.generate import Sampling, eager_step
@@ -116,8 +115,7 @@ def main() -> None:
     ap.add_argument("--device", default=None)
     ap.add_argument("--out", default="out/batch")
     args = ap.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_dir(args.out)
     lm = load_model(args.model, device=args.device)
     per_seq = args.prompt_tokens + (args.rounds + 1) * len(args.modes) * (args.steps + 1) + 128
     budget = args.budget_tokens or per_seq
@@ -125,7 +123,7 @@ def main() -> None:
     graphs = lm.device.type == "cuda" and eng.cfg.cuda_graphs
     modes = [m for m in args.modes if m not in CUDA_ONLY or graphs]
     rows = []
-    with Progress() as progress:
+    with progress_bar() as progress:
         task = progress.add_task("batches", total=len(args.batches))
         for b in args.batches:
             gens = [torch.Generator().manual_seed(i) for i in range(b)]
@@ -167,15 +165,12 @@ def main() -> None:
     Console().print(table)
     meta = {"date": time.strftime("%Y-%m-%d"), "device": str(lm.device), "torch": torch.__version__,
             "python": platform.python_version(), "args": vars(args)}  # fmt: skip
-    (out / "batch.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    write_json(out / "batch.json", {"meta": meta, "rows": rows})
     plot(rows, out / "batch.png")
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(5, 3.5))
     xs = [r["batch"] for r in rows]
@@ -188,7 +183,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set_ylabel("decode tokens / s (log)")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_png(fig, path)
 
 
 if __name__ == "__main__":

@@ -9,59 +9,35 @@ table only where the output head shares it) and every resident chunk's KV, at th
 device-to-device copy measured in the same run (bytes read + written per second). Prints one table,
 writes JSON and a PNG.
 
-  python bench/decode.py --models smollm2 llama-8b --contexts 8192 65536 --out out/decode
+  python -m bench.decode --models smollm2 llama-8b --contexts 8192 65536 --out out/decode
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
 
-from kvflash.config import EngineConfig, ModelConfig
+from bench.harness import (
+    LLAMA_8B,
+    bars,
+    copy_bandwidth,
+    out_dir,
+    progress_bar,
+    random_model,
+    require_cuda,
+    save,
+)
+from kvflash.config import EngineConfig
 from kvflash.engine import Engine
 from kvflash.generate import Sampler, Sampling, Step, decode, eager_step
 from kvflash.models.llama import LlamaForCausalLM
-from kvflash.models.loader import LoadedModel, build_model, load_model
-
-LLAMA_8B = ModelConfig(
-    arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, n_layers=32,
-    n_heads=32, n_kv_heads=8, head_dim=128, rope_theta=500000.0, max_position=1 << 20,
-)  # fmt: skip
-"""Llama-3-8B's shape, with random weights: speed does not depend on what the weights say."""
-
-
-def random_model(cfg: ModelConfig) -> LoadedModel:
-    with torch.device("meta"):
-        shapes = {k: v.shape for k, v in LlamaForCausalLM(cfg).state_dict().items()}
-    dev, bf16 = torch.device("cuda"), torch.bfloat16
-    weights = {k: torch.empty(s, dtype=bf16, device=dev).normal_(0.0, 0.02) for k, s in shapes.items()}
-    return LoadedModel(build_model(cfg, weights, bf16, dev), None, cfg, Path("random"), bf16, dev)
-
-
-def copy_bandwidth() -> float:
-    """GB/s of traffic (read + write) of a 4 GiB device-to-device copy, best of 20."""
-    src = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end))
-    return 2 * src.numel() / best / 1e6
+from kvflash.models.loader import LoadedModel, load_model
 
 
 def weight_bytes(model: LlamaForCausalLM) -> int:
@@ -156,42 +132,6 @@ def plot(rows: list[dict], path: Path) -> None:
     bars(rows, series, "tokens / s (log)", title, path)
 
 
-def bars(
-    rows: list[dict],
-    series: list[tuple[str, str, str | None]],
-    ylabel: str,
-    title: str,
-    path: Path,
-    group: Callable[[dict], str] = lambda r: f"{r['model']}\n{r['context'] // 1024}K",
-) -> None:
-    """One group of bars per row (named by `group`, by default model and context), one bar per
-    (label, row key, colour) series, log scale."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    x = range(len(rows))
-    fig, ax = plt.subplots(figsize=(1.6 * len(rows) + 2, 4))
-    w = 0.8 / len(series)
-    for k, (label, key, color) in enumerate(series):
-        ax.bar(
-            [i + (k - (len(series) - 1) / 2) * w for i in x],
-            [r[key] for r in rows],
-            w,
-            label=label,
-            color=color,
-        )
-    ax.set_xticks(list(x), [group(r) for r in rows])
-    ax.set_yscale("log")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["smollm2", "llama-8b"], choices=["smollm2", "llama-8b"])
@@ -202,13 +142,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="eager/graph alternations")
     ap.add_argument("--out", default="out/decode")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench/decode.py measures CUDA decode; no CUDA device here")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    require_cuda("decode", "CUDA decode")
+    out = out_dir(args.out)
     console = Console()
     rows = []
-    with Progress(console=console) as progress:
+    with progress_bar(console=console) as progress:
         copy_gbps = copy_bandwidth()
         for name in args.models:
             lm = load_model(args.model_path, dtype="bf16", device="cuda") if name == "smollm2" else None
@@ -220,24 +158,6 @@ def main() -> None:
             torch.cuda.empty_cache()
     console.print(table(rows, copy_gbps))
     save(console, out / "decode", rows, plot, args, copy_gbps=copy_gbps)
-
-
-def save(console: Console, stem: Path, rows: list[dict], plot_rows, args, **meta) -> None:
-    """Writes stem.json (the rows and the run: device, versions, date, arguments, `meta`) and the
-    plot_rows(rows, path) picture as stem.png."""
-    run = {
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "cpu": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "date": time.strftime("%Y-%m-%d"),
-        **meta,
-        "args": vars(args),
-    }
-    json_path, png = stem.with_suffix(".json"), stem.with_suffix(".png")
-    json_path.write_text(json.dumps({"meta": run, "rows": rows}, indent=1))
-    plot_rows(rows, png)
-    console.print(f"wrote {json_path} and {png}")
 
 
 if __name__ == "__main__":

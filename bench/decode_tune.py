@@ -1,16 +1,16 @@
 """Sweeps the paged decode kernel's launch settings at long context; prints the best per shape.
 
 The default heuristics in kernels/triton_decode.py come from this sweep (docs/BENCHMARKS.md). Each
-setting is timed as bench/kernels.py times decode (CUDA graph replay over enough distinct KV to
+setting is timed as bench/kernel_speed.py times decode (CUDA graph replay over enough distinct KV to
 defeat L2) and reported as a share of the device copy bandwidth measured in the same run. A setting
 is (merge, block tokens, warps, stages, waves): merge `fused` has the last split to finish merge the
 partials in the same launch, `2k` runs a second combine kernel; waves sets the split count through
 `decode_splits`. Each shape also times both merges at their own defaults, and the JSON is rewritten
 after every shape, so a run cut short keeps what it measured.
 
-    python bench/decode_tune.py --out out/decode_tune.json
+    python -m bench.decode_tune --out out/decode_tune.json
     # fused against two-kernel at the rule's tiles, batch 1-16, 8K-256K:
-    python bench/decode_tune.py --out out/decode_fused.json --rule --warps 4 \\
+    python -m bench.decode_tune --out out/decode_fused.json --rule --warps 4 \\
         --contexts 8192 16384 32768 65536 131072 262144 --batches 1 2 4 8 16
 """
 
@@ -18,21 +18,20 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 
 import torch
 from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 
-from kernels import (
+from bench.harness import copy_bandwidth, write_json
+from bench.kernel_speed import (
     CHUNK,
     CONTEXTS,
     DTYPE,
     L2_DEFEAT_BYTES,
     MODELS,
     contiguous,
-    copy_bandwidth,
     graph_ms,
     paged_pool,
     sdpa,
@@ -140,8 +139,7 @@ def main() -> None:
             rows.append(row)
         del timer
         torch.cuda.empty_cache()
-        with open(args.out, "w") as f:
-            json.dump({"copy_gbps": copy, "rows": rows}, f, indent=1)
+        write_json(args.out, {"copy_gbps": copy, "rows": rows})
 
     t = Table(title=f"decode, share of copy bandwidth ({copy:.0f} GB/s): each merge's default and best")
     for col in ("model", "ctx", "batch", "SDPA"):

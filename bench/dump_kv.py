@@ -5,8 +5,8 @@ English prose (`kvflash.haystack.filler_sentences`) through the dense reference 
 each full chunk's post-RoPE KV `[L, 2, Hkv, C, D]` as tensor `chunk_00000`, `chunk_00001`, ... of a
 safetensors file. The partial tail chunk is dropped: only full chunks are ever stored.
 
-    python bench/dump_kv.py --tokens 4096 --out /tmp/smollm2_kv.safetensors
-    python bench/storage.py --kv-file /tmp/smollm2_kv.safetensors --out docs/storage-smollm2.json
+    python -m bench.dump_kv --tokens 4096 --out /tmp/smollm2_kv.safetensors
+    python -m bench.storage --kv-file /tmp/smollm2_kv.safetensors --out docs/storage-smollm2.json
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from bench.harness import out_dir
 from kvflash.haystack import filler_sentences
 from kvflash.kvcache import ContiguousKV
 from kvflash.models.loader import load_model
@@ -64,7 +65,7 @@ def main() -> None:
     c = args.chunk_tokens
     n = cache.length // c
     tensors = {f"chunk_{i:05d}": cache.buf[:, :, :, i * c : (i + 1) * c].contiguous().cpu() for i in range(n)}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+    out_dir(args.out.parent)
     save_file(
         tensors,
         str(args.out),

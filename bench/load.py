@@ -14,8 +14,8 @@ more bits, Q4_K elsewhere, norms F32); the `gguf` package cannot quantise k-quan
 random valid ones. Its dequantisation is reported as GB/s of file size into bf16 on the device, each
 tensor dropped once made (an 8B model in bf16 is 16 GB). The file is ~4.9 GB and is deleted after.
 
-  python bench/load.py --device cuda --out out/load
-  python bench/load.py --device cpu --no-8b
+  python -m bench.load --device cuda --out out/load
+  python -m bench.load --device cpu --no-8b
 """
 
 from __future__ import annotations
@@ -38,16 +38,14 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).parent))
-from decode import LLAMA_8B, bars, save  # noqa: E402
-
-from kvflash.config import ModelConfig  # noqa: E402
-from kvflash.models.dequant import TYPES, random_blocks  # noqa: E402
-from kvflash.models.fetch import default_model_path  # noqa: E402
-from kvflash.models.fingerprint import weights_identity  # noqa: E402
-from kvflash.models.gguf_loader import GGUFModel  # noqa: E402
-from kvflash.models.loader import build_model, default_dtype, load_model  # noqa: E402
-from kvflash.models.tokenizer import Tokenizer  # noqa: E402
+from bench.harness import LLAMA_8B, bars, out_dir, save
+from kvflash.config import ModelConfig
+from kvflash.models.dequant import TYPES, random_blocks
+from kvflash.models.fetch import default_model_path
+from kvflash.models.fingerprint import weights_identity
+from kvflash.models.gguf_loader import GGUFModel
+from kvflash.models.loader import build_model, default_dtype, load_model
+from kvflash.models.tokenizer import Tokenizer
 
 Q4_K, Q6_K, F32 = (
     gguf.GGMLQuantizationType.Q4_K,
@@ -277,8 +275,7 @@ def main() -> None:
     for r in rows:
         r["device"] = args.device
     console.print(table(rows, args.device))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_dir(args.out)
     save(console, out / "load", rows, plot, args)
 
 

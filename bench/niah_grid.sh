@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The NIAH grid: each arm runs `kvflash niah` into ROOT/<arm>, then bench/niah_table.py merges
+# The NIAH grid: each arm runs `kvflash niah` into ROOT/<arm>, then `python -m bench.niah_table` merges
 # the arms' summary.json into ROOT/table.md (the table for docs/BENCHMARKS.md). Rerunning resumes.
 #
 #   bench/niah_grid.sh out/niah                        # the full grid (lengths 2K,4K,8K x 11 depths x 4)
@@ -41,4 +41,5 @@ done
 
 summaries=()
 for arm in $ARMS; do summaries+=("$root/$arm/summary.json"); done
-${PYTHON:-python} "$(dirname "$0")/niah_table.py" "${summaries[@]}" | tee "$root/table.md"
+repo=$(cd "$(dirname "$0")/.." && pwd)
+PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" ${PYTHON:-python} -m bench.niah_table "${summaries[@]}" | tee "$root/table.md"

@@ -4,7 +4,7 @@ Accuracy per length and overall, the gap to the full-attention cold arm in point
 length, and for restore arms the share of answers identical to the cold arm with the same settings
 (restore must answer exactly as cold).
 
-    python bench/niah_table.py out/niah/*/summary.json > table.md
+    python -m bench.niah_table out/niah/*/summary.json > table.md
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+
+from bench.harness import fmt_length
 
 ANSWER_FIELDS = ("mode", "out", "lengths", "depths", "trials")
 """Settings that may differ between a restore arm and the cold arm it must reproduce."""
@@ -42,10 +44,6 @@ def equal_to_cold(arm: dict, arms: list[dict]) -> str:
 
 def pct(x: float | None) -> str:
     return "–" if x is None else f"{100 * x:.0f}%"
-
-
-def fmt_length(n: str) -> str:
-    return f"{int(n) // 1024}K" if int(n) % 1024 == 0 else n
 
 
 def table(arms: list[dict]) -> str:

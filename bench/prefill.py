@@ -15,7 +15,7 @@ not depend on what they say). Prints one table, writes JSON and a PNG.
 
 Times are the median of the rounds after the first, which is reported apart (see `bench`).
 
-  python bench/prefill.py --models smollm2 llama-8b --contexts 32768 131072 --out out/prefill
+  python -m bench.prefill --models smollm2 llama-8b --contexts 32768 131072 --out out/prefill
 """
 
 from __future__ import annotations
@@ -26,21 +26,15 @@ import time
 from pathlib import Path
 
 import torch
-from decode import LLAMA_8B, bars, random_model, save
-from hf import hf_llama, hf_prefill_s
 from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
 
-from kvflash.config import EngineConfig, ModelConfig, ResidencyConfig
+from bench.harness import LLAMA_8B, SMOLLM2, bars, out_dir, progress_bar, random_model, require_cuda, save
+from bench.hf import hf_llama, hf_prefill_s
+from kvflash.config import EngineConfig, ResidencyConfig
 from kvflash.engine import Engine
 from kvflash.models.loader import LoadedModel
 
-SMOLLM2 = ModelConfig(
-    arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, n_layers=30, n_heads=9,
-    n_kv_heads=3, head_dim=64, rope_theta=100000.0, max_position=1 << 20, tie_embeddings=True,
-)  # fmt: skip
-"""SmolLM2-135M's shape."""
 MODELS = {"smollm2": SMOLLM2, "llama-8b": LLAMA_8B}
 
 
@@ -181,13 +175,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="paged/resident alternations (the first is cold)")
     ap.add_argument("--out", default="out/prefill")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench/prefill.py measures CUDA prefill; no CUDA device here")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    require_cuda("prefill", "CUDA prefill")
+    out = out_dir(args.out)
     console = Console()
     rows = []
-    with Progress(console=console) as progress:
+    with progress_bar(console=console) as progress:
         tflops = matmul_tflops()
         for name in args.models:
             lm = random_model(MODELS[name])

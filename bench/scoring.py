@@ -11,14 +11,13 @@ chunks' keys once at the rate of a 4 GiB device-to-device copy measured in the s
 + written per second); the kernel reads nothing else of size. Times are GPU times (`do_bench`), the
 calls launched eagerly as the engine launches them. Prints one table, writes JSON and a PNG.
 
-  python bench/scoring.py --out out/scoring
+  python -m bench.scoring --out out/scoring
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import platform
 from pathlib import Path
 
@@ -28,7 +27,8 @@ from rich.console import Console
 from rich.table import Table
 from triton.testing import do_bench
 
-from kernels import CHUNK, DTYPE, copy_bandwidth
+from bench.harness import copy_bandwidth, out_dir, pyplot, save_png, write_json
+from bench.kernel_speed import CHUNK, DTYPE
 from kvflash.kernels import reference
 from kvflash.kernels.triton_scoring import chunk_lse
 from kvflash.paged_kv import SCORE_BYTES
@@ -70,10 +70,7 @@ def bench(model: str, n: int, t: int, shifted: bool, copy_gbps: float) -> dict:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(9, 4.2))
     labels = [f"{r['model']} N={r['chunks']} T={r['queries']}{' rot' if r['shifted'] else ''}" for r in rows]
@@ -86,7 +83,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set_xticks(list(x), labels, fontsize=6, rotation=60, ha="right")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_png(fig, path)
 
 
 def main() -> None:
@@ -96,8 +93,7 @@ def main() -> None:
     ap.add_argument("--queries", nargs="+", type=int, default=[1, 32])
     ap.add_argument("--out", default="out/scoring")
     args = ap.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_dir(args.out)
     copy_gbps = copy_bandwidth()
     rows = []
     for model, n, t, shifted in itertools.product(args.models, args.chunks, args.queries, (False, True)):
@@ -119,7 +115,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "python": platform.python_version(), "copy_gbps": copy_gbps,
     }  # fmt: skip
-    (out / "scoring.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
+    write_json(out / "scoring.json", {**meta, "rows": rows})
     plot(rows, out / "scoring.png")
     print(f"wrote {out / 'scoring.json'} and {out / 'scoring.png'}")
 

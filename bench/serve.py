@@ -9,13 +9,12 @@ again, so the kvflash arm must restore from disk. TTFT is measured by the client
 first content delta). Prints a table and writes JSON and a PNG. Many conversations at once are
 bench/serve_batch.py's.
 
-  python bench/serve.py --doc-tokens 4096 --turns 3 --out out/serve
+  python -m bench.serve --doc-tokens 4096 --turns 3 --out out/serve
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import signal
 import socket
@@ -28,9 +27,10 @@ from pathlib import Path
 import httpx
 import openai
 from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
-from sessions import make_document
+
+from bench.harness import out_dir, progress_bar, pyplot, save_png, write_json
+from bench.sessions import make_document
 
 QUESTIONS = [
     "What is the first sentence of the document about?",
@@ -132,8 +132,7 @@ def prepare(args) -> tuple[Path, str]:
     """The output directory (made) and a document of --doc-tokens tokens by the model's tokenizer."""
     from kvflash.models.loader import load_model
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_dir(args.out)
     tok = load_model(args.model, device="cpu").tokenizer
     return out, make_document(args.doc_tokens, lambda s: len(tok.encode_plain(s)))
 
@@ -150,7 +149,7 @@ def main() -> None:
     args = ap.parse_args()
     out, doc = prepare(args)
     arms = {}
-    with tempfile.TemporaryDirectory() as tmp, Progress() as progress:
+    with tempfile.TemporaryDirectory() as tmp, progress_bar() as progress:
         for arm, store in (("kvflash", Path(tmp) / "store"), ("no-store", None)):
             task = progress.add_task(arm, total=args.turns + 1)
             arms[arm] = conversation(args, doc, store, progress, task)
@@ -165,15 +164,12 @@ def main() -> None:
     Console().print(table)
     meta = {"date": time.strftime("%Y-%m-%d"), "python": platform.python_version(), "args": vars(args)}
     body = {"meta": meta, "arms": arms}
-    (out / "serve.json").write_text(json.dumps(body, indent=1))
+    write_json(out / "serve.json", body)
     plot(arms, out / "serve.png")
 
 
 def plot(arms: dict[str, list[dict]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = arms["kvflash"]
     labels = [f"turn {r['turn']}" + ("\nrestarted" if r["restart"] else "") for r in rows]
@@ -186,7 +182,7 @@ def plot(arms: dict[str, list[dict]], path: Path) -> None:
     ax.set_ylabel("client TTFT (s)")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_png(fig, path)
 
 
 if __name__ == "__main__":

@@ -14,13 +14,12 @@ padded, SDPA, whole KV on the GPU): a prefill alone, --max-tokens and --decode-t
 its decode rate is (decode-tokens - 1) * N over the difference. Answers are of fixed length on both
 sides (`min_tokens` on the server, `min_new_tokens` for HF).
 
-  python bench/serve_batch.py --conversations 1,8,32 --doc-tokens 8192 --out out/serve_batch
+  python -m bench.serve_batch --conversations 1,8,32 --doc-tokens 8192 --out out/serve_batch
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import re
 import statistics
@@ -32,12 +31,12 @@ from pathlib import Path
 
 import httpx
 import torch
-from document import reference_text
 from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
-from serve import QUESTIONS, Served
 
+from bench.document import reference_text
+from bench.harness import out_dir, progress_bar, pyplot, save_png, write_json
+from bench.serve import QUESTIONS, Served
 from kvflash.models.loader import load_model
 from kvflash.prompt import encode_messages
 
@@ -202,12 +201,11 @@ def main() -> None:
     ap.add_argument("--out", default="out/serve_batch")
     args = ap.parse_args()
     counts = [int(n) for n in args.conversations.split(",")]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_dir(args.out)
     lm = load_model(args.model, device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     docs, shared_doc = documents(args, lm, max(counts))
     rows = []
-    with Progress() as progress:
+    with progress_bar() as progress:
         task = progress.add_task("conversations", total=len(counts) * 3)
         for n in counts:
             row = {"n": n, "batched": guarded(conversations, args, docs[:n], n)}
@@ -230,7 +228,7 @@ def main() -> None:
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     meta = {"date": time.strftime("%Y-%m-%d"), "python": platform.python_version(),
             "torch": torch.__version__, "gpu": gpu, "args": vars(args)}  # fmt: skip
-    (out / "serve_batch.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=asdict))
+    write_json(out / "serve_batch.json", {"meta": meta, "rows": rows}, default=asdict)
     plot(rows, out / "serve_batch.png")
 
 
@@ -292,10 +290,7 @@ def report(args, rows: list[dict]) -> None:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     ns = [r["n"] for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
@@ -311,7 +306,7 @@ def plot(rows: list[dict], path: Path) -> None:
     for ax in (a, b):
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_png(fig, path)
 
 
 if __name__ == "__main__":

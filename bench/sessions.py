@@ -4,7 +4,7 @@ Turn 1 prefills the document cold and snapshots it; turn 2 asks another question
 restores the document from disk (lazily when its KV exceeds the pool budget). Prints one table and
 writes JSON (and a PNG bar chart) to --out.
 
-  python bench/sessions.py --lengths 4096,8192 --pool-tokens 8192 --out out/sessions
+  python -m bench.sessions --lengths 4096,8192 --pool-tokens 8192 --out out/sessions
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from bench.harness import out_dir, pyplot, save_png, write_json
 from kvflash.haystack import filler_sentences
 
 
@@ -79,8 +80,7 @@ def main() -> None:
     arms = args.positions.split(",")
     if not arms or any(a not in ("cache", "absolute") for a in arms):
         raise SystemExit(f"--positions takes cache, absolute or cache,absolute, not {args.positions!r}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_dir(args.out)
 
     from kvflash.models.loader import load_model
 
@@ -101,7 +101,7 @@ def main() -> None:
                 Console(stderr=True).print(
                     f"{n} tokens, {arm} positions: turn1 {t1['ttft_s']:.2f}s turn2 {t2['ttft_s']:.2f}s"
                 )
-    (out / "sessions.json").write_text(json.dumps(rows, indent=1))
+    write_json(out / "sessions.json", rows)
     table = Table(title=f"turn-2 vs turn-1 TTFT (pool {args.pool_tokens} tokens)")
     for col in ("doc tokens", "positions", "turn 1 TTFT s", "turn 2 TTFT s", "turn 2 source", "restored",
                 "prefilled", "disk MiB", "turn2/turn1"):  # fmt: skip
@@ -116,10 +116,7 @@ def main() -> None:
 
 
 def _plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     both = len({r["positions"] for r in rows}) > 1
     labels = [f"{r['doc_tokens'] // 1024}K" + (f"\n{r['positions']}" if both else "") for r in rows]
@@ -133,7 +130,7 @@ def _plot(rows: list[dict], path: Path) -> None:
     ax.set_ylabel("TTFT (s)")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_png(fig, path)
 
 
 if __name__ == "__main__":

@@ -12,28 +12,25 @@ same keys: the restore's throughput against the raw GET's.
 Targets: turn 2 from Redis <= 1.5 x turn 2 from local disk and <= 1/5 of cold on a 32K-token
 document; restore >= 70 % of raw GET.
 
-  python bench/shared_store.py --doc-tokens 32768 --out out/shared_store
+  python -m bench.shared_store --doc-tokens 32768 --out out/shared_store
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
-from serve import QUESTIONS, Served, prepare
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.redis_util import RedisServer  # noqa: E402
+from bench.harness import progress_bar, pyplot, save_png, write_json
+from bench.serve import QUESTIONS, Served, prepare
+from tests.redis_util import RedisServer
 
 
 def wait_for_copy(url: str, timeout_s: float = 1800) -> None:
@@ -96,7 +93,7 @@ def main() -> None:
     out, doc = prepare(args)
     turn1 = [{"role": "system", "content": doc}, {"role": "user", "content": QUESTIONS[0]}]
     rows: dict[str, dict] = {}
-    with tempfile.TemporaryDirectory() as tmp, Progress() as progress:
+    with tempfile.TemporaryDirectory() as tmp, progress_bar() as progress:
         tmp = Path(tmp)
         task = progress.add_task("turns", total=5)
         redis = RedisServer(tmp / "redis").start()
@@ -153,15 +150,12 @@ def report(args, rows: dict[str, dict], tp: dict, out: Path) -> None:
     )
     meta = {"date": time.strftime("%Y-%m-%d"), "python": platform.python_version(), "args": vars(args)}
     body = {"meta": meta, "turns": rows, "throughput": tp}
-    (out / "shared_store.json").write_text(json.dumps(body, indent=1))
+    write_json(out / "shared_store.json", body)
     plot(rows, out / "shared_store.png")
 
 
 def plot(rows: dict[str, dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = [n for n in rows if n.startswith("turn 2")]
     fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -169,7 +163,7 @@ def plot(rows: dict[str, dict], path: Path) -> None:
     ax.set_yscale("log")
     ax.set_ylabel("turn 2 client TTFT (s)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_png(fig, path)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Every cold restore comes right after a raw cold read of the same files (their pa
 posix_fadvise DONTNEED before each), read the way a restore reads them minus the decoding: all
 hinted at once (WILLNEED), then read by as many threads as the restore uses into reused buffers.
 Each restore's share is against the read just before it, so a disk whose speed drifts between runs
-(1.0-2.0 GB/s on the H200 host) does not skew the ratio; --repeats pairs per kind, median share.
+(docs/BENCHMARKS.md: Snapshot store) does not skew the ratio; --repeats pairs per kind, median share.
 Kinds: into fresh tensors, into destinations allocated before the clock starts (as the engine
 restores into its host-tier slots), and the same with the store's threads only (no decode
 processes). Then warm restores (files in the page cache: what decoding sustains) and the async
@@ -15,15 +15,14 @@ Input: `--kv-file` safetensors whose 5-D tensors are chunks `[L, 2, Hkv, C, D]` 
 whose 6-D tensor stacks them; otherwise synthetic bf16 KV with SmolLM2-135M's shape (the output
 says which).
 
-    python bench/storage.py --out docs/storage.json
-    python bench/storage.py --kv-file smollm2_kv.safetensors --dir /mnt/nvme/kvbench --out ...
+    python -m bench.storage --out docs/storage.json
+    python -m bench.storage --kv-file smollm2_kv.safetensors --dir /mnt/nvme/kvbench --out ...
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import shutil
@@ -36,9 +35,9 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
 
+from bench.harness import progress_bar, pyplot, save_png, write_json
 from kvflash.config import ResidencyConfig
 from kvflash.paths import kvflash_home
 from kvflash.storage import ROOT_HASH, ChunkBlob, SnapshotStore
@@ -311,7 +310,7 @@ def main() -> None:
         f"{workers} threads, {args.processes} decode processes"
     )
     rows = []
-    with Progress(console=con, transient=True) as progress:
+    with progress_bar(console=con, transient=True) as progress:
         task = progress.add_task("codecs", total=len(codecs))
         for i, (codec, level) in enumerate(codecs):
             progress.update(task, description=f"{codec} zstd {level}")
@@ -359,17 +358,14 @@ def main() -> None:
             "raw_write_mbps": write,
         }
         results = [asdict(r) | {"raw_read_mbps": r.raw_read_mbps} for r in rows]
-        args.out.write_text(json.dumps({**meta, "rows": results}, indent=1))
+        write_json(args.out, {**meta, "rows": results})
         plot_shares(results, args.out.with_suffix(".png"))
 
 
 def plot_shares(rows: list[dict], path: Path) -> None:
     """Each cold restore's share of the raw read just before it (dots) and their median (bar), per
     codec and kind, with the 80 % target."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     kinds = [
         ("cold_mbps", "fresh tensors"),
@@ -388,7 +384,7 @@ def plot_shares(rows: list[dict], path: Path) -> None:
     ax.set_ylabel("% of the raw cold read")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_png(fig, path)
 
 
 if __name__ == "__main__":

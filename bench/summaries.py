@@ -7,13 +7,12 @@ Synthetic chunks of SmolLM2-135M's shape by default: KV [30, 2, 3, 64, 64] bf16 
 shared by every chunk: only the summaries are read), summaries [30, 3, 4, 64] fp32, 92 KB a chunk.
 The store is made under --dir and removed at the end.
 
-    python bench/summaries.py --chunks 2048 --out out/summaries.json
+    python -m bench.summaries --chunks 2048 --out out/summaries.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from bench.harness import out_dir, write_json
 from kvflash.storage import ROOT_HASH, ChunkBlob, SnapshotStore
 
 FP = "bench-summaries"
@@ -98,8 +98,8 @@ def main() -> None:
             print(f"{source:>14} {kind[:-2]:>4}: median {statistics.median(times):.3f} s  {times}")
     print(f"save: {save_s:.1f} s for {args.chunks} chunks")
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))
+        out_dir(args.out.parent)
+        write_json(args.out, result, indent=2)
 
 
 if __name__ == "__main__":

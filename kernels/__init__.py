@@ -1,4 +1,4 @@
-"""Kernels over the chunk pool (DESIGN: Kernels): Triton on CUDA, the torch reference twins elsewhere.
+"""Kernels over the chunk pool (docs/DESIGN.md: Kernels): Triton on CUDA, the torch reference twins elsewhere.
 
 Each call picks its implementation from its arguments: Triton when every tensor is on CUDA, triton
 imports and the pool's shape suits the kernels (power-of-two chunk_tokens and head_dim >= 16);

@@ -295,20 +295,18 @@ class Launch(NamedTuple):
 
 
 def decode_launch(head_dim: int, batch: int, kv_bytes: int = 2) -> Launch:
-    """Launch settings for a shape, from sweeps on the H200 (bench/decode_tune.py, docs/BENCHMARKS.md).
+    """Launch settings for a shape, each rule measured side by side with what it replaced
+    (bench/decode_tune.py and docs/BENCHMARKS.md: Kernels, "Decode launch rules and why").
     At batch 1-8, head_dim 128 streams best from one program per SM (`waves` 1 at one 128-token tile
     per SM), its tiles five stages deep, merged in the split kernel: one ramp-up per SM instead of
-    four, and with so few splits the merging program reads little (Llama-8B 64K x1 87.6 % of copy
-    against 82.6 % for three stages over four waves, 32K x1 79 against 73 %, 64K x2 92.6 against
-    88.7 %). Four stages lost 20 points (the compiled kernel held 72 KB of shared memory, five 137 KB).
-    Only 2-byte KV takes it: fp32 tiles twice the size would not fit in shared memory five deep.
+    four, and with so few splits the merging program reads little. Four stages are slower (the
+    compiled kernel holds 72 KB of shared memory, five 137 KB). Only 2-byte KV takes it: fp32 tiles
+    twice the size would not fit in shared memory five deep.
     From batch 16 the (b, kv-head) programs alone fill the device and 64-token tiles are best, and
-    head_dim 128 merges in the split kernel: over two waves at batch 16-31, six from batch 32
-    (Llama-8B 8K-128K at batch 32 and 64: 97-104 % of copy). head_dim 64 keeps the two-kernel merge
-    below batch 16 (at batch 1 the fused merge lost 3-13 points at every split count tried) and takes
-    128-token tiles from batch 2; at batch 2-8 five stages deep in one wave of two programs per SM
-    (SmolLM2 64K x2 76 % of copy against 71 % for two stages over four waves, 64K x4 84 against
-    82 %, 64K x8 93 against 91 %; the fused merge lost there too)."""
+    head_dim 128 merges in the split kernel: over two waves at batch 16-31, six from batch 32.
+    head_dim 64 keeps the two-kernel merge below batch 16 (the fused merge is slower there at every
+    split count tried) and takes 128-token tiles from batch 2; at batch 2-8 five stages deep in one
+    wave of two programs per SM."""
     if head_dim >= 128 and batch >= 16:
         return Launch(BLOCK_TOKENS, 2, 2 if batch < 32 else 6, True)
     if batch >= 16:
@@ -326,10 +324,9 @@ def decode_launch(head_dim: int, batch: int, kv_bytes: int = 2) -> Launch:
 
 def use_pdl(head_dim: int, device: torch.device) -> bool:
     """Programmatic dependent launch (Hopper on): a kernel is scheduled while the previous one in the
-    stream drains and waits for its writes on the device, instead of launching after it. Measured
-    side by side on the H200 (docs/BENCHMARKS.md): +1.3 to +2.6 points of copy bandwidth for
-    head_dim 64 at batch 1 (short kernels, where a launch gap is a visible share), within +-0.4 for
-    head_dim 128, so only head_dim 64 takes it."""
+    stream drains and waits for its writes on the device, instead of launching after it. It pays
+    for head_dim 64 (short kernels, where a launch gap is a visible share) and not for head_dim 128,
+    so only head_dim 64 takes it (docs/BENCHMARKS.md: Kernels, "Decode launch rules and why")."""
     return head_dim < 128 and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 

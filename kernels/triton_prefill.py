@@ -222,9 +222,9 @@ def _block_m(t: int, hq: int, device: torch.device) -> int:
 
 def prefill_splits(programs: int, blocks: int, device: torch.device) -> int:
     """Splits of the unmasked key tiles. A grid of `programs` (query blocks x heads) with one per SM
-    or more keeps one (Llama-8B's 256 for a 512-token step ran 0.82-0.98x as fast in two splits on
-    the H200); a smaller one is split until it has PROGRAMS_PER_SM a SM, no split shorter than
-    MIN_SPLIT_BLOCKS of the `blocks` tiles listed (SmolLM2's 72: four splits, 1.7-3.3x)."""
+    or more keeps one (splitting it is slower); a smaller one is split until it has PROGRAMS_PER_SM a
+    SM, no split shorter than MIN_SPLIT_BLOCKS of the `blocks` tiles listed (docs/BENCHMARKS.md:
+    Cold prefill)."""
     sms = sm_count(device)
     if programs >= sms:
         return 1

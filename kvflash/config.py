@@ -71,7 +71,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ResidencyConfig:
-    """What stays on the GPU for a sequence whose KV is larger than its budget (DESIGN: Residency).
+    """What stays on the GPU for a sequence whose KV is larger than its budget (docs/DESIGN.md: Residency).
 
     The floor is sinks + tail + pins + 2 chunks: the append head and at least one selected chunk.
     """
@@ -129,4 +129,4 @@ class EngineConfig:
     """The most tokens a prefill step computes; None: `Engine.step_tokens` picks by device."""
     cuda_graphs: bool = True
     """Decode steps replay a CUDA graph on CUDA (`decode_graph`): a step launches a few hundred small
-    kernels, and eager launches from Python cost more than the kernels (docs/BENCHMARKS.md, Decode)."""
+    kernels, and eager launches from Python cost more than the kernels (docs/BENCHMARKS.md: Decode speed)."""

@@ -5,7 +5,7 @@ A session keeps its one conversation live between turns; the server keeps as man
 once, so a client that resends a conversation with one more question reuses it from the GPU, and any
 other conversation it has seen (in this process or an earlier one) from disk.
 
-Taking a stored prefix is a transaction (DESIGN: Scheduler): whatever fails on the way (a damaged or
+Taking a stored prefix is a transaction (docs/DESIGN.md: Scheduler): whatever fails on the way (a damaged or
 missing chunk, a full host tier, a full disk, an index error) frees the sequence and its leases
 before `take` returns an empty one, with a warning, and the prompt is prefilled cold. The store
 counts a hit only for a validated restore: an eager one once its chunks are read, a lazy one (whose

@@ -123,7 +123,8 @@ class Session:
 
     def _stored_document_ids(self) -> list[int] | None:
         """The documents' ids, from the chunks of the newest snapshot over them, if one holds them
-        all: tokenising a 128K-token document took 0.38 s of a 2.4 s turn on the H200's host."""
+        all: tokenising a long document again costs a visible share of a turn (docs/BENCHMARKS.md:
+        Sessions)."""
         if not self.snapshots:
             return None
         ours = [s for s in self._own_snapshots() if s.meta.get("docs") == self.docs_hash]

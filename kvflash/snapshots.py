@@ -1,6 +1,6 @@
 """Between a live sequence and the disk store: save a chunk-aligned prefix, find and restore one.
 
-A restore is a transaction (DESIGN: Scheduler): chunks are leased, read and validated into host-tier
+A restore is a transaction (docs/DESIGN.md: Scheduler): chunks are leased, read and validated into host-tier
 slots, and only then does the sequence adopt them (the caller counts the hit once the restore is
 validated). Any failure leaves the sequence empty and the stored copy untouched, and the caller
 prefills cold. A lazy restore reads
@@ -213,9 +213,8 @@ class KVSnapshots:
 
     def start_prefetch(self, kv: PagedKV) -> None:
         """Starts reading a lazy sequence's remaining chunks in the background. Called after the
-        answer: during decode its decoding threads took the GIL from the token loop (3.5 tok/s with
-        it, 38 without, after a lazy 128K restore on the H200), and the next question is what the
-        prefetch is for."""
+        answer: during decode its decoding threads would take the GIL from the token loop
+        (docs/BENCHMARKS.md: Sessions), and the next question is what the prefetch is for."""
         if self.prefetch and kv.fetch is not None:
             threading.Thread(target=self._prefetch, args=(kv,), daemon=True, name="kvflash-prefetch").start()
 

@@ -1,4 +1,4 @@
-"""A chunk as the store sees it, and the chain hash that names it (DESIGN: Units)."""
+"""A chunk as the store sees it, and the chain hash that names it (docs/DESIGN.md: Units)."""
 
 from __future__ import annotations
 

@@ -23,8 +23,8 @@ import zstandard
 
 DEFAULT_LEVEL = 1
 """zstd level 1, not 3: on byte-plane KV level 1 both compresses better (real SmolLM2 KV 1.33x vs
-1.29x, synthetic 1.30x vs 1.27x) and runs faster (saves 1.2-1.7x faster on the H200 host,
-decompresses a chunk 1.5x faster on the 2-core VM; docs/BENCHMARKS.md, Snapshot store)."""
+1.29x, synthetic 1.30x vs 1.27x) and saves and decompresses faster (docs/BENCHMARKS.md: Snapshot
+store)."""
 FP8_MAX = 448.0
 """Largest finite float8_e4m3fn."""
 

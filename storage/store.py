@@ -1,6 +1,6 @@
 """`SnapshotStore`: chunk files content-addressed by chain hash, snapshots as ordered lists of them.
 
-Ordering rules that keep the invariants (DESIGN: Disk store):
+Ordering rules that keep the invariants (docs/DESIGN.md: Disk store):
 - a chunk file is durable before the index row that names it is committed;
 - rows are deleted (and committed) before their files are unlinked, under the exclusive store lock,
   which saves hold shared from their existence checks to their commit;
@@ -95,8 +95,8 @@ T = TypeVar("T")
 MAX_META_BYTES = 1 << 20
 MAX_DEFAULT_WORKERS = 8
 """A decode thread holds the GIL for 12-17% of its CPU time (perf, 2-core VM), so 8 threads come near
-one GIL's worth and 16 are over it: on the H200's 16-core host, 16 threads restored 1.70-1.92 GB/s
-from the page cache, 8 threads 1.85-2.46 GB/s (docs/BENCHMARKS.md)."""
+one GIL's worth and 16 are over it: 16 threads restore no faster than 8 (docs/BENCHMARKS.md:
+Snapshot store)."""
 RESERVE_BYTES = 1 << 20
 """`<root>/reserve`: space held back so that a removal on a full disk can write its index
 transaction (a WAL of a few hundred pages for thousands of chunks) and so free the rest."""

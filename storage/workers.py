@@ -1,9 +1,8 @@
 """Chunk decoding in worker processes, for restores that outgrow the GIL.
 
 A restore thread holds the GIL for 12-17 % of its time (header parsing, checks, numpy and torch set-up
-around the native zstd and plane-merge calls), so on the 16-core H200 host threads stop scaling at 8:
-2.6 GB/s of stored bytes for the lossless codec, 1.1 GB/s for fp8. Processes scale with the cores
-(4.9 and 2.6 GB/s at 16; docs/BENCHMARKS.md), and leave the parent's GIL to the engine.
+around the native zstd and plane-merge calls), so threads stop scaling at about 8. Processes scale
+with the cores (docs/BENCHMARKS.md: Snapshot store), and leave the parent's GIL to the engine.
 
 Each worker is a Python process running `serve` and owns a shared-memory segment (a file in
 /dev/shm, unlinked as soon as it is opened: the worker inherits the descriptor, so nothing outlives

@@ -215,8 +215,9 @@ def test_smollm_small_grid_restore_answers_as_cold(smollm_path, tmp_path) -> Non
 @pytest.mark.slow
 def test_smollm_qk_at_an_eighth_finds_needles_far_from_the_question(smollm_path, tmp_path) -> None:
     """A 2K document, a pool of 1/8 (raised to the 7-chunk floor, 448 tokens), needles at depths
-    0.1-0.4: at absolute positions qk found none at these depths on the H200 grid (0/48); with
-    positions within the cache, scored where they would sit, 46/48. Here: at least three of four."""
+    0.1-0.4: at absolute positions qk finds none at these depths on the 2K-8K grid (0/48); with
+    positions within the cache, scored where they would sit, 46/48 (docs/BENCHMARKS.md: NIAH).
+    Here: at least three of four."""
     from kvflash.models.loader import load_model
     from kvflash.niah import run
 

@@ -241,7 +241,8 @@ def test_restore_into_given_tensors_only_after_every_check(store) -> None:
 
 def test_a_restore_does_not_wait_for_its_read_ahead_hint(tmp_path) -> None:
     """The hint for a batch blocks once the disk's queue is full; the reads and decodes must go on
-    meanwhile (on the H200 host, waiting for it kept a 1,024-chunk restore at 75 % of the disk)."""
+    meanwhile (waiting for it holds a 1,024-chunk restore well under the disk's read speed:
+    docs/BENCHMARKS.md, Snapshot store)."""
     release = threading.Event()
     hinted: list[list[str]] = []
 

@@ -15,13 +15,12 @@ kernels, one layer's attention at a time (bench/decode.py measures the engine's 
 graph reads at least L2_DEFEAT_BYTES of distinct KV, so small shapes are not served from
 the 60 MB L2.
 
-    python bench/kernels.py --out docs/kernels.json
+    python -m bench.kernel_speed --out docs/kernels.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import time
 from collections.abc import Callable
@@ -32,11 +31,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
+from bench.harness import copy_bandwidth, progress_bar, pyplot, require_cuda, save_png, write_json
 from kvflash.kernels.triton_decode import paged_decode_attention
 from kvflash.kernels.triton_prefill import prefill_attention
 
@@ -52,11 +51,10 @@ LONG_CONTEXT = 65536
 L2_DEFEAT_BYTES = 512 << 20
 SETTLE_BYTES = 4 << 30
 SETTLE_S = 5.0
-"""After a shape that held more than SETTLE_BYTES, wait SETTLE_S before the next: on the H200 a
-batch-1 paged decode measured right after tens of GB were freed ran up to 10 points of copy
-bandwidth slower (Llama-8B 128K x1: 81.0 % right after 128K x64, 91.0 % half a second later, and
-no slower after longer waits; memory at 38-55 C throughout), an artefact of the harness freeing
-its buffers, not of a serving engine, which allocates its pool once."""
+"""After a shape that held more than SETTLE_BYTES, wait SETTLE_S before the next: a batch-1 paged
+decode measured right after tens of GB were freed reads several points of copy bandwidth low, an
+artefact of the harness freeing its buffers, not of a serving engine, which allocates its pool once
+(docs/BENCHMARKS.md: Kernels, "Decode launch rules and why")."""
 
 
 @dataclass
@@ -93,8 +91,8 @@ def _stream_read_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, STEPS: tl.conste
 
 
 def read_limit(buffers: list[torch.Tensor]) -> float:
-    """GB/s of the fastest streaming read (2 or 4 steps a program: many short programs were fastest
-    on the H200 at 50-540 MB) over each buffer once, all replayed from one graph."""
+    """GB/s of the fastest streaming read (2 or 4 steps a program: many short programs read fastest
+    at the sizes this bench reads) over each buffer once, all replayed from one graph."""
     best = 0.0
     for steps in (2, 4):
         calls = []
@@ -145,14 +143,6 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tup
                 return F.scaled_dot_product_attention(q, ke, ve, is_causal=causal)
 
         return efficient, "efficient"
-
-
-def copy_bandwidth() -> float:
-    """GB/s of traffic (read + write) for a 4 GiB device-to-device copy."""
-    src = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=10, rep=60)
-    return 2 * src.numel() / ms / 1e6
 
 
 def paged_pool(batch: int, n: int, h_kv: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -266,10 +256,11 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="path of the JSON results")
     ap.add_argument("--max-gb", type=float, default=40.0, help="skip decode shapes with more KV than this")
     args = ap.parse_args()
+    require_cuda("kernel_speed", "CUDA kernels")
     console = Console(width=None if Console().is_terminal else 160)
     todo = jobs(args.max_gb)
     rows: list[Row] = []
-    with Progress(console=console, transient=True) as progress:
+    with progress_bar(console=console, transient=True) as progress:
         task = progress.add_task("copy bandwidth", total=len(todo) + 1)
         copy_gbps = copy_bandwidth()
         progress.advance(task)
@@ -293,8 +284,7 @@ def main() -> None:
         "dtype": str(DTYPE),
         "copy_gbps": copy_gbps,
     }
-    with open(args.out, "w") as f:
-        json.dump({**meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
+    write_json(args.out, {**meta, "rows": [asdict(r) for r in rows]})
     png = str(args.out).removesuffix(".json") + ".png"
     plot_decode([asdict(r) for r in rows], copy_gbps, png)
     console.print(f"wrote {args.out} and {png}")
@@ -303,10 +293,7 @@ def main() -> None:
 def plot_decode(rows: list[dict], copy_gbps: float, path: str) -> None:
     """Decode as a share of the copy rate against context, one line per batch, per model, with the
     read limit of batch 1 (dashed) and the 85 % target."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     models = list(MODELS)
     fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 3.6), sharey=True)
@@ -330,7 +317,7 @@ def plot_decode(rows: list[dict], copy_gbps: float, path: str) -> None:
     axes[0].set_ylabel("% of copy bandwidth")
     axes[-1].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_png(fig, path)
 
 
 if __name__ == "__main__":
