@@ -1,15 +1,15 @@
 """Continuous batching: the requests of a server advance together, a step at a time, in one forward.
 
-One thread owns the engine. It admits waiting requests in the order they came while the pool has room
-for them and fewer than `max_batch` run: each takes a sequence from the prefix cache (live, restored
-from disk, or empty) and prefills the rest of its prompt in pieces. A step is a token budget
-(`Engine.step_tokens`): one decode token of every running request, then the next pieces of the prefilling ones in the order they came, as many as fit, all in
-one forward (`Engine.forward`, chunked prefill mixed with decode): a long prompt never stalls the
-others' answers, and the short next turns of many conversations prefill in one step. A request
-whose prompt begins as a busy one's (one document, several conversations) waits for it to end and
-takes its chunks from the sequence it leaves. A step of decode tokens alone replays CUDA graphs.
-A request ends at a stop id, at max_tokens or when its consumer says so; its sequence goes back to
-the prefix cache, live.
+One thread owns the engine. It admits waiting requests in the order they came while the pool has
+room for them and fewer than `max_batch` run: each takes a sequence from the prefix cache (live,
+restored from disk, or empty) and prefills the rest of its prompt in pieces. A step is a token
+budget (`Engine.step_tokens`): one decode token of every running request, then the next pieces of
+the prefilling ones in the order they came, as many as fit, all in one forward (`Engine.forward`,
+chunked prefill mixed with decode): a long prompt never stalls the others' answers, and the short
+next turns of many conversations prefill in one step. A request whose prompt begins as a busy one's
+(one document, several conversations) waits for it to end and takes its chunks from the sequence it
+leaves. A step of decode tokens alone replays CUDA graphs. A request ends at a stop id, at
+max_tokens or when its consumer says so; its sequence goes back to the prefix cache, live.
 
 Admission by room: every sequence has one budget (`sequence_tokens`, at most the pool), and a
 request reserves the pool slots its prompt and answer can fill, up to that budget (and, when it
