@@ -53,7 +53,7 @@ def serving(
     **app,
 ) -> Iterator[tuple[str, Server]]:
     """A server on a free port of 127.0.0.1, in a thread of this process, over a new engine whose
-    pool (4,096 tokens) gives each of the 4 requests that may decode together 1,024. `store` is a
+    pool (4,096 tokens) the requests share by room (up to `max_batch` together). `store` is a
     directory (a store opened and closed here) or a store the caller opened (and closes)."""
     engine = Engine(lm, EngineConfig(pool_tokens=4096))
     st = SnapshotStore(store) if isinstance(store, Path) else store

@@ -186,7 +186,7 @@ def kill_trials(tmp_path: Path, kills: int, seed: int) -> dict[str, int]:
     return figures
 
 
-SERVE_FLAGS = ("--max-tokens", "4", "--max-batch", "2", "--pool-tokens", "1024")
+SERVE_FLAGS = ("--max-tokens", "4", "--max-batch", "2", "--pool-tokens", "1024", "--sequence-tokens", "512")
 """Two requests at a time with 512 tokens each: a short ledger's stored prefix restores eagerly, a
 long one's lazily (its chunks read from disk during the prefill)."""
 
@@ -278,13 +278,17 @@ def server_kill_trials(tmp_path: Path, smollm_path: Path, kills: int, seed: int)
             witnesses.update(_pin_served(root, rng))
 
     with serve_process(smollm_path, root, *SERVE_FLAGS) as (url, proc):  # the store still serves
-        for c in range(4):
-            r = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": ledger(c, 2)})
-            assert r.status_code == 200, r.text
-            cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
-            assert cached > 0, f"conversation {c} went cold: {r.json()['kvflash']}"
+        replies = [
+            httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": ledger(c, 2)})
+            for c in range(4)
+        ]
         proc.send_signal(signal.SIGINT)
-        proc.communicate(timeout=60)
+        log, _ = proc.communicate(timeout=60)  # what the server said, for the assertions below
+    for c, r in enumerate(replies):
+        assert r.status_code == 200, r.text
+        cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        said = log[-4000:]
+        assert cached > 0, f"conversation {c} went cold: {r.json()['kvflash']}; the server said:\n{said}"
     _, swept, lost = final_check(root, witnesses)
     assert interrupted >= kills // 4, "too few kills came before the last answer: they tested little"
     figures = dict(

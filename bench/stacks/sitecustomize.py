@@ -1,0 +1,48 @@
+"""A sampling profiler for any Python process of a benchmark: put this folder on PYTHONPATH and set
+KVFLASH_STACKS=PREFIX; every thread's stack is sampled every KVFLASH_STACKS_MS (5) ms and, when the
+process exits, the counts of each collapsed stack (thread name; outermost frame first) are written
+to PREFIX.<pid>.txt, one `count thread;file:function;...` line each (flame-graph tools read it).
+
+It needs no ptrace and no package: the `kvflash serve` processes a benchmark starts are profiled
+as they run, which a profiler attached from outside cannot do on every machine."""
+
+import atexit
+import os
+import sys
+import threading
+import time
+from collections import Counter
+
+_prefix = os.environ.get("KVFLASH_STACKS")
+if _prefix:
+    _period = float(os.environ.get("KVFLASH_STACKS_MS", "5")) / 1000
+    _counts: Counter[str] = Counter()
+    _me = threading.get_ident()
+
+    def _name(frame) -> str:
+        code = frame.f_code
+        return f"{os.path.basename(code.co_filename)}:{code.co_name}"
+
+    def _sample() -> None:
+        while True:
+            time.sleep(_period)
+            names = {t.ident: t.name for t in threading.enumerate()}
+            for ident, frame in sys._current_frames().items():
+                if ident == _me_sampler[0]:
+                    continue
+                stack = []
+                while frame is not None:
+                    stack.append(_name(frame))
+                    frame = frame.f_back
+                _counts[";".join([names.get(ident, str(ident)), *reversed(stack)])] += 1
+
+    def _write() -> None:
+        with open(f"{_prefix}.{os.getpid()}.txt", "w") as f:
+            for stack, n in _counts.most_common():
+                f.write(f"{n} {stack}\n")
+
+    _me_sampler = [0]
+    _t = threading.Thread(target=_sample, name="kvflash-stacks", daemon=True)
+    _t.start()
+    _me_sampler[0] = _t.ident
+    atexit.register(_write)
