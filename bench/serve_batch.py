@@ -217,7 +217,7 @@ def main() -> None:
             rows.append(row)
     hf = {}
     if not args.no_hf and lm.device.type == "cuda":
-        from hf import hf_llama
+        from bench.hf import hf_llama
 
         model = hf_llama(lm)
         hf = {n: guarded(hf_arm, args, lm, model, docs[:n]) for n in counts}
