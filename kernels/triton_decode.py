@@ -47,7 +47,7 @@ during capture, where a new allocation would belong to the graph's private pool.
 _counters: dict[torch.device, torch.Tensor] = {}
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tb", "stride_rb", "n_splits"])
 def _decode_split_kernel(
     q_ptr,
     kv_ptr,
@@ -241,7 +241,7 @@ def _merge_splits(
     tl.store(out_ptr + g[:, None] * stride_oh + d[None, :], out, mask=(g < G)[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_splits"])
 def _combine_kernel(
     o_part_ptr,
     lse_ptr,

@@ -120,7 +120,7 @@ def _attend_blocks(
     return acc, m_i, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "n_splits", "q_start", "T"])
 def _prefill_kernel(
     q_ptr,
     kv_ptr,

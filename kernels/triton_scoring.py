@@ -77,7 +77,7 @@ def chunk_summaries(kv_pool: torch.Tensor, slots: torch.Tensor, blocks: int) -> 
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _lse_kernel(
     q_ptr,
     kv_ptr,

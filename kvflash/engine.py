@@ -21,6 +21,10 @@ from kvflash.paged_kv import PagedKV
 from kvflash.pool import ChunkPool, slots_for
 from kvflash.step import MixedKV, Piece, Prefill
 
+WARM_PIECES = (24, 48, 100)
+"""Prefill pieces the warm-up runs after a whole step: one of each query-tile size the prefill
+kernel picks for short pieces (32, 64 and 128 rows), the shapes of a conversation's next turns."""
+
 
 class Engine:
     def __init__(self, lm: LoadedModel, cfg: EngineConfig):
@@ -39,7 +43,7 @@ class Engine:
 
     def warm_up(self) -> None:
         """A prefill and decode steps on scratch sequences: one of the pool's budget, whose prefill
-        runs a whole step (`step_tokens`, the shape long prompts use) and then a short one, and
+        runs a whole step (`step_tokens`, the shape long prompts use) and then short ones, and
         under an evicting policy one over a small budget, whose steps page chunks out and in, score
         them and scout. A process's first CUDA calls (cuBLAS handles and its choice per matrix shape,
         Triton kernels compiled or loaded from the cache, pinned host memory) are slow; warmed here,
@@ -49,6 +53,9 @@ class Engine:
         try:
             whole = min(self.step_tokens, (self.pool.n_slots - 1) * c)
             logits = self.prefill(kv, [0] * (max(whole, 2 * c) + 1))
+            for n in WARM_PIECES:  # the query tiles of short pieces over a long context (turn 2)
+                if len(kv.seq) + n < kv.budget * c:
+                    logits = self.prefill(kv, [0] * n)
             # captures the graph a lone sequence of the pool's budget replays (the first capture in a
             # process is the slow one)
             sampler = Sampler(Sampling(), self.lm.device)

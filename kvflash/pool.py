@@ -70,6 +70,8 @@ class ChunkPool:
         self.chunk_tokens = chunk_tokens
         self.kv = torch.zeros((n_slots + 1, *chunk_shape(cfg, chunk_tokens)), dtype=dtype, device=device)
         self._free = list(range(n_slots - 1, -1, -1))
+        self._taken = bytearray(n_slots)
+        """1 where a slot is given out: a release is checked in O(1), not by a scan of `_free`."""
         self.pad_slot = n_slots
         self.epoch = 0
 
@@ -91,9 +93,12 @@ class ChunkPool:
         self.epoch += 1
         out = self._free[len(self._free) - n :]
         del self._free[len(self._free) - n :]
+        for slot in out:
+            self._taken[slot] = 1
         return sorted(out)
 
     def release(self, slot: int) -> None:
-        assert 0 <= slot < self.n_slots and slot not in self._free, f"bad release of slot {slot}"
+        assert 0 <= slot < self.n_slots and self._taken[slot], f"bad release of slot {slot}"
+        self._taken[slot] = 0
         self._free.append(slot)
         self.epoch += 1

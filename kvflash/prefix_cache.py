@@ -200,16 +200,17 @@ class PrefixCache:
         return kv
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of a and b."""
+def _common_prefix(a: list[int], b: list[int], block: int = 64) -> int:
+    """Length of the longest common prefix of a and b: compared a block at a time, then token by
+    token inside the first block that differs (a list slice compares in C; one scan, no copies of
+    whole prompts)."""
     n = min(len(a), len(b))
-    if a[:n] == b[:n]:
+    i = 0
+    while i < n and a[i : i + block] == b[i : i + block]:
+        i += block
+    if i >= n:
         return n
-    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    end = min(i + block, n)
+    while i < end and a[i] == b[i]:
+        i += 1
+    return i

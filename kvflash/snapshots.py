@@ -28,6 +28,9 @@ APPROX_SUFFIX = "+approx"
 below the context): they hash apart from exact KV, so they never stand in for it."""
 PREFETCH_PAUSE_S = 0.001
 """Between prefetch batches, so that a selection waiting for the fetch lock gets it."""
+STAGE_CHUNKS = 64
+"""Chunks gathered on the device per copy when staging: one gather and one device-to-host copy a
+group, instead of a copy (and a wait) a chunk, in a few tens of MB of device memory."""
 
 
 @dataclass
@@ -84,14 +87,16 @@ class KVSnapshots:
         hashes = chain_hashes(fp, kv.seq.tokens[: n * c], c)
         stored = self.store.find_longest_prefix(fp, hashes)
         items: list[ChunkBlob | str] = list(hashes[:stored])
+        if stored == n:
+            return StagedSnapshot(fp, items)
+        summaries = kv.seq.summaries[stored:n].to("cpu", copy=True)
+        copies = _resident_copies(kv, range(stored, n))
         for i in range(stored, n):
             parent = hashes[i - 1] if i else ROOT_HASH
+            data = copies[i] if i in copies else kv.chunk_kv(i).to("cpu", copy=True)
             items.append(
-                ChunkBlob(
-                    fp, i, hashes[i], parent, kv.seq.chunk_tokens_of(i),
-                    kv.seq.summaries[i].to("cpu", copy=True), kv.chunk_kv(i).to("cpu", copy=True),
-                )
-            )  # fmt: skip
+                ChunkBlob(fp, i, hashes[i], parent, kv.seq.chunk_tokens_of(i), summaries[i - stored], data)
+            )
         return StagedSnapshot(fp, items)
 
     def put(
@@ -231,3 +236,15 @@ class KVSnapshots:
             except Exception:  # selection retries the chunk and reports; prefetch is best effort
                 return
             time.sleep(PREFETCH_PAUSE_S)  # locks are not fair: let a waiting selection take it
+
+
+def _resident_copies(kv: PagedKV, indices: range) -> dict[int, torch.Tensor]:
+    """Host copies of the KV of the chunks among `indices` that are in the pool, by index."""
+    resident = [i for i in indices if kv.seq.chunks[i].gpu is not None]
+    out: dict[int, torch.Tensor] = {}
+    for lo in range(0, len(resident), STAGE_CHUNKS):
+        group = resident[lo : lo + STAGE_CHUNKS]
+        slots = torch.tensor([kv.seq.chunks[i].gpu for i in group], device=kv.pool.kv.device)
+        block = kv.pool.kv.index_select(0, slots).to("cpu")
+        out.update(zip(group, block, strict=True))
+    return out

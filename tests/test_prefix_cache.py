@@ -6,11 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvflash.config import EngineConfig, ResidencyConfig
 from kvflash.engine import Engine
 from kvflash.models.loader import LoadedModel
-from kvflash.prefix_cache import PrefixCache
+from kvflash.prefix_cache import PrefixCache, _common_prefix
 from kvflash.turn import TurnStats
 from tests.tiny import tiny_config, tiny_model
 
@@ -83,3 +85,14 @@ def test_a_live_sequence_sharing_no_whole_chunk_is_not_taken() -> None:
     _turn(cache, first)
     _, stats = _turn(cache, first[: C - 1] + _ids(2 * C, 6))
     assert stats.source == "cold" and stats.restored_tokens == 0
+
+
+@given(
+    st.lists(st.integers(0, 3), max_size=300),
+    st.lists(st.integers(0, 3), max_size=300),
+    st.integers(0, 300),
+)
+def test_common_prefix_is_the_first_difference(a: list[int], tail: list[int], keep: int) -> None:
+    b = a[:keep] + tail
+    first = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    assert _common_prefix(a, b) == first
