@@ -555,6 +555,14 @@ class PagedKV:
             del self.seq.tokens[n_chunks * self.cfg.chunk_tokens :]
         self._scores, self._scouted, self._dirty, self._since_select = None, False, True, 0
 
+    def park(self) -> None:
+        """Leaves the pool for the host tier while idle: whole chunks are paged out (a chunk that
+        has a host copy keeps it), the last partial chunk's tokens are dropped (a continuation
+        computes them again). The sequence stays live: its next step pages back what it selects."""
+        self.truncate(self.seq.n_sealed)
+        self._evict(self.resident())
+        self.host.fence()
+
     def free(self) -> None:
         """Returns every GPU and host slot of this sequence."""
         # Cleared before taking the lock: a prefetch re-takes it batch after batch (locks are not

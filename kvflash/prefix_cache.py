@@ -96,15 +96,27 @@ class PrefixCache:
         return self._match(ids)[0]
 
     def reclaim(self, gpu_slots: int, host_slots: int, keep: PagedKV | None = None) -> None:
-        """Frees idle sequences, oldest first and never `keep`, until the pool has `gpu_slots` free
-        slots and the host tier `host_slots` (or no other idle sequence is left)."""
+        """Makes room for a new turn: until the pool has `gpu_slots` free slots and the host tier
+        `host_slots`, idle sequences other than `keep`, oldest first, are parked in the host tier
+        where it has room beyond `host_slots` (they stay live, a continuation pages them back), then
+        freed (or no other idle sequence is left)."""
         pool, host = self.engine.pool, self.engine.host
-        for kv in list(self.idle):
-            if pool.n_free >= gpu_slots and host.max_slots - host.n_used >= host_slots:
+
+        def host_free() -> int:
+            return host.max_slots - host.n_used
+
+        others = [kv for kv in self.idle if kv is not keep]
+        for kv in others:
+            if pool.n_free >= gpu_slots:
+                break
+            parked = sum(ch.gpu is not None and ch.host is None for ch in kv.seq.chunks[: kv.seq.n_sealed])
+            if host_free() - parked >= host_slots:
+                kv.park()
+        for kv in others:
+            if pool.n_free >= gpu_slots and host_free() >= host_slots:
                 return
-            if kv is not keep:
-                self.idle.remove(kv)
-                self.drop(kv)
+            self.idle.remove(kv)
+            self.drop(kv)
 
     def _live(self, ids: list[int]) -> PagedKV | None:
         """The idle sequence sharing the longest prefix with ids, cut to what it shares: all of it

@@ -421,21 +421,46 @@ def test_a_prompt_without_room_waits_at_the_head_of_the_queue(lm) -> None:
     assert sched.engine.pool.n_free == sched.engine.pool.n_slots
 
 
-def test_idle_sequences_are_freed_for_a_prompt_that_needs_their_room(lm) -> None:
-    """Three conversations stay live after their turns; a prompt needing nearly the whole pool frees
-    the oldest ones it needs (never the one it continues) and answers as it does alone."""
+def idle_room_run(lm, host_chunks: int) -> tuple[Scheduler, list[list[int]], list[int], list[int]]:
+    """Three 100-token chats kept live, then a 400-token prompt continuing the last one that needs
+    nearly the whole 32-chunk pool; the host tier holds `host_chunks` chunks."""
     chats = [prompt(100, 20 + i) for i in range(3)]
     big = chats[2] + prompt(300, 30)
     (alone,) = alone_answers(lm, [big], 6, 512)
-    sched = Scheduler(engine(lm), None, frozenset(), max_batch=8)
+    chunk = CFG.kv_bytes_per_token(torch.float32) * RES.chunk_tokens
+    eng = Engine(lm, EngineConfig(pool_tokens=512, residency=RES, host_bytes=host_chunks * chunk))
+    sched = Scheduler(eng, None, frozenset(), max_batch=8)
+    outs = run_jobs(sched, chats, 4)
+    assert len(sched.cache.idle) == 3 and sched.cache.idle[-1].seq.tokens[:100] == chats[2]
+    (got,) = run_jobs(sched, [big], 6)
+    assert got == alone and all(len(o) == 4 for o in outs)
+    return sched, chats, outs, big
+
+
+def test_idle_sequences_are_parked_in_the_host_tier_for_a_prompt_that_needs_their_room(lm) -> None:
+    """The older chats leave the pool for the host tier and stay live: the next turn of one of them
+    continues it from memory, with the answer a cold prefill of that conversation gets."""
+    sched, chats, outs, _ = idle_room_run(lm, host_chunks=64)
     try:
-        outs = run_jobs(sched, chats, 4)
-        assert len(sched.cache.idle) == 3
-        kept = sched.cache.idle[-1]
-        assert kept.seq.tokens[:100] == chats[2]
-        (got,) = run_jobs(sched, [big], 6)
-        assert [kv.seq.tokens[:100] for kv in sched.cache.idle] == [chats[2]]  # continued, others freed
-        assert sched.cache.idle[0] is kept
+        parked = [kv for kv in sched.cache.idle if kv.seq.tokens[:100] != chats[2]]
+        assert len(parked) == 2 and all(not kv.resident() for kv in parked)
+        assert all(any(ch.host is not None for ch in kv.seq.chunks) for kv in parked)
+        again = chats[0] + outs[0] + prompt(20, 40)
+        (cold,) = alone_answers(lm, [again], 6, 512)
+        results, done = {}, threading.Semaphore(0)
+        sched.submit(Job(again, 6, Sampling(), lambda t: False, **outcome(0, results, done)))
+        assert done.acquire(timeout=60)
+        out, stats = results[0]
+        assert stats.source == "memory" and stats.restored_tokens == 96  # its 6 whole chunks
+        assert out == cold
     finally:
         sched.close()
-    assert got == alone and all(len(o) == 4 for o in outs)
+
+
+def test_idle_sequences_are_freed_when_the_host_tier_has_no_room(lm) -> None:
+    """With a host tier too small to park them, the older chats are freed, never the continued one."""
+    sched, chats, _, _ = idle_room_run(lm, host_chunks=4)
+    try:
+        assert [kv.seq.tokens[:100] for kv in sched.cache.idle] == [chats[2]]
+    finally:
+        sched.close()
