@@ -12,12 +12,12 @@ leaves. A step of decode tokens alone replays CUDA graphs. A request ends at a s
 max_tokens or when its consumer says so; its sequence goes back to the prefix cache, live.
 
 Admission by room: every sequence has one budget (`sequence_tokens`, at most the pool), and a
-request reserves the pool slots its prompt and answer can fill, up to that budget (and, when it
-will evict, host-tier slots for its chunks). It is admitted when its reservation fits beside the
+request reserves the pool slots its prompt and answer can fill, up to that budget (and, when it will
+evict, host-tier slots for its chunks). It is admitted when its reservation fits beside the
 reservations of the requests running, once idle live sequences (oldest first, never the one it
-continues) are freed for it; else it waits at the head of the queue, so a long prompt is not
-overtaken forever by short ones. Thirty short chats thus run together in a pool that one long
-document fills alone, and the pool never runs out under a running request.
+continues) are parked in the host tier or freed for it; else it waits at the head of the queue, so a
+long prompt is not overtaken forever by short ones. Thirty short chats thus run together in a pool
+that one long document fills alone, and the pool never runs out under a running request.
 
 Isolation: whatever a request's admission, prefill piece, sampling or callbacks raise fails that
 request alone. A step that raises is run again part by part (the decode tokens together, then each
@@ -272,7 +272,7 @@ class Scheduler:
 
     def _make_room(self, job: Job) -> bool:
         """Whether the job's reservation fits beside the busy jobs' once idle sequences are freed;
-        if so, frees as many as it takes, oldest first, keeping the one the job continues. With no
+        if so, parks or frees as many as it takes, oldest first, keeping the one the job continues. With no
         job busy it is always admitted (what it cannot hold fails it alone, at its own step)."""
         job.need = self.need(job)
         busy = [*self._running, *self._filling]
