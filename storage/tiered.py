@@ -30,6 +30,9 @@ from kvflash.storage.redis_store import RedisStore
 from kvflash.storage.store import PruneReport, SnapshotStore
 
 T = TypeVar("T")
+KEEP_RUN = 16
+"""Chunks read through that one index transaction writes here: between runs the thread looks
+again whether a restore has started (and then waits for it)."""
 
 
 @dataclass(frozen=True)
@@ -64,8 +67,10 @@ class TieredStore:
         self.read_only = local.read_only
         self._jobs: deque[_Job] = deque()
         self._pending = 0
-        self._fetched: dict[str, bytes] = {}
+        self._fetched: dict[str, memoryview] = {}
         self._fetched_bytes = 0
+        self._reading = 0
+        """Restores reading chunks now."""
         self._cond = threading.Condition()
         self._closing = False
         shared.fetched = self._keep
@@ -141,7 +146,14 @@ class TieredStore:
                 [hashes[i] for i in at], expect_fingerprint, expect_shape, expect_dtype, outs
             )
 
-        return self._by_tier(hashes, read)
+        with self._cond:
+            self._reading += 1
+        try:
+            return self._by_tier(hashes, read)
+        finally:
+            with self._cond:
+                self._reading -= 1
+                self._cond.notify_all()
 
     def read_summaries(
         self, hashes: Sequence[str], expect_fingerprint: str, out: torch.Tensor | None = None
@@ -233,9 +245,8 @@ class TieredStore:
 
     # the background thread
 
-    def _keep(self, chunk_hash: str, buf: memoryview) -> None:
+    def _keep(self, chunk_hash: str, data: memoryview) -> None:
         """Read-through: a chunk verified on its way from the shared tier is queued for the local one."""
-        data = buf.obj if isinstance(buf.obj, bytes) and len(buf.obj) == len(buf) else bytes(buf)
         with self._cond:
             if self._closing or self._fetched_bytes + len(data) > self.cfg.readthrough_bytes:
                 return
@@ -263,12 +274,11 @@ class TieredStore:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not (self._jobs or self._fetched or self._closing):
+                while not (self._jobs or self._keep_now() or self._closing):
                     self._cond.wait()
-                if self._fetched:
-                    files = list(self._fetched.items())
-                    self._fetched.clear()
-                    self._fetched_bytes = 0
+                if self._keep_now():
+                    files = [self._fetched.popitem() for _ in range(min(KEEP_RUN, len(self._fetched)))]
+                    self._fetched_bytes -= sum(len(f) for _, f in files)
                     job = None
                 elif self._jobs:
                     job = self._jobs[0]
@@ -292,7 +302,12 @@ class TieredStore:
                     self._jobs.popleft()
                     self._pending -= job.nbytes
 
-    def _keep_here(self, files: list[tuple[str, bytes]]) -> None:
+    def _keep_now(self) -> bool:
+        """Chunks read through wait while a restore reads: writing them takes the cores and the
+        disk that its decoding needs, and the next restore here is what they are for."""
+        return bool(self._fetched) and not self._reading
+
+    def _keep_here(self, files: list[tuple[str, memoryview]]) -> None:
         try:
             self.local.copy_in(files)
         except Exception as e:

@@ -403,3 +403,37 @@ def test_a_redis_that_stalls_during_a_read_ends_it_at_the_timeout(tmp_path):
             stall.join()
     finally:
         server.stop()
+
+
+def test_chunks_read_through_wait_while_a_restore_reads(redis_server, tmp_path, monkeypatch):
+    """Writing them here would take the cores and the disk from the restore in flight."""
+    chain, other = make_chain(toks(4)), make_chain(toks(4, start=500))
+    with TieredStore(SnapshotStore(tmp_path / "a"), RedisStore(redis_server.url)) as a:
+        a.put_snapshot("doc", FP, chain)
+        a.put_snapshot("other", FP, other)
+    with TieredStore(SnapshotStore(tmp_path / "b"), RedisStore(redis_server.url)) as b:
+        b.read_chunks_parallel(hashes_of(other), FP)  # the local tier now serves `other`
+        deadline = time.monotonic() + 10
+        while b.local.find_longest_prefix(FP, hashes_of(other)) < 4:
+            assert time.monotonic() < deadline, "read-through never reached the local tier"
+            time.sleep(0.05)
+        reading, release = threading.Event(), threading.Event()
+        local_read = b.local.read_chunks_parallel
+
+        def slow_read(*args, **kwargs):
+            reading.set()
+            release.wait(10)
+            return local_read(*args, **kwargs)
+
+        monkeypatch.setattr(b.local, "read_chunks_parallel", slow_read)
+        restore = threading.Thread(target=b.read_chunks_parallel, args=(hashes_of(other), FP))
+        restore.start()
+        reading.wait(10)
+        assert same_kv(b.read_chunks_parallel(hashes_of(chain), FP), chain)
+        time.sleep(0.5)
+        assert b.local.find_longest_prefix(FP, hashes_of(chain)) == 0, "written during a restore"
+        release.set()
+        restore.join()
+        while b.local.find_longest_prefix(FP, hashes_of(chain)) < 4:
+            assert time.monotonic() < deadline + 10, "read-through never reached the local tier"
+            time.sleep(0.05)
