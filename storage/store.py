@@ -212,9 +212,9 @@ class SnapshotStore:
         self._local = threading.local()
         self._meta_len_hint = 0
         self.decoders: DecodeWorkers | None = None
-        self.fetched: Callable[[str, memoryview], None] | None = None
-        """Sees the bytes of every chunk read and verified, in a buffer of their own that it may
-        keep (a tier in front copies them to itself)."""
+        self.fetched: Callable[[str, int], None] | None = None
+        """Sees the hash and size of every chunk read and verified (a tier in front copies them to
+        itself)."""
 
     # what a store on a local directory does its own way (storage/redis_store.py does it otherwise)
 
@@ -466,7 +466,7 @@ class SnapshotStore:
 
     def copy_in(
         self,
-        files: Iterable[tuple[str, bytes | memoryview]],
+        files: Iterable[tuple[str, bytes]],
         snapshot: Snapshot | None = None,
         succeeds: Sequence[str] = (),
         summaries: bytes | bytearray | None = None,
@@ -757,15 +757,14 @@ class SnapshotStore:
     ) -> ChunkBlob:
         if not hasattr(self._local, "buffer"):
             self._local.buffer = ReadBuffer()
-        into = self._local.buffer if self.fetched is None else None  # a kept chunk has its own buffer
         try:
-            buf = self.backend.get(h, MAX_FILE_BYTES, into, HEADER_SIZE, _header_check(h))
+            buf = self.backend.get(h, MAX_FILE_BYTES, self._local.buffer, HEADER_SIZE, _header_check(h))
         except ChunkError as e:
             self._mark(e)
             raise
         blob = self._decode(buf, h, fp, shape, dtype, out, stored_crc)
         if self.fetched is not None:
-            self.fetched(h, buf)
+            self.fetched(h, len(buf))
         return blob
 
     def _decode(

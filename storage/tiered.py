@@ -1,12 +1,13 @@
 """Two tiers in one process: a local disk store in front of a shared one on Redis.
 
 Reads go to the local store for every chunk it holds and to the shared one for the rest; chunks read
-from the shared tier are written to the local one in the background (read-through), so the next
-restore here reads the disk. Saves write the local store, as without a shared tier, and a background
-thread copies each new snapshot to the shared tier under the same id, with the same chunk bytes
-(write-back), then removes there what the save replaced here. A Redis that is down or slow costs a
-warning: lookups and saves go on locally, and the copies wait (within `writeback_bytes`) until it
-answers again. The two stores keep their own indexes; a snapshot has one id in both.
+from the shared tier are copied to the local one in the background once no restore is reading
+(read-through), so the next restore here reads the disk. Saves write the local store, as without a
+shared tier, and a background thread copies each new snapshot to the shared tier under the same id,
+with the same chunk bytes (write-back), then removes there what the save replaced here. A Redis
+that is down or slow costs a warning: lookups and saves go on locally, and the copies wait (within
+`writeback_bytes`) until it answers again. The two stores keep their own indexes; a snapshot has
+one id in both.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from kvflash.storage.store import PruneReport, SnapshotStore
 
 T = TypeVar("T")
 KEEP_RUN = 16
-"""Chunks read through that one index transaction writes here: between runs the thread looks
-again whether a restore has started (and then waits for it)."""
+"""Chunks read through that one copy brings here: between copies the thread looks again whether a
+restore has started (and then waits for it)."""
 
 
 @dataclass(frozen=True)
@@ -41,8 +42,8 @@ class TierConfig:
     """Stored bytes of snapshots waiting to be copied to the shared tier, at most (Redis down or
     behind); past it the oldest are no longer copied: they stay local."""
     readthrough_bytes: int = 1 << 30
-    """Bytes of chunks read from the shared tier and waiting to be written locally, at most; past
-    it a chunk is not kept locally (the next restore reads it from Redis again)."""
+    """Bytes of chunks read from the shared tier and waiting to be copied here, at most; past it a
+    chunk is not kept locally (the next restore reads it from Redis again)."""
     cache_bytes: int | None = None
     """The local tier's budget: after each copy to the shared tier the local store is pruned to it,
     least recently used first (what goes stays in the shared tier). None: no budget."""
@@ -67,7 +68,8 @@ class TieredStore:
         self.read_only = local.read_only
         self._jobs: deque[_Job] = deque()
         self._pending = 0
-        self._fetched: dict[str, memoryview] = {}
+        self._fetched: dict[str, int] = {}
+        """Chunks read from the shared tier, to be copied here (their sizes)."""
         self._fetched_bytes = 0
         self._reading = 0
         """Restores reading chunks now."""
@@ -239,20 +241,26 @@ class TieredStore:
         if not missing:
             return
         with self._cond:
-            files = {h: self._fetched.pop(h) for h in missing if h in self._fetched}
-            self._fetched_bytes -= sum(len(f) for f in files.values())
-        self.local.copy_in((h, files[h] if h in files else self.shared.chunk_file(h)) for h in missing)
+            self._fetched_bytes -= sum(self._fetched.pop(h, 0) for h in missing)
+        self._copy_down(missing)
+
+    def _copy_down(self, hashes: list[str]) -> None:
+        """The chunks' files from the shared tier to the local one, one file in memory at a time."""
+        self.local.copy_in((h, self.shared.chunk_file(h)) for h in hashes)
 
     # the background thread
 
-    def _keep(self, chunk_hash: str, data: memoryview) -> None:
-        """Read-through: a chunk verified on its way from the shared tier is queued for the local one."""
+    def _keep(self, chunk_hash: str, size: int) -> None:
+        """Read-through: a chunk verified on its way from the shared tier is queued to be copied
+        here. Only its name: the restore's threads read into buffers they reuse, and a copy of
+        every chunk's bytes kept for later cost them a fresh chunk-sized buffer each; the copy
+        reads it from the shared tier again once no restore is reading."""
         with self._cond:
-            if self._closing or self._fetched_bytes + len(data) > self.cfg.readthrough_bytes:
+            if self._closing or self._fetched_bytes + size > self.cfg.readthrough_bytes:
                 return
             if chunk_hash not in self._fetched:
-                self._fetched[chunk_hash] = data
-                self._fetched_bytes += len(data)
+                self._fetched[chunk_hash] = size
+                self._fetched_bytes += size
                 self._cond.notify_all()
 
     def _queue(self, job: _Job) -> None:
@@ -277,15 +285,15 @@ class TieredStore:
                 while not (self._jobs or self._keep_now() or self._closing):
                     self._cond.wait()
                 if self._keep_now():
-                    files = [self._fetched.popitem() for _ in range(min(KEEP_RUN, len(self._fetched)))]
-                    self._fetched_bytes -= sum(len(f) for _, f in files)
+                    run = [self._fetched.popitem() for _ in range(min(KEEP_RUN, len(self._fetched)))]
+                    self._fetched_bytes -= sum(size for _, size in run)
                     job = None
                 elif self._jobs:
                     job = self._jobs[0]
                 else:
                     return
             if job is None:
-                self._keep_here(files)
+                self._keep_here([h for h, _ in run])
                 continue
             try:
                 self._do(job)
@@ -307,9 +315,14 @@ class TieredStore:
         disk that its decoding needs, and the next restore here is what they are for."""
         return bool(self._fetched) and not self._reading
 
-    def _keep_here(self, files: list[tuple[str, memoryview]]) -> None:
+    def _keep_here(self, hashes: list[str]) -> None:
+        here = self._here(hashes)
+        if not (missing := [h for h in hashes if h not in here]):
+            return
         try:
-            self.local.copy_in(files)
+            self._copy_down(missing)
+        except (SharedUnavailable, ChunkError):
+            pass  # unreachable (warned), or evicted since: the next restore reads the shared tier
         except Exception as e:
             warnings.warn(f"could not keep chunks read from the shared store locally: {e}", stacklevel=2)
 
