@@ -41,8 +41,11 @@ from serve import QUESTIONS, Served, prepare
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.redis_util import RedisServer  # noqa: E402
 
+COPY_WAIT_S = 1800
+"""A 32K-token snapshot is over a GB of chunks to copy on shared cores."""
 
-def wait_for_copy(url: str, timeout_s: float = 1800) -> None:
+
+def wait_for_copy(url: str, timeout_s: float = COPY_WAIT_S) -> None:
     """Until A's write-back has put a snapshot in Redis."""
     from kvflash.storage.redis_store import RedisStore
 
@@ -132,7 +135,7 @@ def main() -> None:
             try:
                 rows["turn 1 on A (cold)"] = a.turn(turn1, args.max_tokens)
             finally:
-                a.stop()  # closing waits for the copy to Redis
+                a.stop(COPY_WAIT_S)  # closing waits for the copy to Redis
             progress.advance(task)
             wait_for_copy(redis.url)
             turn2 = [*turn1, {"role": "assistant", "content": rows["turn 1 on A (cold)"]["text"]}]
@@ -144,7 +147,7 @@ def main() -> None:
                 rows["turn 2 on B from Redis"] = b.turn(turn2, args.max_tokens)
                 rows["turn 2 on B from Redis"]["redis_sent_bytes"] = sent_bytes(redis) - before
             finally:
-                b.stop()
+                b.stop(COPY_WAIT_S)  # and for its read-through and its own snapshot's copy
             progress.advance(task)
             for name, store in (("turn 2 on B from local disk", tmp / "disk"), ("turn 2 on B cold", None)):
                 s = Served(args, store)
