@@ -167,7 +167,7 @@ def _get_into(
             raise redis.ResponseError(line[1:end].decode(errors="replace"))
         if line[:1] == b"_":  # RESP3's null
             return None
-        if line[:1] != b"$":
+        if line[:1] != b"$" or not line[1:end].lstrip(b"-").isdigit():
             raise redis.ConnectionError(f"unexpected reply to GET: {bytes(line[:end])[:40]!r}")
         size = int(line[1:end])
         if size < 0:
