@@ -13,6 +13,7 @@ one id in both.
 from __future__ import annotations
 
 import threading
+import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -44,6 +45,9 @@ class TierConfig:
     readthrough_bytes: int = 1 << 30
     """Bytes of chunks read from the shared tier and waiting to be copied here, at most; past it a
     chunk is not kept locally (the next restore reads it from Redis again)."""
+    readthrough_quiet_s: float = 2.0
+    """Read-through copies start once no restore has read for this long: a turn's prefill and first
+    token come right after its restore, and the copies would take the cores from them."""
     cache_bytes: int | None = None
     """The local tier's budget: after each copy to the shared tier the local store is pruned to it,
     least recently used first (what goes stays in the shared tier). None: no budget."""
@@ -73,6 +77,7 @@ class TieredStore:
         self._fetched_bytes = 0
         self._reading = 0
         """Restores reading chunks now."""
+        self._last_read = 0.0
         self._cond = threading.Condition()
         self._closing = False
         shared.fetched = self._keep
@@ -155,6 +160,7 @@ class TieredStore:
         finally:
             with self._cond:
                 self._reading -= 1
+                self._last_read = time.monotonic()
                 self._cond.notify_all()
 
     def read_summaries(
@@ -283,7 +289,7 @@ class TieredStore:
         while True:
             with self._cond:
                 while not (self._jobs or self._keep_now() or self._closing):
-                    self._cond.wait()
+                    self._cond.wait(self._quiet_left() if self._fetched and not self._reading else None)
                 if self._keep_now():
                     run = [self._fetched.popitem() for _ in range(min(KEEP_RUN, len(self._fetched)))]
                     self._fetched_bytes -= sum(size for _, size in run)
@@ -310,10 +316,14 @@ class TieredStore:
                     self._jobs.popleft()
                     self._pending -= job.nbytes
 
+    def _quiet_left(self) -> float:
+        return self._last_read + self.cfg.readthrough_quiet_s - time.monotonic()
+
     def _keep_now(self) -> bool:
-        """Chunks read through wait while a restore reads: writing them takes the cores and the
-        disk that its decoding needs, and the next restore here is what they are for."""
-        return bool(self._fetched) and not self._reading
+        """Chunks read through wait while a restore reads, and `readthrough_quiet_s` after: copying
+        them takes the cores and the disk that the restore and its turn need, and the next restore
+        here is what they are for."""
+        return bool(self._fetched) and not self._reading and self._quiet_left() <= 0
 
     def _keep_here(self, hashes: list[str]) -> None:
         here = self._here(hashes)

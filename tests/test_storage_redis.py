@@ -411,7 +411,8 @@ def test_chunks_read_through_wait_while_a_restore_reads(redis_server, tmp_path, 
     with TieredStore(SnapshotStore(tmp_path / "a"), RedisStore(redis_server.url)) as a:
         a.put_snapshot("doc", FP, chain)
         a.put_snapshot("other", FP, other)
-    with TieredStore(SnapshotStore(tmp_path / "b"), RedisStore(redis_server.url)) as b:
+    cfg = TierConfig(readthrough_quiet_s=0)
+    with TieredStore(SnapshotStore(tmp_path / "b"), RedisStore(redis_server.url), cfg) as b:
         b.read_chunks_parallel(hashes_of(other), FP)  # the local tier now serves `other`
         deadline = time.monotonic() + 10
         while b.local.find_longest_prefix(FP, hashes_of(other)) < 4:
@@ -437,3 +438,20 @@ def test_chunks_read_through_wait_while_a_restore_reads(redis_server, tmp_path, 
         while b.local.find_longest_prefix(FP, hashes_of(chain)) < 4:
             assert time.monotonic() < deadline + 10, "read-through never reached the local tier"
             time.sleep(0.05)
+
+
+def test_chunks_read_through_wait_for_restores_to_be_quiet(redis_server, tmp_path):
+    """A turn's prefill and first token come right after its restore."""
+    chain = make_chain(toks(3))
+    with TieredStore(SnapshotStore(tmp_path / "a"), RedisStore(redis_server.url)) as a:
+        a.put_snapshot("doc", FP, chain)
+    cfg = TierConfig(readthrough_quiet_s=1.0)
+    with TieredStore(SnapshotStore(tmp_path / "b"), RedisStore(redis_server.url), cfg) as b:
+        assert same_kv(b.read_chunks_parallel(hashes_of(chain), FP), chain)
+        t0 = time.monotonic()
+        time.sleep(0.5)
+        assert b.local.find_longest_prefix(FP, hashes_of(chain)) == 0, "copied before the quiet time"
+        while b.local.find_longest_prefix(FP, hashes_of(chain)) < 3:
+            assert time.monotonic() - t0 < 10, "read-through never reached the local tier"
+            time.sleep(0.05)
+        assert time.monotonic() - t0 >= 0.9
