@@ -1,7 +1,7 @@
 """Two tiers in one process: a local disk store in front of a shared one on Redis.
 
 Reads go to the local store for every chunk it holds and to the shared one for the rest; chunks read
-from the shared tier are copied to the local one in the background once no restore is reading
+from the shared tier are copied to the local one in the background once restores have been quiet
 (read-through), so the next restore here reads the disk. Saves write the local store, as without a
 shared tier, and a background thread copies each new snapshot to the shared tier under the same id,
 with the same chunk bytes (write-back), then removes there what the save replaced here. A Redis
