@@ -100,9 +100,9 @@ class Served:
             "completion_tokens": usage.completion_tokens,
         }
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 120) -> None:
         self.proc.send_signal(signal.SIGINT)
-        self.proc.wait(120)
+        self.proc.wait(timeout_s)
 
 
 def conversation(args, doc: str, store: Path | None, progress, task) -> list[dict]:

@@ -12,7 +12,13 @@ same keys: the restore's throughput against the raw GET's.
 Targets: turn 2 from Redis <= 1.5 x turn 2 from local disk and <= 1/5 of cold on a 32K-token
 document; restore >= 70 % of raw GET.
 
+`--random-model` serves random weights whose KV has the default model's shape (layers, kv-heads,
+head dim) with one query head per kv-head, a narrow residual stream and a byte-level vocabulary:
+restores move the same bytes as the default model's, and a cold prefill of 32K tokens costs what a
+2-core machine can afford.
+
   python -m bench.shared_store --doc-tokens 32768 --out out/shared_store
+  python -m bench.shared_store --doc-tokens 32768 --random-model --out out/shared_store_random
 """
 
 from __future__ import annotations
@@ -32,8 +38,11 @@ from bench.harness import progress_bar, pyplot, save_png, write_json
 from bench.serve import QUESTIONS, Served, prepare
 from tests.redis_util import RedisServer
 
+COPY_WAIT_S = 1800
+"""A 32K-token snapshot is over a GB of chunks to copy on shared cores."""
 
-def wait_for_copy(url: str, timeout_s: float = 1800) -> None:
+
+def wait_for_copy(url: str, timeout_s: float = COPY_WAIT_S) -> None:
     """Until A's write-back has put a snapshot in Redis."""
     from kvflash.storage.redis_store import RedisStore
 
@@ -43,6 +52,21 @@ def wait_for_copy(url: str, timeout_s: float = 1800) -> None:
             if time.monotonic() > deadline:
                 raise SystemExit("the snapshot never reached Redis")
             time.sleep(0.5)
+
+
+def random_model(path: Path) -> str:
+    """A random-weight GGUF with the default model's KV shape, at `path`."""
+    from kvflash.models.loader import load_model
+    from tests.gguf_util import TinySpec, write_tiny_gguf
+
+    cfg = load_model(None, device="cpu", need_tokenizer=False).config
+    hkv, d = cfg.n_kv_heads, cfg.head_dim
+    spec = TinySpec(
+        n_layers=cfg.n_layers, hidden=hkv * d, n_heads=hkv, n_kv_heads=hkv, head_dim=d, ffn=256, tie=True,
+        context=1 << 17,
+    )  # fmt: skip
+    write_tiny_gguf(path, spec)
+    return str(path)
 
 
 def sent_bytes(redis: RedisServer) -> int:
@@ -87,9 +111,15 @@ def main() -> None:
     ap.add_argument("--pool-tokens", type=int, default=40960)
     ap.add_argument("--max-prompt-tokens", type=int, default=40960, help="beyond the model's own context")
     ap.add_argument("--model", default=None)
+    ap.add_argument(
+        "--random-model", action="store_true", help="random weights of the default model's KV shape"
+    )
     ap.add_argument("--device", default=None)
     ap.add_argument("--out", default="out/shared_store")
     args = ap.parse_args()
+    if args.random_model:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        args.model = random_model(Path(args.out) / "random.gguf")
     out, doc = prepare(args)
     turn1 = [{"role": "system", "content": doc}, {"role": "user", "content": QUESTIONS[0]}]
     rows: dict[str, dict] = {}
@@ -102,7 +132,7 @@ def main() -> None:
             try:
                 rows["turn 1 on A (cold)"] = a.turn(turn1, args.max_tokens)
             finally:
-                a.stop()  # closing waits for the copy to Redis
+                a.stop(COPY_WAIT_S)  # closing waits for the copy to Redis
             progress.advance(task)
             wait_for_copy(redis.url)
             turn2 = [*turn1, {"role": "assistant", "content": rows["turn 1 on A (cold)"]["text"]}]
@@ -114,7 +144,7 @@ def main() -> None:
                 rows["turn 2 on B from Redis"] = b.turn(turn2, args.max_tokens)
                 rows["turn 2 on B from Redis"]["redis_sent_bytes"] = sent_bytes(redis) - before
             finally:
-                b.stop()
+                b.stop(COPY_WAIT_S)  # and for its read-through and its own snapshot's copy
             progress.advance(task)
             for name, store in (("turn 2 on B from local disk", tmp / "disk"), ("turn 2 on B cold", None)):
                 s = Served(args, store)

@@ -13,10 +13,18 @@ persistent only for a snapshot's chain and removed only once no snapshot has tha
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
 
 from kvflash.storage.backend import HeadCheck, ReadBuffer, ReadPlan
-from kvflash.storage.errors import ChunkCorrupt, ChunkMissing, ChunkUnavailable, SizeMismatch, StoreError
+from kvflash.storage.errors import (
+    ChunkCorrupt,
+    ChunkError,
+    ChunkMissing,
+    ChunkUnavailable,
+    SizeMismatch,
+    StoreError,
+)
 from kvflash.storage.names import check_hash, is_hash
 from kvflash.storage.redis_link import Keys, RedisLink
 
@@ -62,6 +70,7 @@ return redis.call('DEL', KEYS[1])
 """Only a committed file whose chain is no snapshot's any more."""
 
 _SCAN_BATCH = 1000
+T = TypeVar("T")
 
 
 class RedisBackend:
@@ -78,10 +87,13 @@ class RedisBackend:
         ttl = self.link.cfg.unindexed_ttl_s
         self.link.call(lambda c: self._put(keys=[self.keys.blob(h), self.keys.chunk(h)], args=[data, ttl]))
 
-    def _read(self, chunk_hash: str, fn):
-        """fn(client) for a read: a tier that cannot answer is a chunk it cannot serve now."""
+    def _read(self, chunk_hash: str, fn: Callable[[], T]) -> T:
+        """fn() for a read: a tier that cannot answer is a chunk it cannot serve now; a chunk it
+        refuses keeps its own error."""
         try:
-            return self.link.call(fn)
+            return fn()
+        except ChunkError:
+            raise
         except StoreError as e:
             raise ChunkUnavailable(chunk_hash, str(e)) from None
 
@@ -93,23 +105,25 @@ class RedisBackend:
         head: int = 0,
         check: HeadCheck | None = None,
     ) -> memoryview:
-        """One GET into the reply's own buffer (`into` is not needed: nothing is copied into it).
-        Redis sends a value whole, so the size bound is checked once it has arrived."""
+        """One GET, read into `into` (the thread's reused buffer) straight from the socket; a size
+        over max_bytes and a header `check` refuses are refused before the rest is read."""
         h = check_hash(chunk_hash)
-        data = self._read(h, lambda c: c.get(self.keys.blob(h)))
-        if data is None:
+        buffer = into or ReadBuffer()
+
+        def dest(size: int) -> memoryview:
+            if size > max_bytes:
+                raise SizeMismatch(h, f"blob of {size} bytes exceeds any valid chunk")
+            return buffer.view(size)
+
+        view = self._read(h, lambda: self.link.get_into(self.keys.blob(h), dest, head, check))
+        if view is None:
             raise ChunkMissing(h, "not in the shared store (evicted or pruned)")
-        if len(data) > max_bytes:
-            raise SizeMismatch(h, f"blob of {len(data)} bytes exceeds any valid chunk")
-        view = memoryview(data)
-        if check is not None:
-            check(view[:head], len(data))
         return view
 
     async def aget(
         self, chunk_hash: str, max_bytes: int, head: int = 0, check: HeadCheck | None = None
     ) -> bytes:
-        return bytes(await asyncio.to_thread(self.get, chunk_hash, max_bytes, None, head, check))
+        return await asyncio.to_thread(self.get, chunk_hash, max_bytes, None, head, check)
 
     def will_need(self, chunk_hashes: Sequence[str]) -> None:
         """Nothing to hint: every read is one round trip already."""
@@ -124,7 +138,7 @@ class RedisBackend:
             p.getrange(key, start, start + length - 1)
             return p.execute()
 
-        size, data = self._read(h, both)
+        size, data = self._read(h, lambda: self.link.call(both))
         if not size:
             raise ChunkMissing(h, "not in the shared store (evicted or pruned)")
         return data, size
@@ -149,7 +163,7 @@ class RedisBackend:
             p.getrange(key, 0, head - 1)
             return p.execute()
 
-        size, data = self._read(h, first)
+        size, data = self._read(h, lambda: self.link.call(first))
         if not size:
             raise ChunkMissing(h, "no summaries file in the shared store")
         ranges = [(at, dest) for at, dest in plan(memoryview(data), size) if len(dest)]
@@ -160,7 +174,8 @@ class RedisBackend:
                 p.getrange(key, at, at + len(dest) - 1)
             return p.execute()
 
-        for (_, dest), part in zip(ranges, self._read(h, rest) if ranges else [], strict=True):
+        parts = self._read(h, lambda: self.link.call(rest)) if ranges else []
+        for (_, dest), part in zip(ranges, parts, strict=True):
             if len(part) != len(dest):
                 raise ChunkCorrupt(h, "the summaries file changed while it was read")
             dest[:] = part

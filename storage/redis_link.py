@@ -12,7 +12,8 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TypeVar
 from urllib.parse import urlsplit
@@ -21,6 +22,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from kvflash.storage.backend import HeadCheck
 from kvflash.storage.errors import StoreError
 
 T = TypeVar("T")
@@ -111,6 +113,15 @@ class RedisLink:
             warnings.warn(f"{msg}; serving without it, retrying every {self.cfg.retry_s:g} s", stacklevel=4)
         return SharedUnavailable(msg)
 
+    def get_into(
+        self, key: str, dest: Callable[[int], memoryview], head: int = 0, check: HeadCheck | None = None
+    ) -> memoryview | None:
+        """GET of one value, read from the socket straight into `dest(size)` (None: no such key).
+        redis-py would parse the reply into a new bytes object, a fresh value-sized allocation and
+        one more copy per read. `dest` may refuse the size, and `check` the first `head` bytes and
+        the size, before the rest is read; either way the connection is dropped, not reused."""
+        return self.call(lambda c: _get_into(c, key, dest, head, check))
+
     def check(self) -> None:
         """One round trip: a wrong password, a URL or a Redis that is not there raises here, before
         a server starts on it (as an error, not also as a warning)."""
@@ -123,6 +134,72 @@ class RedisLink:
 
     def close(self) -> None:
         self.client.close()
+
+
+_LINE = 64
+"""Bytes asked of the socket while reading a reply's first line: `$<size>` and the CRLF."""
+
+
+@contextmanager
+def _connection(client: redis.Redis) -> Iterator[redis.Connection]:
+    """A connection of the client's pool, disconnected on any failure: a reply read halfway leaves
+    the stream mid-value."""
+    conn = client.connection_pool.get_connection()
+    try:
+        yield conn
+    except BaseException:
+        conn.disconnect()
+        raise
+    finally:
+        client.connection_pool.release(conn)
+
+
+def _get_into(
+    client: redis.Redis, key: str, dest: Callable[[int], memoryview], head: int, check: HeadCheck | None
+) -> memoryview | None:
+    with _connection(client) as conn:
+        conn.send_command("GET", key)
+        sock = conn._sock  # the pool hands out connected connections with nothing left to read
+        line = bytearray()
+        while (end := line.find(b"\r\n")) < 0:
+            line += _recv(sock, _LINE)
+        if line[:1] == b"-":
+            raise redis.ResponseError(line[1:end].decode(errors="replace"))
+        if line[:1] == b"_":  # RESP3's null
+            return None
+        if line[:1] != b"$" or not line[1:end].lstrip(b"-").isdigit():
+            raise redis.ConnectionError(f"unexpected reply to GET: {bytes(line[:end])[:40]!r}")
+        size = int(line[1:end])
+        if size < 0:
+            return None
+        view = dest(size)
+        have = line[end + 2 : end + 2 + size]
+        view[: len(have)] = have
+        trailer = line[end + 2 + size :]
+        n = _fill(sock, view, len(have), min(head, size))
+        if check is not None:
+            check(view[: min(head, size)], size)
+        _fill(sock, view, n, size)
+        while len(trailer) < 2:
+            trailer += _recv(sock, 2 - len(trailer))
+        return view
+
+
+def _fill(sock, view: memoryview, n: int, stop: int) -> int:
+    """Reads into view[n:stop] (n bytes are there already); returns the bytes now there."""
+    while n < stop:
+        got = sock.recv_into(view[n:stop])
+        if not got:
+            raise redis.ConnectionError("the shared store closed the connection")
+        n += got
+    return max(n, stop)
+
+
+def _recv(sock, n: int) -> bytes:
+    got = sock.recv(n)
+    if not got:
+        raise redis.ConnectionError("the shared store closed the connection")
+    return got
 
 
 class Keys:

@@ -212,8 +212,9 @@ class SnapshotStore:
         self._local = threading.local()
         self._meta_len_hint = 0
         self.decoders: DecodeWorkers | None = None
-        self.fetched: Callable[[str, memoryview], None] | None = None
-        """Sees the bytes of every chunk read and verified (a tier in front copies them)."""
+        self.fetched: Callable[[str, int], None] | None = None
+        """Sees the hash and size of every chunk read and verified (a tier in front copies them to
+        itself)."""
 
     # what a store on a local directory does its own way (storage/redis_store.py does it otherwise)
 
@@ -763,7 +764,7 @@ class SnapshotStore:
             raise
         blob = self._decode(buf, h, fp, shape, dtype, out, stored_crc)
         if self.fetched is not None:
-            self.fetched(h, buf)
+            self.fetched(h, len(buf))
         return blob
 
     def _decode(

@@ -1,17 +1,19 @@
 """Two tiers in one process: a local disk store in front of a shared one on Redis.
 
 Reads go to the local store for every chunk it holds and to the shared one for the rest; chunks read
-from the shared tier are written to the local one in the background (read-through), so the next
-restore here reads the disk. Saves write the local store, as without a shared tier, and a background
-thread copies each new snapshot to the shared tier under the same id, with the same chunk bytes
-(write-back), then removes there what the save replaced here. A Redis that is down or slow costs a
-warning: lookups and saves go on locally, and the copies wait (within `writeback_bytes`) until it
-answers again. The two stores keep their own indexes; a snapshot has one id in both.
+from the shared tier are copied to the local one in the background once restores have been quiet
+(read-through), so the next restore here reads the disk. Saves write the local store, as without a
+shared tier, and a background thread copies each new snapshot to the shared tier under the same id,
+with the same chunk bytes (write-back), then removes there what the save replaced here. A Redis
+that is down or slow costs a warning: lookups and saves go on locally, and the copies wait (within
+`writeback_bytes`) until it answers again. The two stores keep their own indexes; a snapshot has
+one id in both.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -30,6 +32,9 @@ from kvflash.storage.redis_store import RedisStore
 from kvflash.storage.store import PruneReport, SnapshotStore
 
 T = TypeVar("T")
+KEEP_RUN = 16
+"""Chunks read through that one copy brings here: between copies the thread looks again whether a
+restore has started (and then waits for it)."""
 
 
 @dataclass(frozen=True)
@@ -38,8 +43,11 @@ class TierConfig:
     """Stored bytes of snapshots waiting to be copied to the shared tier, at most (Redis down or
     behind); past it the oldest are no longer copied: they stay local."""
     readthrough_bytes: int = 1 << 30
-    """Bytes of chunks read from the shared tier and waiting to be written locally, at most; past
-    it a chunk is not kept locally (the next restore reads it from Redis again)."""
+    """Bytes of chunks read from the shared tier and waiting to be copied here, at most; past it a
+    chunk is not kept locally (the next restore reads it from Redis again)."""
+    readthrough_quiet_s: float = 2.0
+    """Read-through copies start once no restore has read for this long: a turn's prefill and first
+    token come right after its restore, and the copies would take the cores from them."""
     cache_bytes: int | None = None
     """The local tier's budget: after each copy to the shared tier the local store is pruned to it,
     least recently used first (what goes stays in the shared tier). None: no budget."""
@@ -64,8 +72,12 @@ class TieredStore:
         self.read_only = local.read_only
         self._jobs: deque[_Job] = deque()
         self._pending = 0
-        self._fetched: dict[str, bytes] = {}
+        self._fetched: dict[str, int] = {}
+        """Chunks read from the shared tier, to be copied here (their sizes)."""
         self._fetched_bytes = 0
+        self._reading = 0
+        """Restores reading chunks now."""
+        self._last_read = 0.0
         self._cond = threading.Condition()
         self._closing = False
         shared.fetched = self._keep
@@ -141,7 +153,15 @@ class TieredStore:
                 [hashes[i] for i in at], expect_fingerprint, expect_shape, expect_dtype, outs
             )
 
-        return self._by_tier(hashes, read)
+        with self._cond:
+            self._reading += 1
+        try:
+            return self._by_tier(hashes, read)
+        finally:
+            with self._cond:
+                self._reading -= 1
+                self._last_read = time.monotonic()
+                self._cond.notify_all()
 
     def read_summaries(
         self, hashes: Sequence[str], expect_fingerprint: str, out: torch.Tensor | None = None
@@ -227,21 +247,26 @@ class TieredStore:
         if not missing:
             return
         with self._cond:
-            files = {h: self._fetched.pop(h) for h in missing if h in self._fetched}
-            self._fetched_bytes -= sum(len(f) for f in files.values())
-        self.local.copy_in((h, files[h] if h in files else self.shared.chunk_file(h)) for h in missing)
+            self._fetched_bytes -= sum(self._fetched.pop(h, 0) for h in missing)
+        self._copy_down(missing)
+
+    def _copy_down(self, hashes: list[str]) -> None:
+        """The chunks' files from the shared tier to the local one, one file in memory at a time."""
+        self.local.copy_in((h, self.shared.chunk_file(h)) for h in hashes)
 
     # the background thread
 
-    def _keep(self, chunk_hash: str, buf: memoryview) -> None:
-        """Read-through: a chunk verified on its way from the shared tier is queued for the local one."""
-        data = buf.obj if isinstance(buf.obj, bytes) and len(buf.obj) == len(buf) else bytes(buf)
+    def _keep(self, chunk_hash: str, size: int) -> None:
+        """Read-through: a chunk verified on its way from the shared tier is queued to be copied
+        here. Only its name: the restore's threads read into buffers they reuse, and a copy of
+        every chunk's bytes kept for later cost them a fresh chunk-sized buffer each; the copy
+        reads it from the shared tier again once no restore is reading."""
         with self._cond:
-            if self._closing or self._fetched_bytes + len(data) > self.cfg.readthrough_bytes:
+            if self._closing or self._fetched_bytes + size > self.cfg.readthrough_bytes:
                 return
             if chunk_hash not in self._fetched:
-                self._fetched[chunk_hash] = data
-                self._fetched_bytes += len(data)
+                self._fetched[chunk_hash] = size
+                self._fetched_bytes += size
                 self._cond.notify_all()
 
     def _queue(self, job: _Job) -> None:
@@ -263,19 +288,18 @@ class TieredStore:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not (self._jobs or self._fetched or self._closing):
-                    self._cond.wait()
-                if self._fetched:
-                    files = list(self._fetched.items())
-                    self._fetched.clear()
-                    self._fetched_bytes = 0
+                while not (self._jobs or self._keep_now() or self._closing):
+                    self._cond.wait(self._quiet_left() if self._fetched and not self._reading else None)
+                if self._keep_now():
+                    run = [self._fetched.popitem() for _ in range(min(KEEP_RUN, len(self._fetched)))]
+                    self._fetched_bytes -= sum(size for _, size in run)
                     job = None
                 elif self._jobs:
                     job = self._jobs[0]
                 else:
                     return
             if job is None:
-                self._keep_here(files)
+                self._keep_here([h for h, _ in run])
                 continue
             try:
                 self._do(job)
@@ -292,9 +316,23 @@ class TieredStore:
                     self._jobs.popleft()
                     self._pending -= job.nbytes
 
-    def _keep_here(self, files: list[tuple[str, bytes]]) -> None:
+    def _quiet_left(self) -> float:
+        return self._last_read + self.cfg.readthrough_quiet_s - time.monotonic()
+
+    def _keep_now(self) -> bool:
+        """Chunks read through wait while a restore reads, and `readthrough_quiet_s` after: copying
+        them takes the cores and the disk that the restore and its turn need, and the next restore
+        here is what they are for."""
+        return bool(self._fetched) and not self._reading and self._quiet_left() <= 0
+
+    def _keep_here(self, hashes: list[str]) -> None:
+        here = self._here(hashes)
+        if not (missing := [h for h in hashes if h not in here]):
+            return
         try:
-            self.local.copy_in(files)
+            self._copy_down(missing)
+        except (SharedUnavailable, ChunkError):
+            pass  # unreachable (warned), or evicted since: the next restore reads the shared tier
         except Exception as e:
             warnings.warn(f"could not keep chunks read from the shared store locally: {e}", stacklevel=2)
 

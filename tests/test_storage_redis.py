@@ -7,6 +7,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import random
 import socket
+import threading
 import time
 import warnings
 
@@ -14,6 +15,8 @@ import pytest
 import torch
 
 from kvflash.storage import ChunkMissing, SnapshotStore, StoreError, redis_index
+from kvflash.storage.errors import ChunkCorrupt, ChunkUnavailable
+from kvflash.storage.format import MAX_FILE_BYTES
 from kvflash.storage.redis_link import RedisConfig, SharedUnavailable
 from kvflash.storage.redis_store import RedisStore
 from kvflash.storage.tiered import TierConfig, TieredStore
@@ -341,3 +344,114 @@ def test_the_local_tier_keeps_to_its_budget_once_its_copies_are_in_redis(redis_s
     with RedisStore(redis_server.url) as shared:
         assert [s.id for s in shared.list_snapshots()] == [sid]
         assert same_kv(shared.read_chunks_parallel(hashes_of(chain), FP), chain)
+
+
+def round_trips(admin) -> tuple[int, int]:
+    """(GETs run, read events on client sockets: a request or a pipeline each), by Redis's own
+    INFO since the last CONFIG RESETSTAT."""
+    info = admin.info("all")
+    return info.get("cmdstat_get", {}).get("calls", 0), info["total_reads_processed"]
+
+
+def test_a_batch_read_takes_one_get_per_chunk_and_a_fixed_number_of_other_round_trips(redis_server):
+    """Each chunk is one GET read straight into its decoder's buffer (a pipeline or MGET of
+    multi-MB values was slower); what else a batch asks of Redis (its index rows, pipelined) is a
+    fixed number of round trips whatever the batch's size."""
+    chain = make_chain(toks(12))
+    with RedisStore(redis_server.url) as st:
+        st.put_snapshot("doc", FP, chain)
+        st.read_chunks_parallel(hashes_of(chain), FP)  # every thread's connection made
+        admin, got = redis_server.client(), []
+        for n in (2, 12):
+            admin.config_resetstat()
+            assert same_kv(st.read_chunks_parallel(hashes_of(chain[:n]), FP), chain[:n])
+            got.append(round_trips(admin))
+        (gets_2, trips_2), (gets_12, trips_12) = got
+        assert (gets_2, gets_12) == (2, 12)
+        assert trips_2 - gets_2 == trips_12 - gets_12 <= 2  # the rows, INFO
+
+
+def test_a_blob_refused_mid_read_leaves_nothing_behind_on_the_connection(redis_server):
+    """A header refused before the rest of its value is read drops the connection: the next read
+    on the pool gets its own reply, not the rest of the refused one."""
+    chain = make_chain(toks(3))
+    with RedisStore(redis_server.url, workers=1) as st:
+        st.put_snapshot("doc", FP, chain)
+        key = f"kvflash:blob:{chain[1].chain_hash}"
+        data = bytearray(redis_server.client().get(key))
+        data[10] ^= 0xFF
+        redis_server.client().set(key, bytes(data))
+        with pytest.raises(ChunkCorrupt, match="header"):
+            st.read_chunk(chain[1].chain_hash, FP)
+        assert same_kv([st.read_chunk(chain[0].chain_hash, FP)], chain[:1])
+        assert same_kv([st.read_chunk(chain[2].chain_hash, FP)], chain[2:])
+
+
+def test_a_redis_that_stalls_during_a_read_ends_it_at_the_timeout(tmp_path):
+    server = RedisServer(tmp_path / "r", "--enable-debug-command", "yes").start()
+    try:
+        chain = make_chain(toks(2))
+        with RedisStore(RedisConfig(server.url, timeout_s=0.3)) as st:
+            st.put_snapshot("doc", FP, chain)
+            stall = threading.Thread(target=lambda: server.client().execute_command("DEBUG", "SLEEP", "2"))
+            stall.start()
+            time.sleep(0.2)
+            t0 = time.monotonic()
+            with pytest.warns(UserWarning, match="unreachable"), pytest.raises(ChunkUnavailable):
+                st.backend.get(chain[0].chain_hash, MAX_FILE_BYTES)
+            assert time.monotonic() - t0 < 1.5
+            stall.join()
+    finally:
+        server.stop()
+
+
+def test_chunks_read_through_wait_while_a_restore_reads(redis_server, tmp_path, monkeypatch):
+    """Writing them here would take the cores and the disk from the restore in flight."""
+    chain, other = make_chain(toks(4)), make_chain(toks(4, start=500))
+    with TieredStore(SnapshotStore(tmp_path / "a"), RedisStore(redis_server.url)) as a:
+        a.put_snapshot("doc", FP, chain)
+        a.put_snapshot("other", FP, other)
+    cfg = TierConfig(readthrough_quiet_s=0)
+    with TieredStore(SnapshotStore(tmp_path / "b"), RedisStore(redis_server.url), cfg) as b:
+        b.read_chunks_parallel(hashes_of(other), FP)  # the local tier now serves `other`
+        deadline = time.monotonic() + 10
+        while b.local.find_longest_prefix(FP, hashes_of(other)) < 4:
+            assert time.monotonic() < deadline, "read-through never reached the local tier"
+            time.sleep(0.05)
+        reading, release = threading.Event(), threading.Event()
+        local_read = b.local.read_chunks_parallel
+
+        def slow_read(*args, **kwargs):
+            reading.set()
+            release.wait(10)
+            return local_read(*args, **kwargs)
+
+        monkeypatch.setattr(b.local, "read_chunks_parallel", slow_read)
+        restore = threading.Thread(target=b.read_chunks_parallel, args=(hashes_of(other), FP))
+        restore.start()
+        reading.wait(10)
+        assert same_kv(b.read_chunks_parallel(hashes_of(chain), FP), chain)
+        time.sleep(0.5)
+        assert b.local.find_longest_prefix(FP, hashes_of(chain)) == 0, "written during a restore"
+        release.set()
+        restore.join()
+        while b.local.find_longest_prefix(FP, hashes_of(chain)) < 4:
+            assert time.monotonic() < deadline + 10, "read-through never reached the local tier"
+            time.sleep(0.05)
+
+
+def test_chunks_read_through_wait_for_restores_to_be_quiet(redis_server, tmp_path):
+    """A turn's prefill and first token come right after its restore."""
+    chain = make_chain(toks(3))
+    with TieredStore(SnapshotStore(tmp_path / "a"), RedisStore(redis_server.url)) as a:
+        a.put_snapshot("doc", FP, chain)
+    cfg = TierConfig(readthrough_quiet_s=1.0)
+    with TieredStore(SnapshotStore(tmp_path / "b"), RedisStore(redis_server.url), cfg) as b:
+        assert same_kv(b.read_chunks_parallel(hashes_of(chain), FP), chain)
+        t0 = time.monotonic()
+        time.sleep(0.5)
+        assert b.local.find_longest_prefix(FP, hashes_of(chain)) == 0, "copied before the quiet time"
+        while b.local.find_longest_prefix(FP, hashes_of(chain)) < 3:
+            assert time.monotonic() - t0 < 10, "read-through never reached the local tier"
+            time.sleep(0.05)
+        assert time.monotonic() - t0 >= 0.9
