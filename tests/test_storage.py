@@ -189,6 +189,7 @@ def test_chain_hash_names_the_whole_prefix() -> None:
     assert chain_hashes(FP, other, C)[2] != hs[2]  # a change in chunk 0 renames every later chunk
     assert chain_hashes("fp-other", t, C)[0] != hs[0]
     assert chain_hash(bytes.fromhex(ROOT_HASH), FP, t[:C]) == hs[0]
+    assert chain_hashes(FP, t[C:], C, parent=hs[0]) == hs[1:]  # a chain continued from its last hash
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
