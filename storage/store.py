@@ -333,14 +333,18 @@ class SnapshotStore:
         rows: list[ChunkRow] = []
         pending: deque[Future[ChunkRow]] = deque()
         chunk_tokens, layout = None, None
-        # One index query for the whole sequence, not one per chunk (2,048 of them at 128K tokens).
-        known = self.index.chunk_rows([check_hash(x) if isinstance(x, str) else x.chain_hash for x in items])
+        # One index query and one existence check for the whole sequence, not one per chunk (2,048
+        # of them at 128K tokens).
+        named = [check_hash(x) if isinstance(x, str) else x.chain_hash for x in items]
+        known = self.index.chunk_rows(named)
+        indexed = [h for h in named if h in known]
+        there = dict(zip(indexed, self.backend.exists_all(indexed), strict=True))
         try:
             for pos, item in enumerate(items):
                 parent = hashes[-1] if hashes else ROOT_HASH
                 if isinstance(item, str):
                     row = _stored_link(known.get(item), item, fingerprint, pos, parent)
-                    if not self.backend.exists(item):
+                    if not there[item]:
                         raise ChunkMissing(item, "given by hash but its file is gone; pass the chunk itself")
                     h, c = row.hash, row.n_tokens
                 else:
@@ -353,7 +357,7 @@ class SnapshotStore:
                         )
                     h, c = item.chain_hash, len(item.tokens)
                     row = known.get(h)
-                    if row is None or row.damaged or not self.backend.exists(h):
+                    if row is None or row.damaged or not there[h]:
                         written.append(h)
                         pending.append(self.pool.submit(self._store_one, item))
                         while len(pending) >= 2 * self.workers:
