@@ -229,7 +229,7 @@ class PagedKV:
             todo = [ch for ch in chunks if ch.host is None and ch.gpu is None and ch.disk is not None]
             if not todo or fetch is None:
                 return
-            slots = [self.host.alloc() for _ in todo]
+            slots = self.host.alloc_many(len(todo))
             try:
                 fetch([ch.disk for ch in todo], [self.host.view(h) for h in slots])
             except BaseException:

@@ -182,6 +182,8 @@ class KVSnapshots:
         c = kv.cfg.chunk_tokens
         shape = chunk_shape(kv.pool.cfg, c)
         leases.enter_context(self.store.lease(hashes))
+        if lazy:  # the first selection reads up to a budget of chunks into host slots: pin them now
+            kv.host.reserve(kv.host.n_used + min(kv.budget, len(hashes)))
         slots: list[int] = []
         try:
             if ahead is not None and ahead.hashes[: len(hashes)] == list(hashes):
@@ -191,8 +193,7 @@ class KVSnapshots:
             if any(len(t) != c for t in summaries.tokens):
                 raise InvalidChunk(f"a stored chunk does not hold {c} tokens")
             if not lazy:
-                for _ in hashes:  # one by one: slots taken before a full host tier are released
-                    slots.append(kv.host.alloc())
+                slots = kv.host.alloc_many(len(hashes))  # none kept where the host tier is full
                 for lo in range(0, len(hashes), batch):
                     outs = [kv.host.view(h) for h in slots[lo : lo + batch]]
                     self.store.read_chunks_parallel(
