@@ -805,11 +805,10 @@ class SnapshotStore:
 
     def find_longest_prefix(self, fingerprint: str, chain_hashes: Sequence[str]) -> int:
         """How many leading chunks of a chain are stored intact under this fingerprint."""
-        rows = self.index.chunk_rows([check_hash(h) for h in chain_hashes])
+        intact = self.index.intact([check_hash(h) for h in chain_hashes], fingerprint)
         n = 0
         for h in chain_hashes:
-            row = rows.get(h)
-            if row is None or row.fingerprint != fingerprint or row.damaged:
+            if h not in intact:
                 break
             n += 1
         for i, there in enumerate(self.backend.exists_all(chain_hashes[:n])):
