@@ -738,7 +738,12 @@ class SnapshotStore:
         return parse_header(buf, size, chunk_hash)
 
     def _check_rows(self, hashes: Sequence[str], fingerprint: str) -> None:
-        rows = self.index.chunk_rows([check_hash(h) for h in hashes])
+        """Every chunk indexed under the fingerprint and intact; the rows are read only to say which
+        is not and why."""
+        hashes = [check_hash(h) for h in hashes]
+        if len(self.index.intact(hashes, fingerprint)) == len(set(hashes)):
+            return
+        rows = self.index.chunk_rows(hashes)
         for h in hashes:
             row = rows.get(h)
             if row is None:
