@@ -103,9 +103,10 @@ def open_session(
     docs: list[Path], *, session: str | None, pool: str | None, policy: str, lazy: bool | None,
     model: Path | None, dtype: str | None, device: str | None, store: Path | None, no_store: bool,
     absolute_positions: bool = False, decode_processes: int = 0, cuda_graphs: bool = True,
-    host_bytes: int | None = None, pins: list[str] | None = None,
+    host_bytes: int | None = None, pins: list[str] | None = None, prefetch: bool = True,
 ) -> Session:  # fmt: skip
-    """The session `ask` and `chat` run, from their options (keywords: a dozen of them)."""
+    """The session `ask` and `chat` run, from their options (keywords: a dozen of them). `ask`
+    answers one question and exits, so it prefetches nothing for a next one (`Session`)."""
     from kvflash.cli.limits import check_pool_fits
     from kvflash.config import EngineConfig, ResidencyConfig
     from kvflash.engine import Engine
@@ -129,7 +130,7 @@ def open_session(
         except StoreError as e:  # the store only saves time: answer without it
             warn(f"snapshot store unusable, answering without it: {e}")
     try:
-        return Session(engine, documents, st, name=session, lazy=lazy, pins=pinned)
+        return Session(engine, documents, st, name=session, lazy=lazy, pins=pinned, prefetch=prefetch)
     except BaseException:
         if st is not None:  # its threads and decode workers: close_session never sees this one
             st.close()
@@ -280,6 +281,7 @@ def ask(
             docs, session=session, pool=pool, policy=policy, lazy=lazy, model=model, dtype=dtype,
             device=device, store=store, no_store=no_store, absolute_positions=absolute_positions,
             decode_processes=decode_processes, cuda_graphs=cuda_graphs, host_bytes=host_bytes, pins=pin,
+            prefetch=False,
         )  # fmt: skip
         try:
             text, turn_stats = run_turn(sess, question, max_tokens, stream=not as_json)

@@ -24,6 +24,7 @@ from kvflash.models.rope import inv_frequencies
 from kvflash.pool import ChunkPool, summary_shape
 from kvflash.residency import required_chunks, select_resident
 from kvflash.sequence import Chunk, Sequence
+from kvflash.storage import ROOT_HASH, chain_hashes
 
 SCORE_BYTES = 64 << 20
 """Logits memory one batch of chunk scoring (exact, or the summaries' estimate) may take."""
@@ -73,6 +74,9 @@ class PagedKV:
         self.fetch: Callable[[list[str], list[torch.Tensor]], None] | None = None
         """Reads stored chunks (by chain hash) into host-tier slots, in parallel: set by a lazy restore."""
         self._fetch_lock = threading.Lock()
+        self.chain: tuple[str, list[str]] = ("", [])
+        """(fingerprint, chain hashes) of the first chunks, as far as they are known (a restore's,
+        then each snapshot's): a snapshot hashes only the chunks after them."""
         self.approximate = False
         """Some step ran without every earlier chunk resident: this KV is not what the dense cache
         computes, and is stored apart from exact KV (snapshots.APPROX_SUFFIX)."""
@@ -153,6 +157,14 @@ class PagedKV:
     def summary_shape(self) -> torch.Size:
         return torch.Size(summary_shape(self.pool.cfg, self.cfg.summary_blocks))
 
+    def chain_hashes(self, fp: str, n: int) -> list[str]:
+        """The chain hashes under fp of the first n sealed chunks, hashing only those past `chain`."""
+        c = self.cfg.chunk_tokens
+        known = self.chain[1][:n] if self.chain[0] == fp else []
+        parent = known[-1] if known else ROOT_HASH
+        self.chain = (fp, known + chain_hashes(fp, self.seq.tokens[len(known) * c : n * c], c, parent))
+        return list(self.chain[1])
+
     # -- pins --------------------------------------------------------------------------------------
 
     def pin_range(self, lo: int, hi: int) -> None:
@@ -217,7 +229,7 @@ class PagedKV:
             todo = [ch for ch in chunks if ch.host is None and ch.gpu is None and ch.disk is not None]
             if not todo or fetch is None:
                 return
-            slots = [self.host.alloc() for _ in todo]
+            slots = self.host.alloc_many(len(todo))
             try:
                 fetch([ch.disk for ch in todo], [self.host.view(h) for h in slots])
             except BaseException:
@@ -553,6 +565,7 @@ class PagedKV:
             self._release(dropped)
             del self.seq.chunks[n_chunks:]
             del self.seq.tokens[n_chunks * self.cfg.chunk_tokens :]
+            del self.chain[1][n_chunks:]
         self._scores, self._scouted, self._dirty, self._since_select = None, False, True, 0
 
     def park(self) -> None:

@@ -43,12 +43,17 @@ class Session:
         budget_tokens: int | None = None,
         lazy: bool | None = None,
         pins: Sequence[Pin] = (),
+        prefetch: bool = True,
     ):
+        """`prefetch`: after each answer, read a lazy restore's remaining chunks into the host tier
+        for the next question (`KVSnapshots.start_prefetch`); without a next question in this
+        process it would only compete with the save."""
         self.engine, self.documents, self.name, self.pins = engine, documents, name, tuple(pins)
         lm = engine.lm
         self.tok = lm.tokenizer
         self.chunk_tokens = engine.cfg.residency.chunk_tokens
-        self.snapshots = KVSnapshots(store, lm.fingerprint(self.chunk_tokens)) if store else None
+        fp = lm.fingerprint(self.chunk_tokens)
+        self.snapshots = KVSnapshots(store, fp, prefetch) if store else None
         self.messages: list[dict] = [system_message(documents)]
         self.docs_hash = hashlib.sha256(self.messages[0]["content"].encode()).hexdigest()[:16]
         self.ids: list[int] = []

@@ -26,6 +26,8 @@ from kvflash.storage import ROOT_HASH, ChunkBlob, InvalidChunk, SnapshotInfo, Sn
 APPROX_SUFFIX = "+approx"
 """Fingerprint suffix of chunks whose KV was computed without every earlier chunk resident (a budget
 below the context): they hash apart from exact KV, so they never stand in for it."""
+LOOKUP_SPAN = 64
+"""Chunks a lookup hashes and checks first; each further span is twice the last (`_stored_chain`)."""
 PREFETCH_PAUSE_S = 0.001
 """Between prefetch batches, so that a selection waiting for the fetch lock gets it."""
 STAGE_CHUNKS = 64
@@ -81,10 +83,9 @@ class KVSnapshots:
     def stage(self, kv: PagedKV) -> StagedSnapshot:
         """The sealed prefix's chain, with a copy of the KV of every chunk the store lacks: `put`
         may then run while the sequence goes on (and its slots are reused)."""
-        c = kv.cfg.chunk_tokens
         n = kv.seq.n_sealed
         fp = self.approx_fp if kv.approximate else self.fp
-        hashes = chain_hashes(fp, kv.seq.tokens[: n * c], c)
+        hashes = kv.chain_hashes(fp, n)
         stored = self.store.find_longest_prefix(fp, hashes)
         items: list[ChunkBlob | str] = list(hashes[:stored])
         if stored == n:
@@ -137,11 +138,27 @@ class KVSnapshots:
         where it covers more."""
         best: tuple[str, list[str]] = (self.fp, [])
         for fp in (self.fp, self.approx_fp) if approximate else (self.fp,):
-            hashes = chain_hashes(fp, ids[: len(ids) - 1], chunk_tokens)
-            hashes = hashes[: self.store.find_longest_prefix(fp, hashes)]
+            hashes = self._stored_chain(fp, ids[: len(ids) - 1], chunk_tokens)
             if len(hashes) > len(best[1]):
                 best = (fp, hashes)
         return best
+
+    def _stored_chain(self, fp: str, ids: list[int], chunk_tokens: int) -> list[str]:
+        """The chain hashes of the longest stored prefix of ids' chunks under fp, hashed and checked
+        a span at a time (each twice the last) up to the first span the store does not hold whole:
+        a prompt stored under the other fingerprint, or not at all, costs a span, not its length."""
+        n, c = len(ids) // chunk_tokens, chunk_tokens
+        hashes: list[str] = []
+        span = LOOKUP_SPAN
+        while len(hashes) < n:
+            lo, hi = len(hashes), min(n, len(hashes) + span)
+            more = chain_hashes(fp, ids[lo * c : hi * c], c, hashes[-1] if hashes else ROOT_HASH)
+            stored = self.store.find_longest_prefix(fp, more)
+            hashes += more[:stored]
+            if stored < len(more):
+                break
+            span *= 2
+        return hashes
 
     def restore(
         self,
@@ -170,6 +187,8 @@ class KVSnapshots:
         c = kv.cfg.chunk_tokens
         shape = chunk_shape(kv.pool.cfg, c)
         leases.enter_context(self.store.lease(hashes))
+        if lazy:  # the first selection reads up to a budget of chunks into host slots: pin them now
+            kv.host.reserve(kv.host.n_used + min(kv.budget, len(hashes)))
         slots: list[int] = []
         try:
             if ahead is not None and ahead.hashes[: len(hashes)] == list(hashes):
@@ -179,8 +198,7 @@ class KVSnapshots:
             if any(len(t) != c for t in summaries.tokens):
                 raise InvalidChunk(f"a stored chunk does not hold {c} tokens")
             if not lazy:
-                for _ in hashes:  # one by one: slots taken before a full host tier are released
-                    slots.append(kv.host.alloc())
+                slots = kv.host.alloc_many(len(hashes))  # none kept where the host tier is full
                 for lo in range(0, len(hashes), batch):
                     outs = [kv.host.view(h) for h in slots[lo : lo + batch]]
                     self.store.read_chunks_parallel(
@@ -204,6 +222,7 @@ class KVSnapshots:
             else:
                 ch.host = slots[i]
         kv.approximate = fp == self.approx_fp
+        kv.chain = (fp, list(hashes))
         if lazy:
             kv.fetch = self._fetcher(fp, shape, kv.pool.kv.dtype)
         else:

@@ -279,6 +279,21 @@ class Index:
                     out[r[0]] = ChunkRow(*r)
         return out
 
+    def intact(self, hashes: Sequence[str], fingerprint: str) -> set[str]:
+        """Which of hashes are indexed under fingerprint and not marked damaged (as `chunk_rows`
+        would say), without building their rows: a lookup asks it of a whole prompt's chunks."""
+        out: set[str] = set()
+        with self._read() as c:
+            for i in range(0, len(hashes), _BATCH):
+                batch = hashes[i : i + _BATCH]
+                marks = ",".join("?" * len(batch))
+                query = (
+                    f"SELECT hash FROM chunks WHERE hash IN ({marks}) AND fingerprint = ? "
+                    "AND (damaged IS NULL OR damaged = '')"
+                )
+                out.update(r[0] for r in c.execute(query, (*batch, fingerprint)))
+        return out
+
     def all_chunk_rows(self) -> dict[str, ChunkRow]:
         with self._lock:
             return {r[0]: ChunkRow(*r) for r in self.conn.execute(f"SELECT {_CHUNK_COLS} FROM chunks")}

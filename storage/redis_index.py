@@ -258,6 +258,11 @@ class RedisIndex:
                 out[h] = row
         return out
 
+    def intact(self, hashes: Sequence[str], fingerprint: str) -> set[str]:
+        """Which of hashes are indexed under fingerprint and not marked damaged."""
+        rows = self.chunk_rows(hashes)
+        return {h for h, r in rows.items() if r.fingerprint == fingerprint and not r.damaged}
+
     def all_chunk_rows(self) -> dict[str, ChunkRow]:
         names = self.link.call(lambda c: c.smembers(f"{self.p}:chunks"))
         return self.chunk_rows(sorted(n.decode() for n in names))

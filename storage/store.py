@@ -334,14 +334,18 @@ class SnapshotStore:
         rows: list[ChunkRow] = []
         pending: deque[Future[ChunkRow]] = deque()
         chunk_tokens, layout = None, None
-        # One index query for the whole sequence, not one per chunk (2,048 of them at 128K tokens).
-        known = self.index.chunk_rows([check_hash(x) if isinstance(x, str) else x.chain_hash for x in items])
+        # One index query and one existence check for the whole sequence, not one per chunk (2,048
+        # of them at 128K tokens).
+        named = [check_hash(x) if isinstance(x, str) else x.chain_hash for x in items]
+        known = self.index.chunk_rows(named)
+        indexed = [h for h in named if h in known]
+        there = dict(zip(indexed, self.backend.exists_all(indexed), strict=True))
         try:
             for pos, item in enumerate(items):
                 parent = hashes[-1] if hashes else ROOT_HASH
                 if isinstance(item, str):
                     row = _stored_link(known.get(item), item, fingerprint, pos, parent)
-                    if not self.backend.exists(item):
+                    if not there[item]:
                         raise ChunkMissing(item, "given by hash but its file is gone; pass the chunk itself")
                     h, c = row.hash, row.n_tokens
                 else:
@@ -354,7 +358,7 @@ class SnapshotStore:
                         )
                     h, c = item.chain_hash, len(item.tokens)
                     row = known.get(h)
-                    if row is None or row.damaged or not self.backend.exists(h):
+                    if row is None or row.damaged or not there[h]:
                         written.append(h)
                         pending.append(self.pool.submit(self._store_one, item))
                         while len(pending) >= 2 * self.workers:
@@ -735,7 +739,12 @@ class SnapshotStore:
         return parse_header(buf, size, chunk_hash)
 
     def _check_rows(self, hashes: Sequence[str], fingerprint: str) -> None:
-        rows = self.index.chunk_rows([check_hash(h) for h in hashes])
+        """Every chunk indexed under the fingerprint and intact; the rows are read only to say which
+        is not and why."""
+        hashes = [check_hash(h) for h in hashes]
+        if len(self.index.intact(hashes, fingerprint)) == len(set(hashes)):
+            return
+        rows = self.index.chunk_rows(hashes)
         for h in hashes:
             row = rows.get(h)
             if row is None:
@@ -802,11 +811,10 @@ class SnapshotStore:
 
     def find_longest_prefix(self, fingerprint: str, chain_hashes: Sequence[str]) -> int:
         """How many leading chunks of a chain are stored intact under this fingerprint."""
-        rows = self.index.chunk_rows([check_hash(h) for h in chain_hashes])
+        intact = self.index.intact([check_hash(h) for h in chain_hashes], fingerprint)
         n = 0
         for h in chain_hashes:
-            row = rows.get(h)
-            if row is None or row.fingerprint != fingerprint or row.damaged:
+            if h not in intact:
                 break
             n += 1
         for i, there in enumerate(self.backend.exists_all(chain_hashes[:n])):

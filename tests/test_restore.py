@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvflash import paged_kv, snapshots
 from kvflash.config import EngineConfig, ResidencyConfig
 from kvflash.engine import Engine
 from kvflash.generate import Sampling
@@ -19,7 +20,7 @@ from kvflash.pool import chunk_bytes
 from kvflash.prefix_cache import PrefixCache
 from kvflash.scheduler import Job, Scheduler
 from kvflash.snapshots import KVSnapshots
-from kvflash.storage import SnapshotStore
+from kvflash.storage import SnapshotStore, chain_hashes
 from kvflash.turn import TurnStats
 from tests.tiny import tiny_config, tiny_model
 
@@ -170,3 +171,33 @@ def test_a_save_replaces_only_the_snapshots_it_supersedes(lm, store) -> None:
     assert {s.id for s in store.list_snapshots()} == {other, exact, newer}  # approx replaced, pin kept
     newest = saved(lm, snapshots, ids)
     assert {s.id for s in store.list_snapshots()} == {other, exact, newest}
+
+
+def test_a_lookup_checks_a_span_at_a_time_and_a_save_hashes_only_new_chunks(lm, store, monkeypatch) -> None:
+    """A lookup finds the longest stored prefix across several spans (a change, a missing file stop
+    it where they are); a turn's save hashes only the chunks after those its restore found."""
+    monkeypatch.setattr(snapshots, "LOOKUP_SPAN", 2)
+    snaps = KVSnapshots(store, FP)
+    doc = prompt(300, 2)
+    saved(lm, snaps, doc)
+    c = RES.chunk_tokens
+    full = chain_hashes(FP, doc, c)
+    assert len(full) == 18 and snaps.lookup(doc + [1], c, approximate=True) == (FP, full)
+    changed = doc[:]
+    changed[11 * c + 3] ^= 1
+    assert snaps.lookup(changed, c, approximate=False) == (FP, full[:11])
+
+    hashed: list[int] = []
+    real = paged_kv.chain_hashes
+    monkeypatch.setattr(paged_kv, "chain_hashes", lambda fp, t, *a: hashed.append(len(t)) or real(fp, t, *a))
+    cache = PrefixCache(engine(lm), snaps)
+    stats = TurnStats()
+    kv = cache.take(doc + prompt(40, 5), stats)
+    assert stats.restored_tokens == 288 and kv.chain == (FP, full)
+    cache.engine.prefill(kv, (doc + prompt(40, 5))[len(kv.seq) :])
+    staged = snaps.stage(kv)
+    assert hashed == [3 * c] and staged.items[:18] == full  # the three new chunks alone were hashed
+    cache.close()
+
+    (store.root / "chunks" / full[13][:2] / f"{full[13]}.kvc").unlink()
+    assert snaps.lookup(doc + [1], c, approximate=False) == (FP, full[:13])

@@ -189,6 +189,26 @@ def test_chain_hash_names_the_whole_prefix() -> None:
     assert chain_hashes(FP, other, C)[2] != hs[2]  # a change in chunk 0 renames every later chunk
     assert chain_hashes("fp-other", t, C)[0] != hs[0]
     assert chain_hash(bytes.fromhex(ROOT_HASH), FP, t[:C]) == hs[0]
+    assert chain_hashes(FP, t[C:], C, parent=hs[0]) == hs[1:]  # a chain continued from its last hash
+
+
+def test_exists_all_answers_each_hash_as_exists_would(store, tmp_path) -> None:
+    """Stored, missing in a fan-out directory that holds others, in one that does not exist, and a
+    symlink in place of a chunk file: only the stored regular files exist."""
+    hs = [b.chain_hash for b in make_chain(toks(6))]
+    store.put_snapshot("doc", FP, make_chain(toks(6)))
+    gone, linked = hs[1], hs[2]
+    chunk_path(store.root, gone).unlink()
+    target = tmp_path / "elsewhere"
+    target.write_bytes(chunk_path(store.root, linked).read_bytes())
+    chunk_path(store.root, linked).unlink()
+    chunk_path(store.root, linked).symlink_to(target)
+    fans = store.root / "chunks"
+    absent = next(f"{d:02x}" + "0" * 62 for d in range(256) if not (fans / f"{d:02x}").exists())
+    asked = [*hs, absent]
+    expected = [h not in (gone, linked) for h in hs] + [False]
+    assert store.backend.exists_all(asked) == expected
+    assert [store.backend.exists(h) for h in asked] == expected
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
