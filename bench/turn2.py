@@ -9,7 +9,7 @@ approximate fingerprint, with the snapshot meta a session keeps. The store is ma
 profiles the turn, and removes the snapshot the turn saved. Phases are timed by wrapping the
 functions a turn calls; `counts` are calls of the functions a turn repeats per chunk.
 
-    python bench/turn2.py --tokens 131072 --pool-tokens 8192 --out out/turn2
+    python -m bench.turn2 --tokens 131072 --pool-tokens 8192 --out out/turn2
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from decode import save
-from document import reference_text
 from rich.console import Console
 from rich.table import Table
 
+from bench.document import reference_text
+from bench.harness import save
 from kvflash.config import EngineConfig, ResidencyConfig
 from kvflash.engine import Engine
 from kvflash.models.loader import load_model
