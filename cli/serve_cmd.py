@@ -14,10 +14,11 @@ from kvflash.cli.options import (
     DeviceOpt,
     DtypeOpt,
     HostBytesOpt,
+    KvDtypeOpt,
     ModelOpt,
     SharedStoreOpt,
     StoreOpt,
-    with_host_bytes,
+    with_engine_options,
 )
 from kvflash.cli.snapshot_cmd import parse_size
 from kvflash.config import EngineConfig, ResidencyConfig
@@ -32,6 +33,7 @@ SHUTDOWN_GRACE_S = 5
 def serve(
     model: Path = ModelOpt,
     dtype: str = DtypeOpt,
+    kv_dtype: str = KvDtypeOpt,
     device: str = DeviceOpt,
     pool: str = PoolOpt,
     host_bytes: int | None = HostBytesOpt,
@@ -83,11 +85,13 @@ def serve(
     lm = load_with_progress(model, dtype, device)
     res = ResidencyConfig(policy=policy)
     budget = pool_tokens(pool)
-    check_pool_fits(lm, budget, res.chunk_tokens)
-    cfg = EngineConfig(pool_tokens=budget, residency=res, cuda_graphs=cuda_graphs)
-    engine = Engine(lm, with_host_bytes(cfg, host_bytes))
+    cfg = with_engine_options(
+        EngineConfig(pool_tokens=budget, residency=res, cuda_graphs=cuda_graphs), host_bytes, kv_dtype
+    )
+    check_pool_fits(lm, budget, res.chunk_tokens, cfg.kv_dtype)
+    engine = Engine(lm, cfg)
     st = None if no_store else open_tiers(store, shared_store, decode_processes, tiers)
-    snapshots = KVSnapshots(st, lm.fingerprint(engine.cfg.residency.chunk_tokens)) if st else None
+    snapshots = KVSnapshots(st, engine.fingerprint) if st else None
     model_name = name or lm.path.name.split(".")[0]
     server = Server(
         engine, lm.tokenizer, model_name, snapshots, max_tokens, max_batch, max_prompt_tokens, max_waiting

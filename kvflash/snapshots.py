@@ -14,7 +14,7 @@ import contextlib
 import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -61,9 +61,23 @@ class KVSnapshots:
     """Saves and restores one model's sequences through a SnapshotStore, under two fingerprints:
     the model's for exact KV, the model's + APPROX_SUFFIX for KV computed under eviction."""
 
-    def __init__(self, store: SnapshotStore, fingerprint: str, prefetch: bool = True):
+    def __init__(
+        self,
+        store: SnapshotStore,
+        fingerprint: str,
+        prefetch: bool = True,
+        other_kv: Mapping[str, str] | None = None,
+    ):
         self.store, self.fp, self.prefetch = store, fingerprint, prefetch
         self.approx_fp = fingerprint + APPROX_SUFFIX
+        self.other_kv = dict(other_kv or {})
+        """Fingerprints of this model's KV in other dtypes, to the dtype's name: their snapshots hold
+        this model's token ids, but never KV that this engine restores."""
+
+    def other_kv_dtype(self, fp: str) -> str | None:
+        """The KV dtype of a snapshot of this model stored under another KV dtype (exact or
+        approximate KV), else None."""
+        return self.other_kv.get(fp.removesuffix(APPROX_SUFFIX))
 
     def read_summaries(self, fp: str, hashes: list[str], shape: tuple[int, ...]) -> StoredSummaries:
         rows = torch.empty((len(hashes), *shape))

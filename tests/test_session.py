@@ -262,7 +262,7 @@ def test_lazy_restore_under_a_small_budget_reads_only_what_it_selects(lm, tmp_pa
         sess = Session(engine(lm, pool_tokens=512), [doc], store, lazy=True)
         sess.snapshots.prefetch = False  # count the on-demand reads alone
         ((_, sb),) = turns(sess, [Q2])
-    chunk_bytes = lm.config.kv_bytes_per_token(lm.dtype) * 64
+    chunk_bytes = lm.config.kv_bytes_per_token(sess.engine.kv_dtype) * 64
     assert sb.source == "lazy" and sb.restored_tokens >= 12 * 64
     assert 0 < sb.bytes_moved["disk"] <= 8 * chunk_bytes < sb.restored_tokens // 64 * chunk_bytes
     assert sb.resident_chunks <= 8
