@@ -10,6 +10,7 @@ import typer
 
 from kvflash.cli.ask_cmd import GraphsOpt, PolicyOpt, PoolOpt, ProcsOpt, load_with_progress, pool_tokens
 from kvflash.cli.limits import check_pool_fits
+from kvflash.cli.messages import warn
 from kvflash.cli.options import (
     DeviceOpt,
     DtypeOpt,
@@ -91,7 +92,10 @@ def serve(
     check_pool_fits(lm, budget, res.chunk_tokens, cfg.kv_dtype)
     engine = Engine(lm, cfg)
     st = None if no_store else open_tiers(store, shared_store, decode_processes, tiers)
-    snapshots = KVSnapshots(st, engine.fingerprint) if st else None
+    snapshots = KVSnapshots(st, engine.fingerprint, other_kv=engine.other_kv_fingerprints()) if st else None
+    for stored, n in (snapshots.other_kv_counts() if snapshots else {}).items():
+        warn(f"the store holds {n} snapshots of this model with {stored} KV; this server keeps "
+             f"{engine.kv_dtype_name} KV (--kv-dtype) and restores none of them")  # fmt: skip
     model_name = name or lm.path.name.split(".")[0]
     server = Server(
         engine, lm.tokenizer, model_name, snapshots, max_tokens, max_batch, max_prompt_tokens, max_waiting

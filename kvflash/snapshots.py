@@ -79,6 +79,15 @@ class KVSnapshots:
         approximate KV), else None."""
         return self.other_kv.get(fp.removesuffix(APPROX_SUFFIX))
 
+    def other_kv_counts(self) -> dict[str, int]:
+        """Snapshots of this model stored under another KV dtype, counted by that dtype: a server
+        started with another --kv-dtype restores none of them."""
+        counts: dict[str, int] = {}
+        for snap in self.store.list_snapshots():
+            if name := self.other_kv_dtype(snap.fingerprint):
+                counts[name] = counts.get(name, 0) + 1
+        return counts
+
     def read_summaries(self, fp: str, hashes: list[str], shape: tuple[int, ...]) -> StoredSummaries:
         rows = torch.empty((len(hashes), *shape))
         got = self.store.read_summaries(hashes, fp, rows)

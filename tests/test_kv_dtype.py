@@ -118,8 +118,10 @@ def test_a_snapshot_of_another_kv_dtype_is_a_miss_and_restore_equals_cold_within
         kv.free()
         for kv_dtype in ("fp32", "fp16"):
             eng = engine(lm, kv_dtype)
-            _, stats = turn(eng, KVSnapshots(store, eng.fingerprint), ids)
+            snapshots = KVSnapshots(store, eng.fingerprint, other_kv=eng.other_kv_fingerprints())
+            _, stats = turn(eng, snapshots, ids)
             assert stats.source == "cold" and stats.restored_tokens == 0, kv_dtype
+            assert snapshots.other_kv_counts() == {"bf16": 1}  # what `serve` warns about
         eng = engine(lm, "bf16")
         restored, stats = turn(eng, KVSnapshots(store, eng.fingerprint), ids)
         assert stats.source in ("disk", "lazy") and stats.restored_tokens == 12 * C
