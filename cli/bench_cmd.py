@@ -39,7 +39,10 @@ def bench(
     sizes = parse_lengths(lengths)
     if not sizes or min(sizes) < 1:
         raise KVFlashError("--lengths takes positive token counts such as 4K,16K")
-    cfg = BenchConfig(sizes, pool_tokens(pool), max_tokens, seed, kv_dtype or "auto")
+    cfg = BenchConfig(
+        lengths=sizes, pool_tokens=pool_tokens(pool), max_tokens=max_tokens, seed=seed,
+        kv_dtype=kv_dtype or "auto",
+    )  # fmt: skip
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -61,9 +64,13 @@ def bench(
         rows = run(lm, cfg, on_prefill)
     name = torch.cuda.get_device_name(lm.device) if lm.device.type == "cuda" else platform.machine()
     where = f"{lm.device.type} ({name})"
-    kv = resolve_kv_dtype(cfg.kv_dtype, lm.dtype, lm.device)
-    result = {"device": where, "model": str(lm.path), "dtype": str(lm.dtype), "kv_dtype": str(kv)}
-    result["rows"] = rows
+    result = {
+        "device": where,
+        "model": str(lm.path),
+        "dtype": str(lm.dtype),
+        "kv_dtype": str(resolve_kv_dtype(cfg.kv_dtype, lm.dtype, lm.device)),
+        "rows": rows,
+    }
     (out / "bench.json").write_text(json.dumps(result, indent=1))
     plot(rows, out / "bench.png", where)
     if as_json:

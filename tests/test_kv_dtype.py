@@ -150,3 +150,32 @@ def test_16_bit_kv_under_fp32_compute_stays_close_to_fp32_kv(lm, kv_dtype: str) 
     ref, got = runs
     assert ((got - ref).abs().amax() / ref.abs().amax()).item() < tolerance
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("turned", [False, True])
+def test_the_torch_twins_read_16_bit_kv_under_fp32_queries_as_its_fp32_values(kv_dtype, turned: bool) -> None:
+    """Each twin over a 16-bit pool with fp32 queries gives, bit for bit, what it gives over that
+    pool's values held in fp32: the twins compute in fp32, so the KV dtype only rounds what is stored."""
+    from kvflash.kernels import reference as ref
+
+    g = torch.Generator().manual_seed(0)
+    n_slots, layers, h_kv, c, d, hq = 6, 2, 2, 8, 16, 4
+    pool = torch.randn(n_slots, layers, 2, h_kv, c, d, generator=g).to(kv_dtype)
+    wide = pool.float()
+    rot = torch.randn(4, 2, d // 2, generator=g) if turned else None
+    slots, order = torch.tensor([4, 1, 3, 0], dtype=torch.int32), torch.arange(4, dtype=torch.int32)
+    q = torch.randn(5, hq, d, generator=g)
+    got, want = (ref.prefill_attention(q, p, 1, slots, order, 4 * c - 5, 0.25, rot) for p in (pool, wide))
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    table, n, last = slots[None], torch.tensor([4]), torch.tensor([3])
+    dec = rot[None] if turned else None
+    got, want = (ref.paged_decode_attention(q[:1], p, 0, table, n, last, 0.25, dec) for p in (pool, wide))
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    qs = torch.randn(layers, 3, hq, d, generator=g)
+    assert torch.equal(ref.chunk_lse(qs, pool, slots, rot), ref.chunk_lse(qs, wide, slots, rot))
+    assert torch.equal(ref.chunk_summaries(pool, slots, 2), ref.chunk_summaries(wide, slots, 2))
+    k, v = torch.randn(2, h_kv, d, generator=g), torch.randn(2, h_kv, d, generator=g)
+    ref.write_tokens(pool, 1, torch.tensor([2, 5]), torch.tensor([0, 7]), k, v)
+    assert torch.equal(pool[2, 1, 0, :, 0], k[0].to(kv_dtype))
+    assert torch.equal(pool[5, 1, 1, :, 7], v[1].to(kv_dtype))
