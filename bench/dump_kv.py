@@ -71,7 +71,7 @@ def main() -> None:
         str(args.out),
         metadata={
             "model": str(lm.path.name),
-            "fingerprint": lm.fingerprint(c),
+            "fingerprint": lm.fingerprint(c, lm.dtype),
             "tokens": str(cache.length),
             "chunk_tokens": str(c),
             "seed": str(args.seed),

@@ -63,7 +63,7 @@ lm = load_model(sys.argv[1], device=sys.argv[2])
 if lm.device.type == "cuda":
     torch.cuda.synchronize()
 t2 = time.perf_counter()
-lm.fingerprint(64)
+lm.fingerprint(64, lm.dtype)
 print(json.dumps({"imports": t1 - t0, "load_model": t2 - t1, "fingerprint": time.perf_counter() - t2}))
 """
 

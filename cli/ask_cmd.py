@@ -22,9 +22,10 @@ from kvflash.cli.options import (
     DtypeOpt,
     HostBytesOpt,
     JsonOpt,
+    KvDtypeOpt,
     ModelOpt,
     StoreOpt,
-    with_host_bytes,
+    with_engine_options,
 )
 from kvflash.documents import Document
 from kvflash.policies import POLICIES
@@ -104,6 +105,7 @@ def open_session(
     model: Path | None, dtype: str | None, device: str | None, store: Path | None, no_store: bool,
     absolute_positions: bool = False, decode_processes: int = 0, cuda_graphs: bool = True,
     host_bytes: int | None = None, pins: list[str] | None = None, prefetch: bool = True,
+    kv_dtype: str | None = None,
 ) -> Session:  # fmt: skip
     """The session `ask` and `chat` run, from their options (keywords: a dozen of them). `ask`
     answers one question and exits, so it prefetches nothing for a next one (`Session`)."""
@@ -120,9 +122,11 @@ def open_session(
     lm = load_with_progress(model, dtype, device)
     budget = pool_tokens(pool)
     res = ResidencyConfig(policy=policy, cache_positions=not absolute_positions)
-    check_pool_fits(lm, budget, res.chunk_tokens)
-    cfg = EngineConfig(pool_tokens=budget, residency=res, cuda_graphs=cuda_graphs)
-    engine = Engine(lm, with_host_bytes(cfg, host_bytes))
+    cfg = with_engine_options(
+        EngineConfig(pool_tokens=budget, residency=res, cuda_graphs=cuda_graphs), host_bytes, kv_dtype
+    )
+    check_pool_fits(lm, budget, res.chunk_tokens, cfg.kv_dtype)
+    engine = Engine(lm, cfg)
     st = None
     if not no_store:
         try:
@@ -205,7 +209,9 @@ def run_turn(sess: Session, question: str, max_tokens: int, stream: bool) -> tup
     return text, stats
 
 
-LOCAL_ONLY = ("model", "dtype", "device", "pool", "store", "lazy", "decode_processes", "no_store", "pin")
+LOCAL_ONLY = (
+    "model", "dtype", "kv_dtype", "device", "pool", "store", "lazy", "decode_processes", "no_store", "pin",
+)  # fmt: skip
 """Options that configure a local engine: a server has its own, so --server refuses them."""
 
 
@@ -262,6 +268,7 @@ def ask(
     pin: list[str] = PinOpt,
     model: Path = ModelOpt,
     dtype: str = DtypeOpt,
+    kv_dtype: str = KvDtypeOpt,
     device: str = DeviceOpt,
     store: Path = StoreOpt,
     no_store: bool = NoStoreOpt,
@@ -273,15 +280,16 @@ def ask(
     from kvflash.client import server_url
 
     if url := server_url(server):
-        refuse_local_options(model=model, dtype=dtype, device=device, pool=pool, store=store, lazy=lazy,
-                             decode_processes=decode_processes, no_store=no_store, pin=pin)  # fmt: skip
+        refuse_local_options(model=model, dtype=dtype, kv_dtype=kv_dtype, device=device, pool=pool,
+                             store=store, lazy=lazy, decode_processes=decode_processes, no_store=no_store,
+                             pin=pin)  # fmt: skip
         text, stats = remote(url, docs, session).turn(question, max_tokens, stream=not as_json)
     else:
         sess = open_session(
             docs, session=session, pool=pool, policy=policy, lazy=lazy, model=model, dtype=dtype,
             device=device, store=store, no_store=no_store, absolute_positions=absolute_positions,
             decode_processes=decode_processes, cuda_graphs=cuda_graphs, host_bytes=host_bytes, pins=pin,
-            prefetch=False,
+            prefetch=False, kv_dtype=kv_dtype,
         )  # fmt: skip
         try:
             text, turn_stats = run_turn(sess, question, max_tokens, stream=not as_json)
@@ -307,6 +315,7 @@ def chat(
     pin: list[str] = PinOpt,
     model: Path = ModelOpt,
     dtype: str = DtypeOpt,
+    kv_dtype: str = KvDtypeOpt,
     device: str = DeviceOpt,
     store: Path = StoreOpt,
     decode_processes: int = ProcsOpt,
@@ -319,8 +328,8 @@ def chat(
 
     console = Console(highlight=False)
     if url := server_url(server):
-        refuse_local_options(model=model, dtype=dtype, device=device, pool=pool, store=store, lazy=lazy,
-                             decode_processes=decode_processes, pin=pin)  # fmt: skip
+        refuse_local_options(model=model, dtype=dtype, kv_dtype=kv_dtype, device=device, pool=pool,
+                             store=store, lazy=lazy, decode_processes=decode_processes, pin=pin)  # fmt: skip
         r = remote(url, docs, session)
         turns, sess = len(r.conv.turns) // 2, None
     else:
@@ -328,6 +337,7 @@ def chat(
             docs, session=session, pool=pool, policy=policy, lazy=lazy, model=model, dtype=dtype,
             device=device, store=store, no_store=False, absolute_positions=absolute_positions,
             decode_processes=decode_processes, cuda_graphs=cuda_graphs, host_bytes=host_bytes, pins=pin,
+            kv_dtype=kv_dtype,
         )  # fmt: skip
         turns = len(sess.messages) // 2
     last: dict | None = None

@@ -16,8 +16,8 @@ from kvflash.bench import BenchConfig, plot, run, table
 from kvflash.cli.ask_cmd import PoolOpt, pool_tokens
 from kvflash.cli.limits import check_pool_fits
 from kvflash.cli.niah_cmd import parse_lengths
-from kvflash.cli.options import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt
-from kvflash.config import ResidencyConfig
+from kvflash.cli.options import DeviceOpt, DtypeOpt, JsonOpt, KvDtypeOpt, ModelOpt
+from kvflash.config import ResidencyConfig, resolve_kv_dtype
 from kvflash.models.loader import load_model
 
 
@@ -29,6 +29,7 @@ def bench(
     out: Path = typer.Option(Path("bench-out"), "--out", help="Directory for bench.json and bench.png."),
     model: Path = ModelOpt,
     dtype: str = DtypeOpt,
+    kv_dtype: str = KvDtypeOpt,
     device: str = DeviceOpt,
     as_json: bool = JsonOpt,
 ) -> None:
@@ -38,13 +39,16 @@ def bench(
     sizes = parse_lengths(lengths)
     if not sizes or min(sizes) < 1:
         raise KVFlashError("--lengths takes positive token counts such as 4K,16K")
-    cfg = BenchConfig(lengths=sizes, pool_tokens=pool_tokens(pool), max_tokens=max_tokens, seed=seed)
+    cfg = BenchConfig(
+        lengths=sizes, pool_tokens=pool_tokens(pool), max_tokens=max_tokens, seed=seed,
+        kv_dtype=kv_dtype or "auto",
+    )  # fmt: skip
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise KVFlashError(f"cannot write to --out {out}: {e.strerror}") from None
     lm = load_model(model, dtype=dtype, device=device)
-    check_pool_fits(lm, cfg.pool_tokens, ResidencyConfig().chunk_tokens)
+    check_pool_fits(lm, cfg.pool_tokens, ResidencyConfig().chunk_tokens, cfg.kv_dtype)
     err = Console(stderr=True)
     with Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
@@ -60,7 +64,13 @@ def bench(
         rows = run(lm, cfg, on_prefill)
     name = torch.cuda.get_device_name(lm.device) if lm.device.type == "cuda" else platform.machine()
     where = f"{lm.device.type} ({name})"
-    result = {"device": where, "model": str(lm.path), "dtype": str(lm.dtype), "rows": rows}
+    result = {
+        "device": where,
+        "model": str(lm.path),
+        "dtype": str(lm.dtype),
+        "kv_dtype": str(resolve_kv_dtype(cfg.kv_dtype, lm.dtype, lm.device)),
+        "rows": rows,
+    }
     (out / "bench.json").write_text(json.dumps(result, indent=1))
     plot(rows, out / "bench.png", where)
     if as_json:

@@ -7,6 +7,7 @@ import os
 import torch
 
 from kvflash import KVFlashError
+from kvflash.config import resolve_kv_dtype
 from kvflash.pool import chunk_bytes, slots_for
 
 
@@ -24,12 +25,14 @@ def free_memory(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def check_pool_fits(lm, budget: int | str, chunk_tokens: int) -> None:
-    """Refuses a --pool-tokens budget whose pool alone exceeds the free memory of its device."""
+def check_pool_fits(lm, budget: int | str, chunk_tokens: int, kv_dtype: str) -> None:
+    """Refuses a --pool-tokens budget whose pool alone (of KV in kv_dtype, an `EngineConfig.kv_dtype`)
+    exceeds the free memory of its device."""
     if budget == "auto":
         return
-    need = slots_for(lm.config, budget, chunk_tokens, lm.dtype, lm.device) * chunk_bytes(
-        lm.config, chunk_tokens, lm.dtype
+    dtype = resolve_kv_dtype(kv_dtype, lm.dtype, lm.device)
+    need = slots_for(lm.config, budget, chunk_tokens, dtype, lm.device) * chunk_bytes(
+        lm.config, chunk_tokens, dtype
     )
     free = free_memory(lm.device)
     if need > free:

@@ -9,7 +9,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvflash.cli.options import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt
+from kvflash.cli.options import DeviceOpt, DtypeOpt, JsonOpt, KvDtypeOpt, ModelOpt
+from kvflash.config import resolve_kv_dtype
 from kvflash.models.fetch import default_model_path
 from kvflash.models.loader import load_model
 
@@ -29,11 +30,13 @@ def pull() -> None:
 def info(
     model: Path = ModelOpt,
     dtype: str = DtypeOpt,
+    kv_dtype: str = KvDtypeOpt,
     device: str = DeviceOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Architecture, size, KV bytes per token, context length and fingerprint of a model."""
     lm = load_model(model, dtype=dtype, device=device or "cpu", need_tokenizer=False)
+    kv = resolve_kv_dtype(kv_dtype or "auto", lm.dtype, lm.device)
     c = lm.config
     facts = {
         "path": str(lm.path),
@@ -48,10 +51,10 @@ def info(
         "context_length": c.max_position,
         "rope_theta": c.rope_theta,
         "rope_scaling": c.rope_scaling.kind,
-        "kv_dtype": str(lm.dtype).removeprefix("torch."),
-        "kv_bytes_per_token": c.kv_bytes_per_token(lm.dtype),
+        "kv_dtype": str(kv).removeprefix("torch."),
+        "kv_bytes_per_token": c.kv_bytes_per_token(kv),
         "chunk_tokens": CHUNK_TOKENS,
-        "fingerprint": lm.fingerprint(CHUNK_TOKENS),
+        "fingerprint": lm.fingerprint(CHUNK_TOKENS, kv),
     }
     if as_json:
         print(json.dumps(facts))

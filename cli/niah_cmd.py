@@ -10,7 +10,7 @@ from rich.console import Console
 
 from kvflash import KVFlashError
 from kvflash.cli.limits import check_pool_fits
-from kvflash.cli.options import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt
+from kvflash.cli.options import DeviceOpt, DtypeOpt, JsonOpt, KvDtypeOpt, ModelOpt
 from kvflash.config import POLICIES, ResidencyConfig
 from kvflash.haystack import TEMPLATES
 from kvflash.models.loader import load_model
@@ -75,6 +75,7 @@ def niah(
     out: Path = typer.Option(Path("niah-out"), "--out", help="Output directory (rerun it to resume)."),
     model: Path = ModelOpt,
     dtype: str = DtypeOpt,
+    kv_dtype: str = KvDtypeOpt,
     device: str = DeviceOpt,
     as_json: bool = JsonOpt,
 ) -> None:
@@ -86,12 +87,12 @@ def niah(
         haystack=str(haystack.resolve()) if haystack else None,
         needle=needle, question=question, seed=seed, max_tokens=max_tokens, pin_needle=pin_needle,
         out=str(out),
-        model=str(model) if model else None, dtype=dtype, device=device,
+        model=str(model) if model else None, dtype=dtype, kv_dtype=kv_dtype or "auto", device=device,
     )  # fmt: skip
     lm = None
     if pool_tokens is not None:  # refused before the grid's first engine allocates the pool
         lm = load_model(model, dtype=dtype, device=device)
-        check_pool_fits(lm, pool_tokens, ResidencyConfig().chunk_tokens)
+        check_pool_fits(lm, pool_tokens, ResidencyConfig().chunk_tokens, cfg.kv_dtype)
     summary = run(cfg, lm, progress=None if as_json else Console(stderr=True, highlight=False))
     if as_json:
         print(json.dumps(summary))

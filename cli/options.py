@@ -23,6 +23,17 @@ def _device(value: str | None) -> str | None:
     return value
 
 
+def _kv_dtype(value: str | None) -> str | None:
+    """A KV dtype name (`kvflash.config.KV_DTYPES`), checked before the model loads."""
+    if value is None:
+        return None
+    from kvflash.config import KV_DTYPES
+
+    if value not in KV_DTYPES:
+        raise typer.BadParameter(f"{value!r:.40} is not one of {', '.join(KV_DTYPES)}")
+    return value
+
+
 ModelOpt = typer.Option(
     None, "--model", "-m", help="GGUF file or HF safetensors directory (default: SmolLM2-135M-Instruct)."
 )
@@ -30,6 +41,11 @@ DtypeOpt = typer.Option(None, "--dtype", help="fp32, bf16 or fp16 (default: bf16
 DeviceOpt = typer.Option(
     None, "--device", callback=_device, help="cpu or cuda (default: cuda when available)."
 )
+KvDtypeOpt = typer.Option(
+    None, "--kv-dtype", callback=_kv_dtype,
+    help="KV in memory and snapshots: auto, fp32, bf16 or fp16 (default auto: bf16 where the model "
+    "computes in fp32 on a CPU, else the model's dtype). Snapshots of another KV dtype are not restored.",
+)  # fmt: skip
 StoreOpt = typer.Option(None, "--store", help="Snapshot store directory (default: $KVFLASH_HOME/snapshots).")
 SharedStoreOpt = typer.Option(
     None, "--shared-store", metavar="URL",
@@ -42,9 +58,10 @@ HostBytesOpt = typer.Option(
 )  # fmt: skip
 
 
-def with_host_bytes(cfg, host_bytes: int | None):
-    """cfg (an EngineConfig) with --host-bytes where it was given (the option's default stays the
-    engine's, and this module stays free of torch)."""
+def with_engine_options(cfg, host_bytes: int | None, kv_dtype: str | None):
+    """cfg (an EngineConfig) with --host-bytes and --kv-dtype where they were given (the options'
+    defaults stay the engine's, and this module stays free of torch)."""
     import dataclasses
 
-    return cfg if host_bytes is None else dataclasses.replace(cfg, host_bytes=host_bytes)
+    given = {"host_bytes": host_bytes, "kv_dtype": kv_dtype}
+    return dataclasses.replace(cfg, **{k: v for k, v in given.items() if v is not None})

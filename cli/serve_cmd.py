@@ -10,14 +10,16 @@ import typer
 
 from kvflash.cli.ask_cmd import GraphsOpt, PolicyOpt, PoolOpt, ProcsOpt, load_with_progress, pool_tokens
 from kvflash.cli.limits import check_pool_fits
+from kvflash.cli.messages import warn
 from kvflash.cli.options import (
     DeviceOpt,
     DtypeOpt,
     HostBytesOpt,
+    KvDtypeOpt,
     ModelOpt,
     SharedStoreOpt,
     StoreOpt,
-    with_host_bytes,
+    with_engine_options,
 )
 from kvflash.cli.snapshot_cmd import parse_size
 from kvflash.config import EngineConfig, ResidencyConfig
@@ -32,6 +34,7 @@ SHUTDOWN_GRACE_S = 5
 def serve(
     model: Path = ModelOpt,
     dtype: str = DtypeOpt,
+    kv_dtype: str = KvDtypeOpt,
     device: str = DeviceOpt,
     pool: str = PoolOpt,
     host_bytes: int | None = HostBytesOpt,
@@ -92,11 +95,16 @@ def serve(
     lm = load_with_progress(model, dtype, device)
     res = ResidencyConfig(policy=policy)
     budget = pool_tokens(pool)
-    check_pool_fits(lm, budget, res.chunk_tokens)
-    cfg = EngineConfig(pool_tokens=budget, residency=res, cuda_graphs=cuda_graphs)
-    engine = Engine(lm, with_host_bytes(cfg, host_bytes))
+    cfg = with_engine_options(
+        EngineConfig(pool_tokens=budget, residency=res, cuda_graphs=cuda_graphs), host_bytes, kv_dtype
+    )
+    check_pool_fits(lm, budget, res.chunk_tokens, cfg.kv_dtype)
+    engine = Engine(lm, cfg)
     st = None if no_store else open_tiers(store, shared_store, decode_processes, tiers)
-    snapshots = KVSnapshots(st, lm.fingerprint(engine.cfg.residency.chunk_tokens)) if st else None
+    snapshots = KVSnapshots(st, engine.fingerprint, other_kv=engine.other_kv_fingerprints()) if st else None
+    for stored, n in (snapshots.other_kv_counts() if snapshots else {}).items():
+        warn(f"the store holds {n} snapshots of this model with {stored} KV; this server keeps "
+             f"{engine.kv_dtype_name} KV (--kv-dtype) and restores none of them")  # fmt: skip
     model_name = name or lm.path.name.split(".")[0]
     server = Server(
         engine,

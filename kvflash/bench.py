@@ -38,6 +38,8 @@ class BenchConfig:
     pool_tokens: int | str = 16384
     max_tokens: int = 16
     seed: int = 0
+    kv_dtype: str = "auto"
+    """EngineConfig.kv_dtype."""
 
 
 def run(
@@ -81,7 +83,7 @@ def _turn(
 ) -> dict:
     """One question in a fresh engine and session: nothing of an earlier turn is in memory, only in
     the store. The engine is freed before the next turn, so an 'auto' pool can take the GPU again."""
-    engine = Engine(lm, EngineConfig(pool_tokens=cfg.pool_tokens))
+    engine = Engine(lm, EngineConfig(pool_tokens=cfg.pool_tokens, kv_dtype=cfg.kv_dtype))
     sess = Session(engine, [doc], store)
     try:
         text, stats = sess.ask(question, cfg.max_tokens, Sampling(), on_prefill=on_prefill)

@@ -11,6 +11,17 @@ from kvflash.policies import POLICIES
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+KV_DTYPES = ("auto", *DTYPES)
+"""`EngineConfig.kv_dtype` choices: `auto` or a name of DTYPES."""
+
+
+def resolve_kv_dtype(name: str, compute: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype KV is kept in, in every tier. `auto`: bf16 where the model computes in fp32 on the
+    CPU (half the bytes in memory and on disk; attention still computes in fp32), else the model's
+    own dtype (on CUDA that is already 16-bit, and the kernels read it at full speed)."""
+    if name != "auto":
+        return DTYPES[name]
+    return torch.bfloat16 if compute == torch.float32 and device.type == "cpu" else compute
 
 
 @dataclass(frozen=True)
@@ -130,3 +141,13 @@ class EngineConfig:
     cuda_graphs: bool = True
     """Decode steps replay a CUDA graph on CUDA (`decode_graph`): a step launches a few hundred small
     kernels, and eager launches from Python cost more than the kernels (docs/BENCHMARKS.md: Decode speed)."""
+    kv_dtype: str = "auto"
+    """The dtype of KV in the pool, the host tier and snapshots (`resolve_kv_dtype`); the model
+    computes in its own, and attention casts K/V to it. Part of the model fingerprint: KV of one
+    dtype never restores as another."""
+
+    def __post_init__(self) -> None:
+        from kvflash import KVFlashError
+
+        if self.kv_dtype not in KV_DTYPES:
+            raise KVFlashError(f"unknown KV dtype {self.kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}")

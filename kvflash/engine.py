@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from kvflash.batch_kv import BatchKV, padded_size
-from kvflash.config import EngineConfig
+from kvflash.config import DTYPES, EngineConfig, resolve_kv_dtype
 from kvflash.decode_graph import BatchGraphs
 from kvflash.generate import Sampler, Sampling, Step, decode, eager_step
 from kvflash.host_tier import HostTier
@@ -29,17 +29,34 @@ kernel picks for short pieces (32, 64 and 128 rows), the shapes of a conversatio
 class Engine:
     def __init__(self, lm: LoadedModel, cfg: EngineConfig):
         self.lm, self.cfg = lm, cfg
+        self.kv_dtype = resolve_kv_dtype(cfg.kv_dtype, lm.dtype, lm.device)
         c = cfg.residency.chunk_tokens
-        n = slots_for(
-            lm.config, cfg.pool_tokens, c, lm.dtype, lm.device, summary_blocks=cfg.residency.summary_blocks
-        )
-        self.pool = ChunkPool(lm.config, n, c, lm.dtype, lm.device)
+        blocks, dt = cfg.residency.summary_blocks, self.kv_dtype
+        n = slots_for(lm.config, cfg.pool_tokens, c, dt, lm.device, summary_blocks=blocks)
+        self.pool = ChunkPool(lm.config, n, c, dt, lm.device)
         self.host = HostTier(self.pool, cfg.host_bytes)
         self.batch_graphs = BatchGraphs(lm.model)
         self._batches: dict[tuple[int, int], BatchKV] = {}
         self._no_logits = torch.empty(0, lm.config.vocab_size, device=lm.device)
         if lm.device.type == "cuda":
             self.warm_up()
+
+    @property
+    def fingerprint(self) -> str:
+        """The model fingerprint of this engine's KV (its dtype and chunk size included): what its
+        snapshots are stored and looked up under."""
+        return self.lm.fingerprint(self.cfg.residency.chunk_tokens, self.kv_dtype)
+
+    @property
+    def kv_dtype_name(self) -> str:
+        """The KV dtype as `--kv-dtype` names it (fp32, bf16, fp16)."""
+        return next(name for name, dt in DTYPES.items() if dt == self.kv_dtype)
+
+    def other_kv_fingerprints(self) -> dict[str, str]:
+        """The fingerprints of this model's KV in each other dtype (this chunk size), to the dtype's
+        name: snapshots under them are this model's, with KV this engine does not restore."""
+        c = self.cfg.residency.chunk_tokens
+        return {self.lm.fingerprint(c, dt): name for name, dt in DTYPES.items() if dt != self.kv_dtype}
 
     def warm_up(self) -> None:
         """A prefill and decode steps on scratch sequences: one of the pool's budget, whose prefill

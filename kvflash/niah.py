@@ -23,7 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvflash import KVFlashError
-from kvflash.config import POLICIES, EngineConfig, ResidencyConfig
+from kvflash.config import KV_DTYPES, POLICIES, EngineConfig, ResidencyConfig
 from kvflash.engine import Engine
 from kvflash.haystack import TEMPLATES, Haystack, NeedleTemplate, build_haystack, filler_sentences
 from kvflash.models.loader import LoadedModel, load_model
@@ -39,7 +39,7 @@ NEUTRAL_QUESTION = "Summarise the document in one sentence."
 """Asked by the session that stores the document in restore modes: it only needs the prefill."""
 ARM_FIELDS = (
     "pool_tokens", "budget_frac", "policy", "mode", "cache_positions", "codec", "template", "haystack",
-    "needle", "question", "seed", "max_tokens", "model", "dtype", "pin_needle",
+    "needle", "question", "seed", "max_tokens", "model", "dtype", "kv_dtype", "pin_needle",
 )  # fmt: skip
 """Settings that change answers: a resumed run must agree on all of them (the grid may grow)."""
 LENGTH_TOLERANCE = 0.03
@@ -74,6 +74,8 @@ class NiahConfig:
     out: str = "niah-out"
     model: str | None = None
     dtype: str | None = None
+    kv_dtype: str = "auto"
+    """EngineConfig.kv_dtype."""
     device: str | None = None
 
     def __post_init__(self) -> None:
@@ -89,6 +91,8 @@ class NiahConfig:
             raise KVFlashError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
         if self.codec not in CODEC_NAMES:
             raise KVFlashError(f"unknown codec {self.codec!r}; choose one of {', '.join(CODEC_NAMES)}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise KVFlashError(f"unknown KV dtype {self.kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}")
         if self.template not in TEMPLATES:
             raise KVFlashError(f"unknown template {self.template!r}; choose one of {', '.join(TEMPLATES)}")
         self._check_pool()
@@ -144,7 +148,8 @@ class NiahConfig:
         codec = f", {self.codec}" if self.codec != "lossless" and self.mode != "cold" else ""
         absolute = ", absolute positions" if not self.cache_positions and self.policy != "full" else ""
         pinned = ", needle pinned" if self.pin_needle else ""
-        return f"{pool}, {self.mode}{codec}{absolute}{pinned}"
+        kv = f", {self.kv_dtype} KV" if self.kv_dtype != "auto" else ""
+        return f"{pool}, {self.mode}{codec}{absolute}{pinned}{kv}"
 
     def pool_for(self, length: int, prompt_tokens: int) -> int:
         """Pool tokens for one trial: the whole prompt and answer under full, else the configured share."""
@@ -253,7 +258,8 @@ class ModelArm:
         if self._engine is None or self._engine.cfg.pool_tokens != pool:
             self._engine = None  # the old pool's memory goes before the new one is allocated
             res = ResidencyConfig(policy=self.cfg.policy, cache_positions=self.cfg.cache_positions)
-            self._engine = Engine(self.lm, EngineConfig(pool_tokens=pool, residency=res))
+            cfg = EngineConfig(pool_tokens=pool, residency=res, kv_dtype=self.cfg.kv_dtype)
+            self._engine = Engine(self.lm, cfg)
         return self._engine
 
     @staticmethod

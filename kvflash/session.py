@@ -52,8 +52,11 @@ class Session:
         lm = engine.lm
         self.tok = lm.tokenizer
         self.chunk_tokens = engine.cfg.residency.chunk_tokens
-        fp = lm.fingerprint(self.chunk_tokens)
-        self.snapshots = KVSnapshots(store, fp, prefetch) if store else None
+        self.snapshots = (
+            KVSnapshots(store, engine.fingerprint, prefetch, other_kv=engine.other_kv_fingerprints())
+            if store
+            else None
+        )
         self.messages: list[dict] = [system_message(documents)]
         self.docs_hash = hashlib.sha256(self.messages[0]["content"].encode()).hexdigest()[:16]
         self.ids: list[int] = []
@@ -69,6 +72,8 @@ class Session:
         """Where the previous question and answer lie in the prompt (`last-turn` pins)."""
         if name and self.snapshots:
             self._resume()
+        if self.snapshots:
+            self._warn_other_kv()
 
     @property
     def kv(self) -> PagedKV | None:
@@ -147,9 +152,24 @@ class Session:
             return None
 
     def _own_snapshots(self) -> list[SnapshotInfo]:
-        """This conversation's snapshots that this engine can restore."""
+        """This conversation's snapshots of this model: with KV this engine restores (`usable`), or
+        with KV of another dtype, whose token ids are this model's (the conversation resumes, its
+        KV is computed again)."""
         snaps = self.snapshots.store.list_snapshots()
-        return [s for s in snaps if s.label == self.label and self.snapshots.usable(s.fingerprint)]
+        ours = self.snapshots.usable, self.snapshots.other_kv_dtype
+        return [s for s in snaps if s.label == self.label and any(f(s.fingerprint) for f in ours)]
+
+    def _warn_other_kv(self) -> None:
+        """Says so when this conversation's KV is stored only in another dtype: the turn prefills
+        cold, where a restore was expected."""
+        ours = self._own_snapshots()
+        if ours and not any(self.snapshots.usable(s.fingerprint) for s in ours):
+            stored = self.snapshots.other_kv_dtype(max(ours, key=lambda s: s.created).fingerprint)
+            warnings.warn(
+                f"the stored KV of this conversation is {stored}; this engine keeps "
+                f"{self.engine.kv_dtype_name} KV (--kv-dtype), so it computes the KV again",
+                stacklevel=3,
+            )
 
     def _resumed_ids(self) -> list[int]:
         """The stored chunks' tokens plus the tail; if the chunks are unreadable, the re-rendered text."""

@@ -14,7 +14,7 @@ import contextlib
 import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -66,9 +66,32 @@ class KVSnapshots:
     """Saves and restores one model's sequences through a SnapshotStore, under two fingerprints:
     the model's for exact KV, the model's + APPROX_SUFFIX for KV computed under eviction."""
 
-    def __init__(self, store: SnapshotStore, fingerprint: str, prefetch: bool = True):
+    def __init__(
+        self,
+        store: SnapshotStore,
+        fingerprint: str,
+        prefetch: bool = True,
+        other_kv: Mapping[str, str] | None = None,
+    ):
         self.store, self.fp, self.prefetch = store, fingerprint, prefetch
         self.approx_fp = fingerprint + APPROX_SUFFIX
+        self.other_kv = dict(other_kv or {})
+        """Fingerprints of this model's KV in other dtypes, to the dtype's name: their snapshots hold
+        this model's token ids, but never KV that this engine restores."""
+
+    def other_kv_dtype(self, fp: str) -> str | None:
+        """The KV dtype of a snapshot of this model stored under another KV dtype (exact or
+        approximate KV), else None."""
+        return self.other_kv.get(fp.removesuffix(APPROX_SUFFIX))
+
+    def other_kv_counts(self) -> dict[str, int]:
+        """Snapshots of this model stored under another KV dtype, counted by that dtype: a server
+        started with another --kv-dtype restores none of them."""
+        counts: dict[str, int] = {}
+        for snap in self.store.list_snapshots():
+            if name := self.other_kv_dtype(snap.fingerprint):
+                counts[name] = counts.get(name, 0) + 1
+        return counts
 
     def read_summaries(self, fp: str, hashes: list[str], shape: tuple[int, ...]) -> StoredSummaries:
         rows = torch.empty((len(hashes), *shape))

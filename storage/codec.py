@@ -2,7 +2,10 @@
 
 - lossless: byte planes (most significant byte of every element, then the next, ...), then zstd. The
   high bytes (sign, exponent) are highly repetitive while the low mantissa bytes are near-random, so
-  splitting them lets zstd compress the first and store the second almost for free.
+  splitting them lets zstd compress the first and store the second almost for free. On bf16
+  SmolLM2 KV of 4K tokens of prose the two planes compress 1.44x, within 2% of what coding each
+  element's exponent and its sign and mantissa apart, without context, can reach (1.465x: 2.9 bits
+  of exponent, 8 of sign and mantissa); the exponent in a plane of its own, channel-major, gained 1%.
 - fp8: e4m3 with one fp32 scale per (layer, K/V, kv-head), then zstd. Lossy; see `fp8_error`.
 
 The "raw" bytes of a codec are what zstd compresses: the planes, or the scales followed by the fp8

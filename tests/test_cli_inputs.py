@@ -97,7 +97,13 @@ def test_bad_flags_give_one_line(tmp_path, capfd, monkeypatch, doc) -> None:
             ["ask", str(doc), "q?", "--pin", "system", "--server", "http://127.0.0.1:9"],
             "--pin",
         ),
+        "kv-dtype with --server": (
+            ["ask", str(doc), "q?", "--kv-dtype", "bf16", "--server", "http://127.0.0.1:9"],
+            "--kv-dtype",
+        ),
     }
+    for command in (["ask", str(doc), "q?"], ["chat", str(doc)], ["serve"], ["niah"], ["bench"]):
+        cases[f"{command[0]} kv-dtype fp8"] = ([*command, "--kv-dtype", "fp8"], "--kv-dtype")
     if not torch.cuda.is_available():
         cases["device cuda without CUDA"] = (["generate", "hi", "--device", "cuda"], "no CUDA device")
     for name, (argv, message) in cases.items():

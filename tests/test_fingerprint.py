@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 
+import torch
 from gguf_util import write_tiny_gguf
 
 from kvflash.models import fingerprint
@@ -25,12 +26,12 @@ def test_weights_are_hashed_once_and_a_changed_file_changes_the_fingerprint(tmp_
     with monkeypatch.context() as m:
         m.setattr(fingerprint, "_hash_files", no_rehash)
         again = load_model(path, device="cpu")
-        assert again.fingerprint(64) == first.fingerprint(64)
+        assert again.fingerprint(64, torch.bfloat16) == first.fingerprint(64, torch.bfloat16)
 
     write_tiny_gguf(path, seed=1)  # same shapes, so the same size: other bytes
     changed = load_model(path, device="cpu")
     assert changed.weights_id == hashlib.sha256(path.read_bytes()).hexdigest() != first.weights_id
-    assert changed.fingerprint(64) != first.fingerprint(64)
+    assert changed.fingerprint(64, torch.bfloat16) != first.fingerprint(64, torch.bfloat16)
 
 
 def test_an_unwritable_home_only_costs_the_reuse(tmp_path, monkeypatch) -> None:

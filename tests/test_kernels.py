@@ -555,7 +555,7 @@ def test_interp_sequence_decodes_through_the_kernels_as_through_the_reference() 
     for forced in (False, True):
         force = mock.patch.object(kernels, "uses_triton", return_value=True)
         with force if forced else contextlib.nullcontext():
-            eng = Engine(lm, EngineConfig(pool_tokens=1024, residency=res))
+            eng = Engine(lm, EngineConfig(pool_tokens=1024, residency=res, kv_dtype="fp32"))
             kv = eng.new_sequence(6 * 16)
             logits, step, out = eng.prefill(kv, ids), eng.decode_step(kv), []
             for i, pos in enumerate(range(len(ids), len(ids) + 24)):

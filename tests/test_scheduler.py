@@ -28,7 +28,8 @@ def lm() -> LoadedModel:
 
 
 def engine(lm, pool_tokens: int = 512) -> Engine:
-    return Engine(lm, EngineConfig(pool_tokens=pool_tokens, residency=RES))
+    """fp32 KV: batched and lone rows differ by fp32 rounding, which 16-bit KV would round apart."""
+    return Engine(lm, EngineConfig(pool_tokens=pool_tokens, residency=RES, kv_dtype="fp32"))
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -292,7 +293,7 @@ def test_max_context_tokens_is_what_one_sequence_holds(lm, policy: str) -> None:
     model's trained context."""
     res = ResidencyConfig(chunk_tokens=16, tail_chunks=1, policy=policy)
     chunk = CFG.kv_bytes_per_token(torch.float32) * 16
-    eng = Engine(lm, EngineConfig(pool_tokens=256, residency=res, host_bytes=20 * chunk))
+    eng = Engine(lm, EngineConfig(pool_tokens=256, residency=res, host_bytes=20 * chunk, kv_dtype="fp32"))
     sched = Scheduler(eng, None, frozenset(), max_batch=2, sequence_tokens=128)
     try:
         limit = sched.max_context_tokens
@@ -428,7 +429,9 @@ def idle_room_run(lm, host_chunks: int) -> tuple[Scheduler, list[list[int]], lis
     big = chats[2] + prompt(300, 30)
     (alone,) = alone_answers(lm, [big], 6, 512)
     chunk = CFG.kv_bytes_per_token(torch.float32) * RES.chunk_tokens
-    eng = Engine(lm, EngineConfig(pool_tokens=512, residency=RES, host_bytes=host_chunks * chunk))
+    eng = Engine(
+        lm, EngineConfig(pool_tokens=512, residency=RES, host_bytes=host_chunks * chunk, kv_dtype="fp32")
+    )
     sched = Scheduler(eng, None, frozenset(), max_batch=8)
     outs = run_jobs(sched, chats, 4)
     assert len(sched.cache.idle) == 3 and sched.cache.idle[-1].seq.tokens[:100] == chats[2]

@@ -57,7 +57,7 @@ def serving(
     directory (a store opened and closed here) or a store the caller opened (and closes)."""
     engine = Engine(lm, EngineConfig(pool_tokens=4096))
     st = SnapshotStore(store) if isinstance(store, Path) else store
-    snapshots = KVSnapshots(st, lm.fingerprint(engine.cfg.residency.chunk_tokens)) if st else None
+    snapshots = KVSnapshots(st, engine.fingerprint) if st else None
     server = Server(
         engine, lm.tokenizer, MODEL, snapshots, max_tokens, max_batch, max_prompt_tokens, max_waiting
     )

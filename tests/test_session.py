@@ -224,6 +224,36 @@ def test_a_session_keeps_and_skips_snapshots_another_engine_made(lm, cold, tmp_p
     assert s2.source == "disk" and a2 == cold["two"][1]
 
 
+def test_a_conversation_stored_with_another_kv_dtype_resumes_and_prefills_cold_with_a_warning(
+    lm, cold, tmp_path
+) -> None:
+    """The same model with fp32 KV after a bf16-KV turn (`auto` on the CPU): the conversation goes
+    on (its token ids are this model's), its KV is computed again, a warning says why, and the
+    bf16 snapshot stays for the engine that can restore it."""
+    doc = document()
+    fp32 = Engine(lm, EngineConfig(pool_tokens=4096, kv_dtype="fp32"))
+    with SnapshotStore(tmp_path) as store:
+        turns(Session(engine(lm), [doc], store, name="s"), [Q1])
+        (bf16,) = store.list_snapshots()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            sess = Session(fp32, [doc], store, name="s")
+        assert [str(w.message) for w in caught] == [
+            "the stored KV of this conversation is bf16; this engine keeps fp32 KV (--kv-dtype), "
+            "so it computes the KV again"
+        ]
+        assert len(sess.messages) == 3  # the conversation resumed
+        ((_, s2),) = turns(sess, [Q2])
+        assert s2.source == "cold" and s2.restored_tokens == 0
+        assert bf16.id in {s.id for s in store.list_snapshots()} and len(store.list_snapshots()) == 2
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # its own KV is stored: nothing to warn about
+            again = Session(engine(lm), [doc], store, name="s")
+        assert len(again.messages) == 5  # both turns
+        ((_, s3),) = turns(again, [Q1])
+    assert s3.source == "disk" and s3.restored_tokens >= bf16.n_tokens  # turn 1's bf16 KV
+
+
 def test_a_pinned_snapshot_is_kept_and_the_turn_still_answers(lm, cold, tmp_path) -> None:
     doc = document()
     with SnapshotStore(tmp_path) as store:
@@ -262,7 +292,7 @@ def test_lazy_restore_under_a_small_budget_reads_only_what_it_selects(lm, tmp_pa
         sess = Session(engine(lm, pool_tokens=512), [doc], store, lazy=True)
         sess.snapshots.prefetch = False  # count the on-demand reads alone
         ((_, sb),) = turns(sess, [Q2])
-    chunk_bytes = lm.config.kv_bytes_per_token(lm.dtype) * 64
+    chunk_bytes = lm.config.kv_bytes_per_token(sess.engine.kv_dtype) * 64
     assert sb.source == "lazy" and sb.restored_tokens >= 12 * 64
     assert 0 < sb.bytes_moved["disk"] <= 8 * chunk_bytes < sb.restored_tokens // 64 * chunk_bytes
     assert sb.resident_chunks <= 8

@@ -41,8 +41,9 @@ class LoadedModel:
         files = [self.path] if self.path.is_file() else sorted(self.path.glob("*.safetensors"))
         return weights_identity(files)
 
-    def fingerprint(self, chunk_tokens: int, kv_dtype: torch.dtype | None = None) -> str:
-        return model_fingerprint(self.config, self.weights_id, kv_dtype or self.dtype, chunk_tokens)
+    def fingerprint(self, chunk_tokens: int, kv_dtype: torch.dtype) -> str:
+        """The fingerprint of KV in kv_dtype (the engine's, which may differ from the model's dtype)."""
+        return model_fingerprint(self.config, self.weights_id, kv_dtype, chunk_tokens)
 
 
 def build_model(
