@@ -8,7 +8,7 @@ file is its header, token ids, key summary (fp32) and the compressed KV; the sum
 chain holds every chunk's token ids and summary again (docs/FORMAT.md). The f16 reference is the
 model's KV in f16, uncompressed: what a llama.cpp state file holds per token.
 
-    python bench/kv_bytes.py --tokens 4096 --out out/kv_bytes
+    python -m bench.kv_bytes --tokens 4096 --out out/kv_bytes
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import time
 from pathlib import Path
 
 import torch
-from decode import save
-from document import reference_text
 from rich.console import Console
 from rich.table import Table
 
+from bench.document import reference_text
+from bench.harness import save
 from kvflash.config import DTYPES, EngineConfig, ResidencyConfig
 from kvflash.engine import Engine
 from kvflash.models.loader import LoadedModel, load_model
