@@ -164,14 +164,6 @@ class HostTier:
             self._fill_block(b)
         return sorted(out)
 
-    def take_free(self, n: int) -> list[int]:
-        """Up to n free host slots, ascending, without growing the tier or waiting for it."""
-        with self._grown:
-            take = min(n, len(self._free))
-            out = self._free[len(self._free) - take :]
-            del self._free[len(self._free) - take :]
-        return sorted(out)
-
     def alloc(self) -> int:
         return self.alloc_many(1)[0]
 

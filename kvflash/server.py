@@ -274,14 +274,9 @@ class Server:
                     return
                 try:
                     staged = self.snapshots.stage(kv)  # a store error here only costs the reuse
+                    self._saver.submit(self._save, staged, label, len(ids))
                 except BaseException:
                     self._unsaved.release()
-                    raise
-                try:
-                    self._saver.submit(self._save, staged, label, len(ids))
-                except BaseException:  # the saver has stopped: the staged copy's host slots come back
-                    self._unsaved.release()
-                    staged.release()
                     raise
 
         sampling = Sampling(req.temperature, req.top_p, req.seed)

@@ -15,11 +15,10 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from kvflash.host_tier import HostTier
 from kvflash.paged_kv import PagedKV
 from kvflash.pool import chunk_shape
 from kvflash.storage import ROOT_HASH, ChunkBlob, InvalidChunk, SnapshotInfo, SnapshotStore, chain_hashes
@@ -57,27 +56,10 @@ class StoredSummaries:
 @dataclass
 class StagedSnapshot:
     """A sealed prefix ready to write: its fingerprint and, in chain order, the hash of each chunk the
-    store holds or a blob (with its own copy of the KV) of each it lacks. Copies may still be in
-    flight into host-tier slots the snapshot holds until it is written (`ready`, `release`)."""
+    store holds or a blob (with its own copy of the KV) of each it lacks."""
 
     fp: str
     items: list[ChunkBlob | str]
-    copied: torch.cuda.Event | None = None
-    """Recorded after the device-to-host copies: they are done once it is."""
-    host: HostTier | None = None
-    host_slots: list[int] = field(default_factory=list)
-
-    def ready(self) -> None:
-        """Waits for the copies in flight (from the thread that writes the snapshot)."""
-        if self.copied is not None:
-            self.copied.synchronize()
-
-    def release(self) -> None:
-        """Gives the host-tier slots back once the blobs are written or dropped (idempotent)."""
-        if self.host is not None and self.host_slots:
-            self.ready()  # a copy still in flight writes the slot
-            self.host.release_many(self.host_slots)
-            self.host_slots = []
 
 
 class KVSnapshots:
@@ -132,26 +114,20 @@ class KVSnapshots:
         if stored == n:
             return StagedSnapshot(fp, items)
         summaries = kv.seq.summaries[stored:n].to("cpu", copy=True)
-        staged = StagedSnapshot(fp, items)
-        copies = _resident_copies(kv, range(stored, n), staged)
+        copies = _resident_copies(kv, range(stored, n))
         for i in range(stored, n):
             parent = hashes[i - 1] if i else ROOT_HASH
             data = copies[i] if i in copies else kv.chunk_kv(i).to("cpu", copy=True)
             items.append(
                 ChunkBlob(fp, i, hashes[i], parent, kv.seq.chunk_tokens_of(i), summaries[i - stored], data)
             )
-        return staged
+        return StagedSnapshot(fp, items)
 
     def put(
         self, staged: StagedSnapshot, label: str, meta: dict | None = None, succeeds: Sequence[str] = ()
     ) -> str:
-        """Writes a staged snapshot (compressing its new chunks) once its copies are done, then gives
-        its host-tier slots back; returns its id."""
-        try:
-            staged.ready()
-            return self.store.put_snapshot(label, staged.fp, staged.items, meta, succeeds)
-        finally:
-            staged.release()
+        """Writes a staged snapshot (compressing its new chunks); returns its id."""
+        return self.store.put_snapshot(label, staged.fp, staged.items, meta, succeeds)
 
     def usable(self, fp: str) -> bool:
         """Whether this engine can restore KV stored under fp: exact KV, or approximate KV (which a
@@ -304,27 +280,10 @@ class KVSnapshots:
             time.sleep(PREFETCH_PAUSE_S)  # locks are not fair: let a waiting selection take it
 
 
-def _resident_copies(kv: PagedKV, indices: range, staged: StagedSnapshot) -> dict[int, torch.Tensor]:
-    """Host copies of the KV of the chunks among `indices` that are in the pool, by index.
-
-    On CUDA, as many as the host tier has free slots for are copied into those slots without
-    waiting: the copies are queued on the compute stream, so no later write to their pool slots
-    overtakes them, and `staged` holds the slots and an event until it is written. The caller's
-    thread (a server's scheduler) goes on at once instead of waiting for the bytes. The rest are
-    gathered and copied synchronously, and the host tier is asked to grow for the next snapshot."""
+def _resident_copies(kv: PagedKV, indices: range) -> dict[int, torch.Tensor]:
+    """Host copies of the KV of the chunks among `indices` that are in the pool, by index."""
     resident = [i for i in indices if kv.seq.chunks[i].gpu is not None]
     out: dict[int, torch.Tensor] = {}
-    if resident and kv.pool.kv.is_cuda:
-        slots = kv.host.take_free(len(resident))
-        for i, h in zip(resident, slots, strict=False):
-            out[i] = kv.host.view(h)
-            out[i].copy_(kv.pool.kv[kv.seq.chunks[i].gpu], non_blocking=True)
-        if slots:
-            staged.copied, staged.host, staged.host_slots = torch.cuda.Event(), kv.host, slots
-            staged.copied.record()
-        if len(slots) < len(resident):
-            kv.host.reserve(kv.host.n_used + len(resident))
-        resident = resident[len(slots) :]
     for lo in range(0, len(resident), STAGE_CHUNKS):
         group = resident[lo : lo + STAGE_CHUNKS]
         slots = torch.tensor([kv.seq.chunks[i].gpu for i in group], device=kv.pool.kv.device)

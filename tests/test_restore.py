@@ -201,32 +201,3 @@ def test_a_lookup_checks_a_span_at_a_time_and_a_save_hashes_only_new_chunks(lm, 
 
     (store.root / "chunks" / full[13][:2] / f"{full[13]}.kvc").unlink()
     assert snaps.lookup(doc + [1], c, approximate=False) == (FP, full[:13])
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_a_staged_snapshot_keeps_what_it_copied_while_its_pool_slots_are_reused(store) -> None:
-    """On CUDA a snapshot's resident chunks are copied into free host-tier slots without waiting: the
-    sequence freed and its pool slots overwritten right after staging, the snapshot still holds the
-    chunks' KV as staged, and its host slots come back once it is written."""
-    cuda = torch.device("cuda")
-    lm = LoadedModel(tiny_model(CFG).to(cuda), None, CFG, Path("tiny"), torch.float32, cuda)
-    eng = engine(lm)
-    eng.host.release_many(eng.host.alloc_many(64))  # free host slots to stage into
-    used = eng.host.n_used
-    kv = eng.new_sequence()
-    eng.prefill(kv, prompt(300, 1))
-    n = kv.seq.n_sealed
-    want = [kv.chunk_kv(i).cpu() for i in range(n)]
-    snaps = KVSnapshots(store, FP)
-    staged = snaps.stage(kv)
-    assert staged.copied is not None and len(staged.host_slots) == n
-    slots = torch.tensor([ch.gpu for ch in kv.seq.chunks[:n]], device=cuda)
-    kv.free()
-    eng.pool.kv.index_fill_(0, slots, float("nan"))  # queued after the copies, on the same stream
-    sid = snaps.put(staged, "doc")
-    assert eng.host.n_used == used
-    hashes = store.get_snapshot(sid).chunk_hashes
-    got = store.read_chunks_parallel(hashes, FP, tuple(want[0].shape), want[0].dtype)
-    for blob, kv_want in zip(got, want, strict=True):
-        assert torch.equal(blob.kv, kv_want)
