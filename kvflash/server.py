@@ -36,7 +36,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.types import Message as Message_
 
-from kvflash import KVFlashError
+from kvflash import KVFlashError, heap
 from kvflash.content_ids import ContentIds
 from kvflash.engine import Engine
 from kvflash.generate import Sampling
@@ -177,6 +177,11 @@ them, so an unbounded queue grows with every answer the disk has not caught up w
 answer's prefix is not saved (its conversation restores the prefix it saved last)."""
 
 
+IDLE_TRIM_S = 1.0
+"""How often the server looks whether it has gone idle since it last handed malloc's free memory back
+(`heap.trim`): a burst of requests leaves its buffers free in malloc's arenas, in the process's RSS."""
+
+
 class Server:
     """The scheduler over the engine, the tokenizer and the snapshot store behind the HTTP routes."""
 
@@ -207,10 +212,13 @@ class Server:
         self.unsaved = 0
         """Staged snapshots not yet written (at most MAX_UNSAVED)."""
         self._unsaved_lock = threading.Lock()
+        self._closing = threading.Event()
+        threading.Thread(target=self._trim_when_idle, daemon=True, name="kvflash-trim").start()
 
     def close(self, timeout: float = 60.0) -> None:
         """Ends the requests in flight at their next prefill piece or token (their clients are gone
         by now: the HTTP server has stopped), then waits for the snapshots still being written."""
+        self._closing.set()
         self.scheduler.close(cancel=True, timeout=timeout)
         self._saver.shutdown()
 
@@ -309,6 +317,17 @@ class Server:
             "prefill_steps_total": ("counter", "Forwards that ran prefill pieces.", sched.prefill_steps),
             "prefill_pieces_total": ("counter", "Prefill pieces those forwards ran.", sched.pieces),
         }
+
+    def _trim_when_idle(self) -> None:
+        """Once the requests of a burst have all ended and their snapshots are written, hands the
+        memory malloc holds free back to the system, once per idle spell: RSS after a burst then
+        returns to what the live sequences, the host tier and the model hold."""
+        trimmed_at = 0
+        while not self._closing.wait(IDLE_TRIM_S):
+            steps = self.scheduler.steps  # forwards run: nothing ran since the last trim if unchanged
+            if steps != trimmed_at and not self.scheduler.in_flight and not self.unsaved:
+                heap.trim()
+                trimmed_at = steps
 
     def _take_unsaved(self) -> bool:
         """Counts a snapshot about to be staged; False if MAX_UNSAVED already wait."""
