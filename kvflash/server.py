@@ -278,6 +278,8 @@ class Server:
             relay(Completion(stop.text, finish, len(ids), len(out), stats))
             if self.snapshots:
                 self.snapshots.start_prefetch(kv)
+                if not kv.seq.n_sealed:  # a short chat: no whole chunk to save
+                    return
                 if not self._take_unsaved():
                     warnings.warn("snapshot writes are behind: this answer is not saved", stacklevel=2)
                     return
