@@ -1,13 +1,10 @@
 """`kvflash serve` that reports on its own memory, for bench/server_memory.py.
 
 `python -m bench.memory_report serve ARGS...` is `kvflash serve ARGS...` plus a thread that reads
-commands on stdin, one a line:
-
-  report PATH   writes JSON to PATH (atomically): after a gc pass, the counts of objects by type,
-                the bytes of live tensors grouped by shape, glibc malloc's figures (mallinfo2), the
-                process's threads and, when the process was started with PYTHONTRACEMALLOC, the
-                Python allocations by line that grew since the last report
-  trim          has glibc give free heap memory back to the system (malloc_trim)
+lines `report PATH` on stdin and for each writes JSON to PATH (atomically): after a gc pass, the
+counts of objects by type, the bytes of live tensors grouped by shape, glibc malloc's figures
+(mallinfo2), the process's threads and, when the process was started with PYTHONTRACEMALLOC, the
+Python allocations by line that grew since the last report.
 
 Nothing of this is in kvflash itself: the server under measurement is the one users run.
 """
@@ -45,7 +42,8 @@ LIBC.mallinfo2.restype = MallInfo2
 
 def malloc_figures() -> dict[str, int]:
     """Bytes: `heap` taken from the system by malloc's arenas (brk and arena mmaps), `mmapped` in
-    chunks of their own, `in_use` and `free` inside the arenas (free is RSS malloc keeps for reuse)."""
+    chunks of their own, `in_use` and `free` inside the arenas (free pages stay resident until
+    malloc_trim hands them back, which `free` still counts)."""
     m = LIBC.mallinfo2()
     return {"heap": m.arena, "mmapped": m.hblkhd, "in_use": m.uordblks, "free": m.fordblks}
 
@@ -61,7 +59,10 @@ def tensor_bytes() -> tuple[int, list[tuple[str, int, int]]]:
             except RuntimeError:  # a tensor without storage (sparse, functional wrappers)
                 continue
             if st.data_ptr() and st.data_ptr() not in seen:
-                seen[st.data_ptr()] = (f"{str(obj.dtype).removeprefix('torch.')}{list(obj.shape)}", st.nbytes())
+                seen[st.data_ptr()] = (
+                    f"{str(obj.dtype).removeprefix('torch.')}{list(obj.shape)}",
+                    st.nbytes(),
+                )
     groups: Counter = Counter()
     counts: Counter = Counter()
     for key, n in seen.values():
@@ -90,7 +91,9 @@ class Reporter:
             "python_threads": sorted(t.name for t in threading.enumerate()),
         }
         if tracemalloc.is_tracing():
-            snap = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(False, tracemalloc.__file__)])
+            snap = tracemalloc.take_snapshot().filter_traces(
+                [tracemalloc.Filter(False, tracemalloc.__file__)]
+            )
             body["traced_bytes"] = tracemalloc.get_traced_memory()[0]
             if self._last is not None:
                 grew = snap.compare_to(self._last, "lineno")[:TOP]
@@ -105,8 +108,6 @@ class Reporter:
                 tmp = Path(arg + ".tmp")
                 tmp.write_text(json.dumps(self.report()))
                 tmp.rename(arg)
-            elif cmd == "trim":
-                LIBC.malloc_trim(0)
 
 
 def main() -> None:

@@ -9,10 +9,12 @@ the server holds no request and no snapshot waits for the disk, it records the s
 VmHWM (/proc/PID/status), the pool, host tier, live sequences and staged snapshots (/metrics), the
 store's leases and bytes on disk; RSS is sampled every --interval s meanwhile, for the PNG.
 
---inspect runs the server under bench/memory_report.py: each wave's row then also has glibc
-malloc's figures, the bytes of live tensors by shape, object counts by type and the thread count,
-and (with --tracemalloc) the Python allocations that grew since the last wave; with --trim the
-server gives malloc's free heap memory back after each report, and the row has RSS after that.
+The server hands malloc's free memory back once it has been idle a second (`Server` in
+kvflash/server.py): a row is taken --settle-s seconds after the wave has ended, so it shows what the
+server holds, not what a burst left free. --inspect runs the server under bench/memory_report.py:
+each wave's row then also has glibc malloc's figures, the bytes of live tensors by shape, object
+counts by type and the thread count, and (with --tracemalloc) the Python allocations that grew since
+the last wave.
 
   python -m bench.server_memory --waves 8 --requests 30 --out out/server_memory
 """
@@ -118,14 +120,16 @@ class ServerProcess:
             time.sleep(0.1)
         return json.loads(path.read_text())
 
-    def settle(self, timeout_s: float = 600) -> dict[str, float]:
-        """/metrics once no request is in flight and no staged snapshot waits for the disk."""
+    def settle(self, idle_s: float, timeout_s: float = 600) -> dict[str, float]:
+        """/metrics idle_s seconds after no request is in flight and no staged snapshot waits for
+        the disk."""
         deadline = time.monotonic() + timeout_s
         while (m := metrics(self.url))["requests_in_flight"] or m["snapshots_unsaved"]:
             if time.monotonic() > deadline:
                 raise SystemExit(f"the server did not settle: {m}")
             time.sleep(0.2)
-        return m
+        time.sleep(idle_s)
+        return metrics(self.url)
 
     def stop(self, timeout_s: float = 120) -> str:
         self.proc.send_signal(signal.SIGINT)
@@ -150,7 +154,10 @@ QUESTIONS = ("What is this document about?", "Name one term it defines.", "Summa
 
 def ask(server: ServerProcess, doc: str, k: int, tokens: int) -> int:
     """Request k: a new conversation over doc, streamed when k is odd; its completion tokens."""
-    messages = [{"role": "system", "content": doc}, {"role": "user", "content": QUESTIONS[k % len(QUESTIONS)]}]
+    messages = [
+        {"role": "system", "content": doc},
+        {"role": "user", "content": QUESTIONS[k % len(QUESTIONS)]},
+    ]
     kw = {"model": server.model, "messages": messages, "temperature": 0, "max_tokens": tokens}
     if k % 2:
         got = 0
@@ -206,10 +213,6 @@ def row(server: ServerProcess, store: Path, wave: int, t: float, m: dict, args, 
         rep = server.report(reports / f"wave{wave}.json")
         r.update(malloc=rep["malloc"], tensor_bytes=rep["tensor_bytes"], objects=rep["objects"],
                  threads=rep["threads"], report=f"wave{wave}.json")  # fmt: skip
-        if args.trim:
-            server.command("trim")
-            time.sleep(1)
-            r["rss_trimmed"] = proc_status(server.proc.pid)["VmRSS"]
     return r
 
 
@@ -218,7 +221,7 @@ def run(args, docs: list[str], reports: Path, progress) -> tuple[list[dict], lis
         store = Path(tmp) / "store"
         server = ServerProcess(args, store, args.inspect)
         sampler = Sampler(server.proc.pid, args.interval)
-        rows = [row(server, store, 0, sampler.now(), server.settle(), args, reports)]
+        rows = [row(server, store, 0, sampler.now(), server.settle(args.settle_s), args, reports)]
         task = progress.add_task("waves", total=args.waves)
         k = 0
         try:
@@ -226,9 +229,12 @@ def run(args, docs: list[str], reports: Path, progress) -> tuple[list[dict], lis
                 ks = range(k, k + args.requests)
                 k += args.requests
                 with ThreadPoolExecutor(args.requests) as pool:
-                    answered = list(pool.map(lambda j: ask(server, docs[j % len(docs)], j, args.max_tokens), ks))
+                    answered = list(
+                        pool.map(lambda j: ask(server, docs[j % len(docs)], j, args.max_tokens), ks)
+                    )
                 assert all(n >= 1 for n in answered), answered
-                rows.append(row(server, store, wave, sampler.now(), server.settle(), args, reports))
+                m = server.settle(args.settle_s)
+                rows.append(row(server, store, wave, sampler.now(), m, args, reports))
                 progress.advance(task)
         finally:
             sampler.stop()
@@ -245,8 +251,6 @@ def report(args, rows: list[dict]) -> None:
             "store MB", "leases"]  # fmt: skip
     if args.inspect:
         cols += ["malloc free MB", "tensors MB", "objects", "threads"]
-    if args.trim:
-        cols += ["RSS trimmed MB"]
     for c in cols:
         t.add_column(c, justify="right")
     for i, r in enumerate(rows):
@@ -258,8 +262,6 @@ def report(args, rows: list[dict]) -> None:
         if args.inspect:
             cells += [f"{r['malloc']['free'] / MB:.0f}", f"{r['tensor_bytes'] / MB:.0f}", str(r["objects"]),
                       str(r["threads"])]  # fmt: skip
-        if args.trim:
-            cells += [f"{r['rss_trimmed'] / MB:.0f}"]
         t.add_row(*cells)
     Console().print(t)
 
@@ -271,8 +273,6 @@ def plot(rows: list[dict], series: list[tuple[float, int]], path: Path) -> None:
     ts = [r["t_s"] for r in rows]
     ax.plot(ts, [r["rss"] / MB for r in rows], "o", label="VmRSS after a wave")
     ax.plot(ts, [r["host_tier_bytes"] / MB for r in rows], "s--", label="host tier allocated")
-    if "rss_trimmed" in rows[0]:
-        ax.plot(ts, [r["rss_trimmed"] / MB for r in rows], "^:", label="VmRSS after malloc_trim")
     for r in rows:
         ax.axvline(r["t_s"], color="grey", lw=0.5)
     ax.set(xlabel="seconds", ylabel="MB", ylim=(0, None), title="kvflash serve memory, wave by wave")
@@ -287,23 +287,27 @@ def main() -> None:
     ap.add_argument("--waves", type=int, default=8)
     ap.add_argument("--requests", type=int, default=30, help="concurrent requests per wave")
     ap.add_argument("--doc-tokens", type=int, default=1000)
-    ap.add_argument("--documents", type=int, default=None, help="distinct documents (default: waves x requests)")
+    ap.add_argument(
+        "--documents", type=int, default=None, help="distinct documents (default: waves x requests)"
+    )
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--max-batch", type=int, default=4)
     ap.add_argument("--pool-tokens", type=int, default=4096)
-    ap.add_argument("--host-bytes", type=int, default=None, help="the server's --host-bytes (default: its own)")
+    ap.add_argument(
+        "--host-bytes", type=int, default=None, help="the server's --host-bytes (default: its own)"
+    )
     ap.add_argument("--model", default=None)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--interval", type=float, default=0.5, help="seconds between RSS samples")
     ap.add_argument("--inspect", action="store_true", help="the server reports on its memory after each wave")
     ap.add_argument("--tracemalloc", action="store_true", help="with --inspect: Python allocations by line")
-    ap.add_argument("--trim", action="store_true", help="with --inspect: malloc_trim after each wave")
+    ap.add_argument("--settle-s", type=float, default=3.0, help="idle seconds before a wave's row")
     ap.add_argument("--arena-max", type=int, default=None, help="MALLOC_ARENA_MAX for the server")
     ap.add_argument("--out", default="out/server_memory")
     args = ap.parse_args()
     args.documents = args.documents or args.waves * args.requests
-    if (args.tracemalloc or args.trim) and not args.inspect:
-        ap.error("--tracemalloc and --trim need --inspect")
+    if args.tracemalloc and not args.inspect:
+        ap.error("--tracemalloc needs --inspect")
     out = out_dir(args.out)
     docs = documents(args)
     with progress_bar() as progress:
