@@ -3,8 +3,9 @@
 `python -m bench.memory_report serve ARGS...` is `kvflash serve ARGS...` plus a thread that reads
 lines `report PATH` on stdin and for each writes JSON to PATH (atomically): after a gc pass, the
 counts of objects by type, the bytes of live tensors grouped by shape, glibc malloc's figures
-(mallinfo2), the process's threads and, when the process was started with PYTHONTRACEMALLOC, the
-Python allocations by line that grew since the last report.
+(mallinfo2), the process's threads and, with KVFLASH_TRACEMALLOC=FRAMES in the environment, the
+Python allocations by line that grew since the last report (tracing starts at the first report, so
+the model load, which it would slow down many times over, is not traced).
 
 Nothing of this is in kvflash itself: the server under measurement is the one users run.
 """
@@ -73,7 +74,8 @@ def tensor_bytes() -> tuple[int, list[tuple[str, int, int]]]:
 
 
 class Reporter:
-    def __init__(self) -> None:
+    def __init__(self, frames: int) -> None:
+        self.frames = frames
         self._last: tracemalloc.Snapshot | None = None
 
     def report(self) -> dict:
@@ -90,6 +92,8 @@ class Reporter:
             "threads": len(os.listdir("/proc/self/task")),
             "python_threads": sorted(t.name for t in threading.enumerate()),
         }
+        if self.frames and not tracemalloc.is_tracing():
+            tracemalloc.start(self.frames)
         if tracemalloc.is_tracing():
             snap = tracemalloc.take_snapshot().filter_traces(
                 [tracemalloc.Filter(False, tracemalloc.__file__)]
@@ -111,7 +115,8 @@ class Reporter:
 
 
 def main() -> None:
-    threading.Thread(target=Reporter().serve, daemon=True, name="memory-report").start()
+    frames = int(os.environ.get("KVFLASH_TRACEMALLOC", "0"))
+    threading.Thread(target=Reporter(frames).serve, daemon=True, name="memory-report").start()
     from kvflash.cli.app import main as kvflash
 
     kvflash()
