@@ -253,9 +253,9 @@ WAVE_REQUESTS = 20
 RSS_SLACK = 96 << 20
 """How far the process's RSS may rise above its level after the first wave. Past that wave the
 host tier is full and every kept sequence replaces an older one, and the idle server hands
-malloc's free memory back (docs/RELIABILITY.md: Serving): it moved by -17 to +9 MB here. Leaving
-behind a request's KV (11 MB for a ~500-token conversation) or the 5.6 MB of summaries a sequence
-starts with would pass it within the waves."""
+malloc's free memory back (docs/RELIABILITY.md: Serving): it moved by -17 to +9 MB in the runs
+here. Leaving behind a request's KV (11 MB for a ~500-token conversation) or the 5.6 MB of
+summaries a sequence starts with would pass it within the waves."""
 
 
 def rss() -> int:
