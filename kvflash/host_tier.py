@@ -66,7 +66,8 @@ class HostTier:
         self.pool = pool
         self.shape = chunk_shape(pool.cfg, pool.chunk_tokens)
         self.dtype = pool.kv.dtype
-        self.max_slots = budget_bytes // chunk_bytes(pool.cfg, pool.chunk_tokens, self.dtype)
+        self.slot_bytes = chunk_bytes(pool.cfg, pool.chunk_tokens, self.dtype)
+        self.max_slots = budget_bytes // self.slot_bytes
         self.cuda = pool.kv.device.type == "cuda"
         self.stream = torch.cuda.Stream(pool.kv.device) if self.cuda else None
         self._blocks: list[torch.Tensor | None] = []
@@ -83,6 +84,12 @@ class HostTier:
     @property
     def n_used(self) -> int:
         return self._n_slots - len(self._free)
+
+    @property
+    def n_allocated(self) -> int:
+        """Slots whose memory is allocated: blocks are never given back, so this is the tier's high
+        water mark, at most `max_slots`."""
+        return self._n_slots
 
     def _claim_block(self) -> int | None:
         """Under the lock: the index of a new block to allocate, or None at the budget."""

@@ -573,9 +573,11 @@ class PagedKV:
     def park(self) -> None:
         """Leaves the pool for the host tier while idle: whole chunks are paged out (a chunk that
         has a host copy keeps it), the last partial chunk's tokens are dropped (a continuation
-        computes them again). The sequence stays live: its next step pages back what it selects."""
+        computes them again). The sequence stays live: its next step pages back what it selects.
+        Its summaries shrink to its chunks' rows: they stay on the device while it is parked."""
         self.truncate(self.seq.n_sealed)
         self._evict(self.resident())
+        self.seq.trim_summaries()
         self.host.fence()
 
     def free(self) -> None:

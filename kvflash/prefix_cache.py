@@ -99,7 +99,9 @@ class PrefixCache:
         """Makes room for a new turn: until the pool has `gpu_slots` free slots and the host tier
         `host_slots`, idle sequences other than `keep`, oldest first, are parked in the host tier
         where it has room beyond `host_slots` (they stay live, a continuation pages them back), then
-        freed (or no other idle sequence is left)."""
+        freed (or no other idle sequence is left). One without a whole chunk is freed rather than
+        parked: it would keep nothing to reuse and hold no slot, so no later `reclaim` would ever
+        free it, and idle sequences would pile up with every short chat."""
         pool, host = self.engine.pool, self.engine.host
 
         def host_free() -> int:
@@ -110,9 +112,12 @@ class PrefixCache:
             if pool.n_free >= gpu_slots:
                 break
             parked = sum(ch.gpu is not None and ch.host is None for ch in kv.seq.chunks[: kv.seq.n_sealed])
-            if host_free() - parked >= host_slots:
+            if not kv.seq.n_sealed:
+                self.idle.remove(kv)
+                self.drop(kv)
+            elif host_free() - parked >= host_slots:
                 kv.park()
-        for kv in others:
+        for kv in [kv for kv in self.idle if kv is not keep]:
             if pool.n_free >= gpu_slots and host_free() >= host_slots:
                 return
             self.idle.remove(kv)

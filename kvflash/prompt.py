@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import uuid
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvflash import KVFlashError
@@ -19,7 +20,7 @@ def encode_messages(
     tok: Tokenizer,
     messages: list[dict[str, Any]],
     add_generation_prompt: bool = True,
-    known: dict[int, list[int]] | None = None,
+    known: Mapping[int, Sequence[int]] | None = None,
 ) -> list[int]:
     """Ids of the whole rendered conversation. `known` maps a message's index to the ids of its
     content, already encoded (each content is encoded on its own, so they are the same ids)."""
@@ -69,7 +70,7 @@ def _encode_rendered(
     messages: list[dict[str, Any]],
     tag: str,
     bos: bool,
-    known: dict[int, list[int]] | None = None,
+    known: Mapping[int, Sequence[int]] | None = None,
 ) -> list[int]:
     parts = re.split(f"\x00{tag}:(\\d+)\x00", rendered)
     ids: list[int] = []

@@ -53,6 +53,12 @@ class Sequence:
         """The summaries of chunks 0..n-1 at once (a restore: one host-to-device copy, not n)."""
         self.summaries = summaries.float()
 
+    def trim_summaries(self) -> None:
+        """Keeps the summaries of the sealed chunks only, dropping the capacity ahead (`set_summary`
+        grows it again): a parked sequence then holds summaries in proportion to its chunks."""
+        if self.summaries is not None and self.summaries.shape[0] > self.n_sealed:
+            self.summaries = self.summaries[: self.n_sealed].clone()
+
     def chunk_tokens_of(self, index: int) -> list[int]:
         c = self.chunk_tokens
         return self.tokens[index * c : (index + 1) * c]

@@ -36,7 +36,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.types import Message as Message_
 
-from kvflash import KVFlashError
+from kvflash import KVFlashError, heap
 from kvflash.content_ids import ContentIds
 from kvflash.engine import Engine
 from kvflash.generate import Sampling
@@ -177,6 +177,11 @@ them, so an unbounded queue grows with every answer the disk has not caught up w
 answer's prefix is not saved (its conversation restores the prefix it saved last)."""
 
 
+IDLE_TRIM_S = 1.0
+"""How often the server looks whether it has gone idle since it last handed malloc's free memory back
+(`heap.trim`): a burst of requests leaves its buffers free in malloc's arenas, in the process's RSS."""
+
+
 class Server:
     """The scheduler over the engine, the tokenizer and the snapshot store behind the HTTP routes."""
 
@@ -204,12 +209,16 @@ class Server:
         self.created = int(time.time())
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvflash-save")
         """Writes staged snapshots in order, off the scheduler's thread."""
-        self._unsaved = threading.BoundedSemaphore(MAX_UNSAVED)
-        """A slot per staged snapshot not yet written."""
+        self.unsaved = 0
+        """Staged snapshots not yet written (at most MAX_UNSAVED)."""
+        self._unsaved_lock = threading.Lock()
+        self._closing = threading.Event()
+        threading.Thread(target=self._trim_when_idle, daemon=True, name="kvflash-trim").start()
 
     def close(self, timeout: float = 60.0) -> None:
         """Ends the requests in flight at their next prefill piece or token (their clients are gone
         by now: the HTTP server has stopped), then waits for the snapshots still being written."""
+        self._closing.set()
         self.scheduler.close(cancel=True, timeout=timeout)
         self._saver.shutdown()
 
@@ -269,14 +278,16 @@ class Server:
             relay(Completion(stop.text, finish, len(ids), len(out), stats))
             if self.snapshots:
                 self.snapshots.start_prefetch(kv)
-                if not self._unsaved.acquire(blocking=False):
+                if not kv.seq.n_sealed:  # a short chat: no whole chunk to save
+                    return
+                if not self._take_unsaved():
                     warnings.warn("snapshot writes are behind: this answer is not saved", stacklevel=2)
                     return
                 try:
                     staged = self.snapshots.stage(kv)  # a store error here only costs the reuse
                     self._saver.submit(self._save, staged, label, len(ids))
                 except BaseException:
-                    self._unsaved.release()
+                    self._saved()
                     raise
 
         sampling = Sampling(req.temperature, req.top_p, req.seed)
@@ -297,11 +308,40 @@ class Server:
             "pool_slots_used": ("gauge", "GPU pool slots holding a chunk.", pool.n_slots - pool.n_free),
             "host_tier_slots": ("gauge", "Chunk slots the host tier may grow to.", host.max_slots),
             "host_tier_slots_used": ("gauge", "Host tier slots holding a chunk.", host.n_used),
+            "host_tier_bytes_allocated": (
+                "gauge",
+                "Host memory the host tier has allocated (it keeps its blocks; at most --host-bytes).",
+                host.n_allocated * host.slot_bytes,
+            ),
+            "snapshots_unsaved": ("gauge", "Staged snapshots waiting for the disk.", self.unsaved),
             "forward_steps_total": ("counter", "Forwards run (decode and prefill).", sched.steps),
             "batched_tokens_total": ("counter", "Tokens those forwards decoded.", sched.batched),
             "prefill_steps_total": ("counter", "Forwards that ran prefill pieces.", sched.prefill_steps),
             "prefill_pieces_total": ("counter", "Prefill pieces those forwards ran.", sched.pieces),
         }
+
+    def _trim_when_idle(self) -> None:
+        """Once the requests of a burst have all ended and their snapshots are written, hands the
+        memory malloc holds free back to the system, once per idle spell: RSS after a burst then
+        returns to what the live sequences, the host tier and the model hold."""
+        trimmed_at = 0
+        while not self._closing.wait(IDLE_TRIM_S):
+            steps = self.scheduler.steps  # forwards run: nothing ran since the last trim if unchanged
+            if steps != trimmed_at and not self.scheduler.in_flight and not self.unsaved:
+                heap.trim()
+                trimmed_at = steps
+
+    def _take_unsaved(self) -> bool:
+        """Counts a snapshot about to be staged; False if MAX_UNSAVED already wait."""
+        with self._unsaved_lock:
+            if self.unsaved >= MAX_UNSAVED:
+                return False
+            self.unsaved += 1
+            return True
+
+    def _saved(self) -> None:
+        with self._unsaved_lock:
+            self.unsaved -= 1
 
     def _save(self, staged: StagedSnapshot, label: str, prompt_tokens: int) -> None:
         """Writes a staged snapshot under its conversation's label, replacing the older snapshot of
@@ -312,7 +352,7 @@ class Server:
         except Exception as e:  # on the saver thread: nobody else would hear of it
             warnings.warn(f"could not save the snapshot: {e}", stacklevel=2)
         finally:
-            self._unsaved.release()
+            self._saved()
 
 
 class ContextTooLong(KVFlashError):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -224,3 +226,56 @@ def test_a_mixed_step_computes_what_its_parts_compute_alone(lm) -> None:
     cos = torch.nn.functional.cosine_similarity(alone, together, dim=-1)
     agree = (alone.argmax(-1) == together.argmax(-1)).float().mean()
     assert cos.min() > 0.995 and agree >= 0.9, (cos.tolist(), agree)
+
+
+def test_a_parked_conversation_continues_from_the_host_tier_on_cuda(lm) -> None:
+    """Chats kept live, then a long prompt that needs the pool: the older chats are parked in the
+    host tier with their summaries cut to a row per chunk (on the device), a chat shorter than a
+    chunk is freed, and the next turn of a parked chat pages it back and answers from memory."""
+    from kvflash.scheduler import Job, Scheduler
+    from kvflash.turn import TurnStats
+
+    tok = lm.tokenizer
+    eng = Engine(lm, EngineConfig(pool_tokens=1024, residency=ResidencyConfig()))
+    sched = Scheduler(eng, None, tok.eos_ids, max_batch=4)
+    results: dict[int, tuple[list[int], TurnStats] | BaseException] = {}
+
+    def run(i: int, ids: list[int]) -> tuple[list[int], TurnStats]:
+        done = threading.Event()
+
+        def finished(out, stats, kv) -> None:
+            results[i] = (out, stats)
+            done.set()
+
+        def failed(e: BaseException) -> None:
+            results[i] = e
+            done.set()
+
+        sched.submit(Job(ids, 8, Sampling(), lambda t: False, finished, failed))
+        assert done.wait(120)
+        assert not isinstance(results[i], BaseException), results[i]
+        return results[i]
+
+    try:
+        chats = [
+            encode_messages(tok, [{"role": "system", "content": " ".join(
+                f"Entry {i}-{j}: the lamp in room {(13 * i + j) % 50} is lit." for j in range(24)
+            )}, {"role": "user", "content": "Which rooms are lit?"}])
+            for i in range(2)
+        ]  # fmt: skip
+        short = encode_messages(tok, [{"role": "user", "content": "Hi."}])
+        outs = [run(0, chats[0])[0], run(1, chats[1])[0], run(2, short)[0]]
+        run(3, _prompt(lm, 900)[0])  # needs most of the 16-chunk pool: the others make room
+        idle = sched.cache.idle
+        assert all(kv.seq.chunks for kv in idle)  # the short chat was freed, not parked
+        parked = [kv for kv in idle if not kv.resident()]
+        assert parked
+        for kv in parked:
+            assert kv.seq.summaries.device == eng.pool.kv.device
+            assert kv.seq.summaries.shape[0] == kv.seq.n_sealed
+        again = chats[0] + outs[0] + tok.encode_plain(" And which are dark?")
+        _, stats = run(4, again)
+        assert stats.source == "memory" and stats.restored_tokens >= 256
+    finally:
+        sched.close()
+    assert eng.pool.n_free == eng.pool.n_slots and eng.host.n_used == 0

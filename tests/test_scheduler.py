@@ -467,3 +467,32 @@ def test_idle_sequences_are_freed_when_the_host_tier_has_no_room(lm) -> None:
         assert [kv.seq.tokens[:100] for kv in sched.cache.idle] == [chats[2]]
     finally:
         sched.close()
+
+
+def test_chats_too_short_to_park_are_freed_so_idle_sequences_stay_within_the_pool(lm) -> None:
+    """Chats shorter than a chunk hold only their append head; parking one would leave an empty live
+    sequence, which holds no slot and so was never freed: 200 of them one after another leave at
+    most a pool's worth of idle sequences, each holding a slot."""
+    sched = Scheduler(engine(lm, pool_tokens=256), None, frozenset(), max_batch=4)
+    try:
+        for i in range(0, 200, 20):
+            run_jobs(sched, [prompt(6, 1000 + i + j) for j in range(20)], 2)
+        idle = sched.cache.idle
+        assert 0 < len(idle) <= sched.engine.pool.n_slots
+        assert all(kv.seq.chunks for kv in idle)
+        assert len(sched.cache._made) == len(idle)
+    finally:
+        sched.close()
+
+
+def test_a_parked_sequence_keeps_the_summaries_of_its_chunks_only(lm) -> None:
+    """A sequence's summaries grow in steps of 64 chunks; a parked one keeps a row per sealed chunk,
+    so the idle sequences the host tier holds cost summaries in proportion to their host slots."""
+    sched, chats, _, _ = idle_room_run(lm, host_chunks=64)
+    try:
+        parked = [kv for kv in sched.cache.idle if not kv.resident()]
+        assert len(parked) == 2
+        for kv in parked:
+            assert kv.seq.summaries.shape[0] == kv.seq.n_sealed == len(kv.seq.chunks)
+    finally:
+        sched.close()

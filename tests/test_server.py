@@ -50,12 +50,13 @@ def serving(
     max_prompt_tokens: int | None = None,
     max_batch: int = 4,
     max_waiting: int = 256,
+    host_bytes: int = EngineConfig.host_bytes,
     **app,
 ) -> Iterator[tuple[str, Server]]:
     """A server on a free port of 127.0.0.1, in a thread of this process, over a new engine whose
     pool (4,096 tokens) the requests share by room (up to `max_batch` together). `store` is a
     directory (a store opened and closed here) or a store the caller opened (and closes)."""
-    engine = Engine(lm, EngineConfig(pool_tokens=4096))
+    engine = Engine(lm, EngineConfig(pool_tokens=4096, host_bytes=host_bytes))
     st = SnapshotStore(store) if isinstance(store, Path) else store
     snapshots = KVSnapshots(st, engine.fingerprint) if st else None
     server = Server(

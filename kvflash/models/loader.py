@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from kvflash import KVFlashError, kernels
+from kvflash import KVFlashError, heap, kernels
 from kvflash.config import DTYPES, ModelConfig
 from kvflash.models.fingerprint import model_fingerprint, weights_identity
 from kvflash.models.llama import LlamaForCausalLM, pack_weights
@@ -106,4 +106,6 @@ def load_model(
         if need_tokenizer:
             tokenizer = Tokenizer.from_gguf(meta)
     model = build_model(cfg, weights, dt, dev)
+    del weights
+    heap.trim()  # the file's buffers and the dequantisation's temporaries are free now
     return LoadedModel(model, tokenizer, cfg, p, dt, dev)
