@@ -1,9 +1,11 @@
 """The KV of earlier turns, reused for a new prompt: a live sequence that the prompt extends, else the
-longest chunk-aligned prefix in the disk store, else nothing (a cold prefill).
+longest chunk-aligned prefix whose chunks live sequences hold (shared, in the pool or the host tier)
+or the disk store holds, whichever is longer, else nothing (a cold prefill).
 
 A session keeps its one conversation live between turns; the server keeps as many as it runs at
-once, so a client that resends a conversation with one more question reuses it from the GPU, and any
-other conversation it has seen (in this process or an earlier one) from disk.
+once, so a client that resends a conversation with one more question reuses it from the GPU, a new
+conversation over a document another one holds shares that document's chunks (the pool holds it
+once), and any other conversation it has seen (in this process or an earlier one) comes from disk.
 
 Taking a stored prefix is a transaction (docs/DESIGN.md: Scheduler): whatever fails on the way (a damaged or
 missing chunk, a full host tier, a full disk, an index error) frees the sequence and its leases
@@ -17,12 +19,14 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
+from kvflash.chunk_index import shared_run
 from kvflash.engine import Engine
 from kvflash.paged_kv import PagedKV
 from kvflash.snapshots import KVSnapshots, StoredSummaries
+from kvflash.storage import chain_hashes
 from kvflash.turn import TurnStats
 
 
@@ -69,35 +73,55 @@ class PrefixCache:
         ahead: StoredSummaries | None = None,
         reuse: bool = True,
     ) -> PagedKV:
-        """A sequence holding the longest prefix of ids that is live or stored, leaving at least one
-        token to prefill; it is the caller's until `keep` or `drop`. A stored prefix that cannot be
-        restored warns and gives an empty sequence (a cold prefill); so does `reuse` False."""
+        """A sequence holding the longest prefix of ids that is live, shared or stored, leaving at
+        least one token to prefill; it is the caller's until `keep` or `drop`. A stored prefix that
+        cannot be restored warns and gives an empty sequence (a cold prefill); so does `reuse` False."""
         stats.source, stats.restored_tokens, stats.restore_s = "cold", 0, 0.0
-        live = self._live(ids) if reuse else None
+        stats.shared_host_tokens = 0
+        live, n = self._live(ids) if reuse else (None, 0)
         if live is not None:
             self.idle.remove(live)
+            if n < len(live.seq):
+                live.truncate(n // self.engine.cfg.residency.chunk_tokens)
             stats.source, stats.restored_tokens = "memory", len(live.seq)
             return live
-        while self.idle and self.capacity is not None and len(self._made) >= self.capacity:
-            self.drop(self.idle.pop(0))
         kv = self._new()
-        if not (reuse and self.snapshots):
+        if reuse and kv.share(ids):
+            stats.source, stats.restored_tokens = "shared", len(kv.seq)
+            stats.shared_host_tokens = sum(ch.gpu is None for ch in kv.seq.chunks) * kv.cfg.chunk_tokens
+        while self.idle and self.capacity is not None and len(self._made) > self.capacity:
+            self.drop(self.idle.pop(0))  # after sharing: the chunks it shares outlive it
+        whole = (len(ids) - 1) // kv.cfg.chunk_tokens * kv.cfg.chunk_tokens
+        if not (reuse and self.snapshots) or len(kv.seq) == whole:
             return kv
         try:
             self._restore(self._made[id(kv)], ids, stats, on_restore, ahead)
         except Exception as e:
             warnings.warn(f"snapshot unusable ({type(e).__name__}: {e}); prefilling cold", stacklevel=2)
             self.drop(kv)
+            stats.source, stats.restored_tokens, stats.shared_host_tokens = "cold", 0, 0
             return self._new()
         return kv
 
     def continued(self, ids: list[int]) -> PagedKV | None:
         """The idle sequence `take` would continue for ids (left as it is)."""
-        return self._match(ids)[0]
+        return self._live(ids)[0]
 
-    def reclaim(self, gpu_slots: int, host_slots: int, keep: PagedKV | None = None) -> None:
+    def lendable(self, ids: list[int]) -> tuple[list[int], list[int]]:
+        """The pool slots and host slots a new sequence for ids would share (`PagedKV.share`): per
+        chunk its pool slot where it is resident, else its host copy."""
+        eng = self.engine
+        c = eng.cfg.residency.chunk_tokens
+        keys = chain_hashes(eng.fingerprint, ids[: (len(ids) - 1) // c * c], c)
+        gpu, host = [], []
+        for key in keys[: shared_run(keys, eng.pool.index.find, eng.host.find)]:
+            g = eng.pool.index.find(key)
+            gpu.append(g) if g is not None else host.append(eng.host.find(key))
+        return gpu, host
+
+    def reclaim(self, gpu_slots: int, host_slots: int, keep: Collection[PagedKV] = ()) -> None:
         """Makes room for a new turn: until the pool has `gpu_slots` free slots and the host tier
-        `host_slots`, idle sequences other than `keep`, oldest first, are parked in the host tier
+        `host_slots`, idle sequences not in `keep`, oldest first, are parked in the host tier
         where it has room beyond `host_slots` (they stay live, a continuation pages them back), then
         freed (or no other idle sequence is left)."""
         pool, host = self.engine.pool, self.engine.host
@@ -105,7 +129,7 @@ class PrefixCache:
         def host_free() -> int:
             return host.max_slots - host.n_used
 
-        others = [kv for kv in self.idle if kv is not keep]
+        others = [kv for kv in self.idle if not any(kv is k for k in keep)]
         for kv in others:
             if pool.n_free >= gpu_slots:
                 break
@@ -118,15 +142,21 @@ class PrefixCache:
             self.idle.remove(kv)
             self.drop(kv)
 
-    def _live(self, ids: list[int]) -> PagedKV | None:
-        """The idle sequence sharing the longest prefix with ids, cut to what it shares: all of it
-        where ids extend it, else its whole chunks before the first difference (a client resends
+    def _live(self, ids: list[int]) -> tuple[PagedKV | None, int]:
+        """The idle sequence `take` continues for ids, with the tokens of it that ids reuse: one
+        that ids extend, or whose every sealed chunk they reuse (the difference lies in its last
+        partial chunk); else one whose whole chunks before the first difference (a client resent
         the conversation with the answer re-encoded from text, whose ids may differ from the ones
-        generated), leaving at least one token to prefill. None where none shares a whole chunk."""
-        best, best_n = self._match(ids)
-        if best is not None and best_n < len(best.seq):
-            best.truncate(best_n // self.engine.cfg.residency.chunk_tokens)
-        return best
+        generated) are more than the named chunks a new sequence would share (approximate KV is
+        not named). None otherwise: the idle sequence stays as it is, for its own conversation,
+        and lends its named chunks."""
+        best, n = self._match(ids)
+        c = self.engine.cfg.residency.chunk_tokens
+        if best is None or n == len(best.seq) or n // c == best.seq.n_sealed:
+            return best, n
+        eng = self.engine
+        named = shared_run(chain_hashes(eng.fingerprint, ids[:n], c), eng.pool.index.find, eng.host.find)
+        return (best, n) if n > named * c else (None, 0)
 
     def _match(self, ids: list[int]) -> tuple[PagedKV | None, int]:
         """The idle sequence sharing the longest reusable prefix with ids, and its length."""
@@ -155,8 +185,9 @@ class PrefixCache:
         c = self.engine.cfg.residency.chunk_tokens
         evicts = -(-len(ids) // c) > kv.budget
         fp, hashes = self.snapshots.lookup(ids, c, approximate=evicts)
-        if not hashes:
+        if len(hashes) * c <= len(kv.seq):  # the shared prefix is as long
             return
+        kv.truncate(0)  # the store holds more than the pool shares: restore from it instead
         lazy = len(hashes) > kv.budget if self.lazy is None else self.lazy
         t0 = time.perf_counter()
         r = self.snapshots.restore(kv, fp, hashes, lazy, made.leases, on_restore, ahead=ahead)
@@ -164,6 +195,8 @@ class PrefixCache:
         stats.source = "lazy" if lazy else "disk"
         stats.restored_tokens = r.tokens
         made.unrecorded = list(hashes)
+        stats.shared_host_tokens = 0
+        kv.name_restored()
         if not lazy:  # every chunk read and validated: the restore has committed, and needs no lease
             self._record_hit(made)
             self._release(made)

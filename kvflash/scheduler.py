@@ -6,9 +6,9 @@ restored from disk, or empty) and prefills the rest of its prompt in pieces. A s
 budget (`Engine.step_tokens`): one decode token of every running request, then the next pieces of
 the prefilling ones in the order they came, as many as fit, all in one forward (`Engine.forward`,
 chunked prefill mixed with decode): a long prompt never stalls the others' answers, and the short
-next turns of many conversations prefill in one step. A request whose prompt begins as a busy one's
-(one document, several conversations) waits for it to end and takes its chunks from the sequence it
-leaves. A step of decode tokens alone replays CUDA graphs. A request ends at a stop id, at
+next turns of many conversations prefill in one step. A request whose prompt begins as a prefilling
+one's (one document, several conversations) waits for that prefill to end, then shares the sealed
+chunks of the document in the pool (`PrefixCache`): the pool holds them once. A step of decode tokens alone replays CUDA graphs. A request ends at a stop id, at
 max_tokens or when its consumer says so; its sequence goes back to the prefix cache, live.
 
 Admission by room: every sequence has one budget (`sequence_tokens`, at most the pool), and a
@@ -86,12 +86,50 @@ class Room:
         return self.gpu >= other.gpu and self.host >= other.host
 
 
-def held(kv: PagedKV | None) -> Room:
-    """The slots a sequence holds now."""
-    if kv is None:
-        return Room(0, 0)
-    chunks = kv.seq.chunks
-    return Room(sum(ch.gpu is not None for ch in chunks), sum(ch.host is not None for ch in chunks))
+@dataclass
+class Holdings:
+    """The slots some sequences hold, a slot several of them read counted once: slots that more than
+    one sequence reads, or that a new sequence is about to share (`lent`), are kept in sets, the
+    others just counted."""
+
+    lent: tuple[set[int], set[int]] = field(default_factory=lambda: (set(), set()))
+    sole: Room = Room(0, 0)
+    """Slots no other sequence reads."""
+    gpu: set[int] = field(default_factory=set)
+    host: set[int] = field(default_factory=set)
+
+    def add(self, kv: PagedKV | None) -> Room:
+        """Adds a sequence's slots; returns how many it holds."""
+        if kv is None:
+            return Room(0, 0)
+        g = [ch.gpu for ch in kv.seq.chunks if ch.gpu is not None]
+        h = [ch.host for ch in kv.seq.chunks if ch.host is not None]
+        refs, host_refs = kv.pool.refs, kv.host.refs
+        lent_g, lent_h = self.lent
+        shared_g = [s for s in g if refs(s) > 1 or s in lent_g]
+        shared_h = [s for s in h if host_refs(s) > 1 or s in lent_h]
+        self.sole += Room(len(g) - len(shared_g), len(h) - len(shared_h))
+        self.gpu.update(shared_g)
+        self.host.update(shared_h)
+        return Room(len(g), len(h))
+
+    def lend(self) -> Room:
+        """Adds the slots a new sequence is about to share; returns how many."""
+        self.gpu.update(self.lent[0])
+        self.host.update(self.lent[1])
+        return Room(len(self.lent[0]), len(self.lent[1]))
+
+    def count(self) -> Room:
+        return self.sole + Room(len(self.gpu), len(self.host))
+
+    def beyond(self, other: Holdings) -> Room:
+        """The slots held here and not in `other` (counted where they are shared)."""
+        return self.sole + Room(len(self.gpu - other.gpu), len(self.host - other.host))
+
+
+def _holds_any(kv: PagedKV, gpu: set[int], host: set[int]) -> bool:
+    """Whether a sequence holds any of these slots."""
+    return any(ch.gpu in gpu or ch.host in host for ch in kv.seq.chunks)
 
 
 @dataclass
@@ -247,10 +285,9 @@ class Scheduler:
 
     def _admit(self) -> None:
         """Starts waiting jobs, in order, while the pool has room for them and the batch is not full.
-        A job whose prompt begins with the same chunk as a busy job's (one document, several
-        conversations) waits for that job to end, then takes its chunks from the sequence it leaves
-        (`PrefixCache`) instead of computing the same prefix beside it: a sequence's chunks are not
-        shared while it is in use."""
+        A job whose prompt begins with the same chunk as a prefilling job's (one document, several
+        conversations) waits for that prefill to end, then shares the chunks it sealed (`PrefixCache`)
+        instead of computing the same prefix beside it."""
         while len(self._running) + len(self._filling) < self.max_batch:
             job = self._next_free_deferred() or self._next_job()
             if job is None:
@@ -273,29 +310,43 @@ class Scheduler:
     def _make_room(self, job: Job) -> bool:
         """Whether the job's reservation fits beside the busy jobs' once idle sequences are freed;
         if so, parks or frees as many as it takes, oldest first, keeping the one the job continues. With no
-        job busy it is always admitted (what it cannot hold fails it alone, at its own step)."""
+        job busy it is always admitted (what it cannot hold fails it alone, at its own step).
+
+        Each busy job (and this one, with the sequence it continues) may come to hold as many slots
+        as it reserved, or as it holds if that is more; slots that several of them read are held
+        once, so what they may still take from the free slots is the sum of those less the slots
+        they hold together. Only the slots of idle sequences that no busy one reads are room, and
+        not those of the sequences it continues or shares from, which stay."""
         job.need = self.need(job)
         busy = [*self._running, *self._filling]
-        owed = Room(0, 0)  # what the busy jobs may still take
+        reuse = job.recoveries < RECOVERIES
+        live = self.cache.continued(job.context) if reuse else None
+        lent = self.cache.lendable(job.context) if reuse and live is None else ([], [])
+        lent = set(lent[0]), set(lent[1])
+        holds, most = Holdings(lent), Room(0, 0)
         for j in busy:
-            has = held(j.kv)
-            owed += Room(max(0, j.need.gpu - has.gpu), max(0, j.need.host - has.host))
-        live = self.cache.continued(job.context) if job.recoveries < RECOVERIES else None
-        want = job.need - held(live) + owed
+            has = holds.add(j.kv)
+            most += Room(max(j.need.gpu, has.gpu), max(j.need.host, has.host))
+        has = holds.add(live) + holds.lend()
+        most += Room(max(job.need.gpu, has.gpu), max(job.need.host, has.host))
+        want = most - holds.count()
         free = Room(self.engine.pool.n_free, self.engine.host.max_slots - self.engine.host.n_used)
-        idle = Room(0, 0)
+        kept = [kv for kv in self.cache.idle if kv is live or _holds_any(kv, *lent)]
+        idle = Holdings(lent)
         for kv in self.cache.idle:
-            if kv is not live:
-                idle += held(kv)
-        if busy and not (free + idle).covers(want):
+            if not any(kv is k for k in kept):
+                idle.add(kv)
+        if busy and not (free + idle.beyond(holds)).covers(want):
             return False
-        self.cache.reclaim(want.gpu, want.host, keep=live)
+        self.cache.reclaim(want.gpu, want.host, keep=kept)
         return True
 
     def _shares_busy_prefix(self, job: Job) -> bool:
+        """Whether a job still prefilling begins with the job's first chunk: once its prefill ends,
+        the job shares the chunks it sealed instead of computing them beside it."""
         c = self.engine.cfg.residency.chunk_tokens
         head = job.ids[:c]
-        return len(head) == c and any(j.ids[:c] == head for j in (*self._filling, *self._running))
+        return len(head) == c and any(j.ids[:c] == head for j in self._filling)
 
     def _next_free_deferred(self) -> Job | None:
         """The oldest deferred job that no busy job holds back any more."""
