@@ -648,7 +648,8 @@ class PagedKV:
         for lo in range(0, len(on_host), BLOCK_SLOTS):
             part = on_host[lo : lo + BLOCK_SLOTS]
             staged = torch.stack([self.host.view(chunks[i].host).to(dev) for i in part])
-            out[part] = kernels.chunk_summaries(staged, torch.arange(len(part), device=dev, dtype=i32), blocks)
+            rows = torch.arange(len(part), device=dev, dtype=i32)
+            out[part] = kernels.chunk_summaries(staged, rows, blocks)
         return out
 
     def truncate(self, n_chunks: int) -> None:

@@ -2,22 +2,24 @@
 
 One thread owns the engine. It admits waiting requests in the order they came while the pool has
 room for them and fewer than `max_batch` run: each takes a sequence from the prefix cache (live,
-restored from disk, or empty) and prefills the rest of its prompt in pieces. A step is a token
-budget (`Engine.step_tokens`): one decode token of every running request, then the next pieces of
-the prefilling ones in the order they came, as many as fit, all in one forward (`Engine.forward`,
-chunked prefill mixed with decode): a long prompt never stalls the others' answers, and the short
-next turns of many conversations prefill in one step. A request whose prompt begins as a prefilling
-one's (one document, several conversations) waits for that prefill to end, then shares the sealed
-chunks of the document in the pool (`PrefixCache`): the pool holds them once. A step of decode tokens alone replays CUDA graphs. A request ends at a stop id, at
-max_tokens or when its consumer says so; its sequence goes back to the prefix cache, live.
+sharing another's chunks, restored from disk, or empty) and prefills the rest of its prompt in
+pieces. A step is a token budget (`Engine.step_tokens`): one decode token of every running request,
+then the next pieces of the prefilling ones in the order they came, as many as fit, all in one
+forward (`Engine.forward`, chunked prefill mixed with decode): a long prompt never stalls the
+others' answers, and the short next turns of many conversations prefill in one step. A request whose
+prompt begins as a prefilling one's (one document, several conversations) waits for that prefill to
+end, then shares the sealed chunks of the document in the pool (`PrefixCache`): the pool holds them
+once. A step of decode tokens alone replays CUDA graphs. A request ends at a stop id, at max_tokens
+or when its consumer says so; its sequence goes back to the prefix cache, live.
 
 Admission by room: every sequence has one budget (`sequence_tokens`, at most the pool), and a
 request reserves the pool slots its prompt and answer can fill, up to that budget (and, when it will
 evict, host-tier slots for its chunks). It is admitted when its reservation fits beside the
 reservations of the requests running, once idle live sequences (oldest first, never the one it
-continues) are parked in the host tier or freed for it; else it waits at the head of the queue, so a
-long prompt is not overtaken forever by short ones. Thirty short chats thus run together in a pool
-that one long document fills alone, and the pool never runs out under a running request.
+continues or shares chunks from) are parked in the host tier or freed for it; else it waits at the
+head of the queue, so a long prompt is not overtaken forever by short ones. Thirty short chats thus
+run together in a pool that one long document fills alone, and the pool never runs out under a
+running request.
 
 Isolation: whatever a request's admission, prefill piece, sampling or callbacks raise fails that
 request alone. A step that raises is run again part by part (the decode tokens together, then each
