@@ -144,17 +144,15 @@ class PrefixCache:
 
     def _live(self, ids: list[int]) -> tuple[PagedKV | None, int]:
         """The idle sequence `take` continues for ids, with the tokens of it that ids reuse: one
-        that ids extend, or whose every sealed chunk they reuse (the difference lies in its last
-        partial chunk); else one whose whole chunks before the first difference (a client resent
+        that ids extend; else one whose whole chunks before the first difference (a client resent
         the conversation with the answer re-encoded from text, whose ids may differ from the ones
         generated) are more than the named chunks a new sequence would share (approximate KV is
-        not named). None otherwise: the idle sequence stays as it is, for its own conversation,
-        and lends its named chunks."""
+        not named). None otherwise: the idle sequence stays as it is, for its own conversation
+        (another conversation over its document, or a resent one), and lends its named chunks."""
         best, n = self._match(ids)
-        c = self.engine.cfg.residency.chunk_tokens
-        if best is None or n == len(best.seq) or n // c == best.seq.n_sealed:
+        if best is None or n == len(best.seq):
             return best, n
-        eng = self.engine
+        eng, c = self.engine, self.engine.cfg.residency.chunk_tokens
         named = shared_run(chain_hashes(eng.fingerprint, ids[:n], c), eng.pool.index.find, eng.host.find)
         return (best, n) if n > named * c else (None, 0)
 

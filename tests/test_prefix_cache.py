@@ -62,7 +62,7 @@ def test_a_resent_prompt_keeps_its_whole_chunks_and_prefills_the_rest() -> None:
     ids = _ids(6 * C + 3, 2)
     _turn(cache, ids)
     _, stats = _turn(cache, ids)
-    assert stats.source == "memory" and stats.restored_tokens == 6 * C
+    assert stats.source == "shared" and stats.restored_tokens == 6 * C
     assert cache.idle[0].seq.tokens == ids
 
 

@@ -425,7 +425,7 @@ def test_a_prompt_without_room_waits_at_the_head_of_the_queue(lm) -> None:
 
 
 def idle_room_run(lm, host_chunks: int) -> tuple[Scheduler, list[list[int]], list[int], list[int]]:
-    """Three 100-token chats kept live, then a 400-token prompt continuing the last one that needs
+    """Three 100-token chats kept live, then a 400-token prompt beginning as the last one that needs
     nearly the whole 32-chunk pool; the host tier holds `host_chunks` chunks."""
     chats = [prompt(100, 20 + i) for i in range(3)]
     big = chats[2] + prompt(300, 30)
@@ -463,9 +463,10 @@ def test_idle_sequences_are_parked_in_the_host_tier_for_a_prompt_that_needs_thei
 
 
 def test_idle_sequences_are_freed_when_the_host_tier_has_no_room(lm) -> None:
-    """With a host tier too small to park them, the older chats are freed, never the continued one."""
+    """With a host tier too small to park them, the older chats are freed, never the one whose
+    chunks the long prompt shares (it stays beside the long prompt's sequence)."""
     sched, chats, _, _ = idle_room_run(lm, host_chunks=4)
     try:
-        assert [kv.seq.tokens[:100] for kv in sched.cache.idle] == [chats[2]]
+        assert [kv.seq.tokens[:100] for kv in sched.cache.idle] == [chats[2], chats[2]]
     finally:
         sched.close()
