@@ -7,7 +7,8 @@ then each resends its conversation with one more question (turn 2, whose documen
 holds live or on disk) and all decode --decode-tokens tokens together. The same runs on a server at
 `--max-batch 1` (one request at a time: the sum of the prefills alone, and the throughput batching
 must beat). Then N conversations over one shared document of --shared-tokens tokens ask at once:
-the prompt tokens the server computed (from /metrics) against one document plus the questions.
+the prompt tokens the server computed (from /metrics) against one document plus the questions, and
+the pool slots in use at the peak (from /metrics) against N times the document's.
 
 The peer is HF transformers on the same GPU, batched `generate` over the same turn-1 prompts (left
 padded, SDPA, whole KV on the GPU): a prefill alone, --max-tokens and --decode-tokens new tokens, so
@@ -101,11 +102,16 @@ def together(server: Served, convs: list[list[dict]], tokens: int) -> tuple[dict
     return row, [t for _, t in got]
 
 
-def computed_tokens(server: Served) -> int:
-    """Prompt tokens the server has prefilled (not reused), from /metrics."""
+def metric(server: Served, name: str) -> int:
+    """A sample of the server's /metrics (0 where it has none yet)."""
     text = httpx.get(f"{server.url}/metrics").text
-    m = re.search(r'^kvflash_tokens_total\{kind="cold"\} (\S+)$', text, re.M)
+    m = re.search(rf"^kvflash_{re.escape(name)} (\S+)$", text, re.M)
     return int(float(m.group(1))) if m else 0
+
+
+def computed_tokens(server: Served) -> int:
+    """Prompt tokens the server has prefilled (not reused)."""
+    return metric(server, 'tokens_total{kind="cold"}')
 
 
 def conversations(args, docs: list[str], max_batch: int) -> dict:
@@ -131,15 +137,22 @@ def conversations(args, docs: list[str], max_batch: int) -> dict:
 
 
 def shared(args, doc: str, n: int) -> dict:
-    """n conversations over one document at once: what the server prefilled of it."""
+    """n conversations over one document at once: what the server prefilled of it, the prompt
+    tokens it shared from the pool, and the pool slots in use at the peak (the warm-up's request
+    holds one), against n times the document's chunks."""
     server = Served(args, None, n)
     try:
         stream(server, [{"role": "user", "content": "Hello."}], 2)
-        before = computed_tokens(server)
+        before, gpu_before = computed_tokens(server), metric(server, 'tokens_total{kind="gpu"}')
         convs = [[{"role": "system", "content": doc}, {"role": "user", "content": QUESTIONS[i % 5]}]
                  for i in range(n)]  # fmt: skip
         row, _ = together(server, convs, args.max_tokens)
         row["computed_tokens"] = computed_tokens(server) - before
+        row["gpu_shared_tokens"] = metric(server, 'tokens_total{kind="gpu"}') - gpu_before
+        row["pool_slots_peak"] = metric(server, "pool_slots_used_peak")
+        row["pool_slots_shared"] = metric(server, "pool_slots_shared")
+        chunk = metric(server, "pool_tokens_used") // max(1, metric(server, "pool_slots_used"))
+        row["doc_slots"] = -(-args.shared_tokens // chunk)
     finally:
         server.stop()
     return row
@@ -276,7 +289,8 @@ def report(args, rows: list[dict]) -> None:
                   _f(x_hf, ".1f"))  # fmt: skip
     Console().print(t)
     t = Table(title=f"N conversations over one {args.shared_tokens:,}-token document, at once")
-    for col in ("N", "wall s", "TTFT p50", "prompt tokens", "computed", "computed / (doc + questions)"):
+    for col in ("N", "wall s", "TTFT p50", "prompt tokens", "computed", "computed / (doc + questions)",
+                "shared from the pool", "pool slots at peak", "N x document slots"):  # fmt: skip
         t.add_column(col, justify="right")
     for r in rows:
         s = _part(r, "shared")
@@ -285,7 +299,8 @@ def report(args, rows: list[dict]) -> None:
             continue
         once = args.shared_tokens + s["prompt_tokens"] - r["n"] * args.shared_tokens
         t.add_row(str(r["n"]), _f(s["wall_s"]), _f(s["ttft_p50_s"]), str(s["prompt_tokens"]),
-                  str(s["computed_tokens"]), _f(s["computed_tokens"] / once))  # fmt: skip
+                  str(s["computed_tokens"]), _f(s["computed_tokens"] / once), str(s["gpu_shared_tokens"]),
+                  str(s["pool_slots_peak"]), str(r["n"] * s["doc_slots"]))  # fmt: skip
     Console().print(t)
 
 

@@ -276,3 +276,80 @@ def test_concurrent_requests_over_one_document_hold_it_once_and_a_cancelled_one_
     finally:
         sched.close()
     assert_all_free(eng)
+
+
+@pytest.fixture(scope="module")
+def smollm_cuda(smollm_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from kvflash.models.loader import load_model
+
+    return load_model(smollm_path, dtype="bf16", device="cuda")
+
+
+def haystack_prompts(lm, n_tokens: int) -> list[list[int]]:
+    """Two questions over one generated document, as chat prompts."""
+    from kvflash.haystack import build_haystack
+    from kvflash.prompt import encode_messages
+
+    tok = lm.tokenizer
+    hs = build_haystack(n_tokens, 0.4, seed=5, count_tokens=lambda s: len(tok.encode_plain(s)))
+    doc = {"role": "system", "content": hs.document}
+    return [
+        encode_messages(tok, [doc, {"role": "user", "content": q}]) for q in (hs.question, "Summarise it.")
+    ]
+
+
+def cuda_engine(lm) -> Engine:
+    return Engine(lm, EngineConfig(pool_tokens=16384, residency=ResidencyConfig()))
+
+
+def cuda_shared_run(lm, budget: int | None, disturb: bool) -> list[int]:
+    """The second prompt's 24 greedy tokens over the chunks it shares with the first (parked in the
+    host tier first under a budget, so that it shares host copies, whose summaries are computed
+    from copies staged to the GPU). With `disturb` the two decode in one batch for 12 steps, then
+    the first is freed; else the second decodes alone and the first stays."""
+    first, second = haystack_prompts(lm, 3000)
+    eng = cuda_engine(lm)
+    cache = PrefixCache(eng, None, budget_tokens=budget, capacity=None)
+    a, _ = take(cache, first)
+    la = eng.prefill(a, first)
+    if budget is not None:
+        a.park()
+    b, stats = take(cache, second)
+    assert stats.source == "shared" and stats.restored_tokens >= (2048 if budget is None else 256)
+    assert stats.shared_host_tokens == (0 if budget is None else stats.restored_tokens)
+    lb = eng.prefill(b, second[len(b.seq) :])
+    assert b.uses_triton == eng.replays(b) == (lm.device.type == "cuda")
+    toks, out = [int(la.argmax()), int(lb.argmax())], []
+    for step in range(24):
+        if disturb and step == 12:
+            cache.drop(a)
+        together = disturb and step < 12
+        logits = eng.decode_batch([a, b] if together else [b], toks if together else toks[1:])
+        out.append(toks[1])
+        toks = [int(row.argmax()) for row in logits] if together else [toks[0], int(logits[0].argmax())]
+    cache.close()
+    assert_all_free(eng)
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("budget", [None, 1024])
+def test_on_cuda_a_shared_document_reads_the_same_batched_and_after_its_lender_leaves(
+    smollm_cuda, budget
+) -> None:
+    """SmolLM2 on the Triton kernels and CUDA graphs, over a 3,000-token document: the second
+    prompt's greedy tokens are the same decoded alone beside the first as in one batch with it
+    and after it has been freed; with the whole document in its budget, they are also the ones it
+    gets on an engine of its own."""
+    lm = smollm_cuda
+    calm = cuda_shared_run(lm, budget, disturb=False)
+    assert cuda_shared_run(lm, budget, disturb=True) == calm
+    if budget is None:
+        second = haystack_prompts(lm, 3000)[1]
+        eng = cuda_engine(lm)
+        kv = eng.new_sequence()
+        logits = eng.prefill(kv, second)
+        assert list(eng.generate(kv, logits, 24, Sampler(Sampling(), lm.device), frozenset())) == calm
+        kv.free()
