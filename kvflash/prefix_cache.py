@@ -86,9 +86,13 @@ class PrefixCache:
             stats.source, stats.restored_tokens = "memory", len(live.seq)
             return live
         kv = self._new()
-        if reuse and kv.share(ids):
-            stats.source, stats.restored_tokens = "shared", len(kv.seq)
-            stats.shared_host_tokens = sum(ch.gpu is None for ch in kv.seq.chunks) * kv.cfg.chunk_tokens
+        try:
+            if reuse and kv.share(ids):
+                stats.source, stats.restored_tokens = "shared", len(kv.seq)
+                stats.shared_host_tokens = sum(ch.gpu is None for ch in kv.seq.chunks) * kv.cfg.chunk_tokens
+        except BaseException:
+            self.drop(kv)  # the references it took, released
+            raise
         while self.idle and self.capacity is not None and len(self._made) > self.capacity:
             self.drop(self.idle.pop(0))  # after sharing: the chunks it shares outlive it
         whole = (len(ids) - 1) // kv.cfg.chunk_tokens * kv.cfg.chunk_tokens

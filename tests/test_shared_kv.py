@@ -231,15 +231,16 @@ def test_no_slot_is_freed_while_a_sequence_reads_it_and_none_leaks(lm, ops) -> N
 
 
 def test_concurrent_requests_over_one_document_hold_it_once_and_a_cancelled_one_frees_its_own(lm) -> None:
-    """Four requests over one 20-chunk document submitted together: the first prefills it, the
+    """Five requests over one 20-chunk document submitted together: the first prefills it, the
     others wait for that prefill and share its chunks; the pool's peak holds the document once
-    (not four times), the third request's client leaves after its first token, the others answer
-    as they do alone, and once the scheduler stops every slot is free."""
+    (not five times), the third request's client leaves after its first token, the fifth fails
+    (a seed its sampler refuses, after its prefill), the others answer as they do alone, and once
+    the scheduler stops every slot is free."""
     doc = ids(20 * C + 7, 12)
-    prompts = [doc + ids(5 + i, 20 + i) for i in range(4)]
-    refs = [alone(lm, p, 6)[1] for p in prompts]
+    prompts = [doc + ids(5 + i, 20 + i) for i in range(5)]
+    refs = [alone(lm, p, 6)[1] for p in prompts[:4]]
     eng = engine(lm)
-    sched = Scheduler(eng, None, frozenset(), max_batch=4)
+    sched = Scheduler(eng, None, frozenset(), max_batch=5)
     eng.pool.reset_peak()
     results: dict[int, tuple] = {}
     done = threading.Semaphore(0)
@@ -260,12 +261,13 @@ def test_concurrent_requests_over_one_document_hold_it_once_and_a_cancelled_one_
             results[i] = (e, None)
             done.release()
 
-        return Job(prompts[i], 6, Sampling(), on_token, finished, failed, gone)
+        sampling = Sampling(1.0, 1.0, 2**64) if i == 4 else Sampling()
+        return Job(prompts[i], 6, sampling, on_token, finished, failed, gone)
 
     try:
-        for i in range(4):
+        for i in range(5):
             sched.submit(job(i))
-        for _ in range(4):
+        for _ in range(5):
             assert done.acquire(timeout=120)
         assert eng.pool.peak_used < 2 * 20, eng.pool.peak_used
         for i in (0, 1, 3):
@@ -273,6 +275,7 @@ def test_concurrent_requests_over_one_document_hold_it_once_and_a_cancelled_one_
         assert [results[i][1].source for i in range(4)] == ["cold", "shared", "shared", "shared"]
         assert all(results[i][1].restored_tokens == 20 * C for i in (1, 2, 3))
         assert len(results[2][0]) < 6  # it ended at its next token
+        assert isinstance(results[4][0], RuntimeError | OverflowError | ValueError), results[4]
     finally:
         sched.close()
     assert_all_free(eng)
