@@ -168,7 +168,7 @@ class PrefixCache:
             k = min(c, len(kv.seq))
             if kv.seq.tokens[:k] != ids[:k]:  # shares no whole chunk: reuses nothing (skip the scan)
                 continue
-            n = _common_prefix(kv.seq.tokens, ids[: len(ids) - 1])
+            n = common_prefix(kv.seq.tokens, ids[: len(ids) - 1])
             if n < len(kv.seq):
                 n = min(n // c, kv.seq.n_sealed) * c
             if n > best_n:
@@ -247,7 +247,7 @@ class PrefixCache:
         return kv
 
 
-def _common_prefix(a: list[int], b: list[int], block: int = 64) -> int:
+def common_prefix(a: list[int], b: list[int], block: int = 64) -> int:
     """Length of the longest common prefix of a and b: compared a block at a time, then token by
     token inside the first block that differs (a list slice compares in C; one scan, no copies of
     whole prompts)."""

@@ -46,7 +46,7 @@ from kvflash import KVFlashError
 from kvflash.engine import Engine
 from kvflash.generate import Sampler, Sampling
 from kvflash.paged_kv import PagedKV
-from kvflash.prefix_cache import PrefixCache
+from kvflash.prefix_cache import PrefixCache, common_prefix
 from kvflash.snapshots import KVSnapshots
 from kvflash.step import Piece, Prefill
 from kvflash.storage import ChunkError
@@ -91,42 +91,41 @@ class Room:
 @dataclass
 class Holdings:
     """The slots some sequences hold, a slot several of them read counted once: slots that more than
-    one sequence reads, or that a new sequence is about to share (`lent`), are kept in sets, the
-    others just counted."""
+    one sequence reads are kept in sets, the others just counted."""
 
-    lent: tuple[set[int], set[int]] = field(default_factory=lambda: (set(), set()))
     sole: Room = Room(0, 0)
     """Slots no other sequence reads."""
     gpu: set[int] = field(default_factory=set)
     host: set[int] = field(default_factory=set)
 
-    def add(self, kv: PagedKV | None) -> Room:
-        """Adds a sequence's slots; returns how many it holds."""
-        if kv is None:
-            return Room(0, 0)
-        g = [ch.gpu for ch in kv.seq.chunks if ch.gpu is not None]
-        h = [ch.host for ch in kv.seq.chunks if ch.host is not None]
-        refs, host_refs = kv.pool.refs, kv.host.refs
-        lent_g, lent_h = self.lent
-        shared_g = [s for s in g if refs(s) > 1 or s in lent_g]
-        shared_h = [s for s in h if host_refs(s) > 1 or s in lent_h]
-        self.sole += Room(len(g) - len(shared_g), len(h) - len(shared_h))
-        self.gpu.update(shared_g)
-        self.host.update(shared_h)
-        return Room(len(g), len(h))
+    def add(self, kv: PagedKV | None) -> None:
+        if kv is not None:
+            g = [ch.gpu for ch in kv.seq.chunks if ch.gpu is not None]
+            h = [ch.host for ch in kv.seq.chunks if ch.host is not None]
+            shared_g, shared_h = [s for s in g if kv.pool.refs(s) > 1], [s for s in h if kv.host.refs(s) > 1]
+            self.sole += Room(len(g) - len(shared_g), len(h) - len(shared_h))
+            self.gpu.update(shared_g)
+            self.host.update(shared_h)
 
-    def lend(self) -> Room:
-        """Adds the slots a new sequence is about to share; returns how many."""
-        self.gpu.update(self.lent[0])
-        self.host.update(self.lent[1])
-        return Room(len(self.lent[0]), len(self.lent[1]))
+    def beyond(self, *others: Holdings) -> Room:
+        """The slots held here and in none of `others`: what freeing these sequences frees."""
+        gpu, host = set(self.gpu), set(self.host)
+        for o in others:
+            gpu -= o.gpu
+            host -= o.host
+        return self.sole + Room(len(gpu), len(host))
 
-    def count(self) -> Room:
-        return self.sole + Room(len(self.gpu), len(self.host))
 
-    def beyond(self, other: Holdings) -> Room:
-        """The slots held here and not in `other` (counted where they are shared)."""
-        return self.sole + Room(len(self.gpu - other.gpu), len(self.host - other.host))
+def owed(need: Room, kv: PagedKV | None, lent: tuple[list[int], list[int]] = ([], [])) -> Room:
+    """The most slots a job may still take from the free ones: its reservation less the slots it
+    holds (and those it is about to share, `lent`). A job that evicts may also give up a pool slot it
+    shares, which its other readers keep, and page the chunk back into a new one: one more each."""
+    g = [ch.gpu for ch in kv.seq.chunks if ch.gpu is not None] if kv is not None else []
+    h = sum(ch.host is not None for ch in kv.seq.chunks) if kv is not None else 0
+    shared = len(lent[0]) + (sum(kv.pool.refs(s) > 1 for s in g) if kv is not None else 0)
+    has = Room(len(g) + len(lent[0]), h + len(lent[1]))
+    evicts = need.host > 0
+    return Room(max(0, need.gpu - has.gpu) + (shared if evicts else 0), max(0, need.host - has.host))
 
 
 def _holds_any(kv: PagedKV, gpu: set[int], host: set[int]) -> bool:
@@ -314,41 +313,45 @@ class Scheduler:
         if so, parks or frees as many as it takes, oldest first, keeping the one the job continues. With no
         job busy it is always admitted (what it cannot hold fails it alone, at its own step).
 
-        Each busy job (and this one, with the sequence it continues) may come to hold as many slots
-        as it reserved, or as it holds if that is more; slots that several of them read are held
-        once, so what they may still take from the free slots is the sum of those less the slots
-        they hold together. Only the slots of idle sequences that no busy one reads are room, and
-        not those of the sequences it continues or shares from, which stay."""
+        What the busy jobs and this one (with the sequence it continues, or the chunks it will
+        share) may still take is `owed`; the room is the free slots and those that only idle
+        sequences read, less the ones it continues or shares chunks from, which stay (a slot several
+        sequences read counts once)."""
         job.need = self.need(job)
         busy = [*self._running, *self._filling]
         reuse = job.recoveries < RECOVERIES
         live = self.cache.continued(job.context) if reuse else None
         lent = self.cache.lendable(job.context) if reuse and live is None else ([], [])
-        lent = set(lent[0]), set(lent[1])
-        holds, most = Holdings(lent), Room(0, 0)
+        want, taken = owed(job.need, live, lent), Holdings()
         for j in busy:
-            has = holds.add(j.kv)
-            most += Room(max(j.need.gpu, has.gpu), max(j.need.host, has.host))
-        has = holds.add(live) + holds.lend()
-        most += Room(max(job.need.gpu, has.gpu), max(job.need.host, has.host))
-        want = most - holds.count()
+            want += owed(j.need, j.kv)
+            taken.add(j.kv)
+        taken.add(live)
         free = Room(self.engine.pool.n_free, self.engine.host.max_slots - self.engine.host.n_used)
-        kept = [kv for kv in self.cache.idle if kv is live or _holds_any(kv, *lent)]
-        idle = Holdings(lent)
+        lent_sets = set(lent[0]), set(lent[1])
+        kept = [kv for kv in self.cache.idle if kv is live or _holds_any(kv, *lent_sets)]
+        idle, lenders = Holdings(), Holdings()
         for kv in self.cache.idle:
-            if not any(kv is k for k in kept):
-                idle.add(kv)
-        if busy and not (free + idle.beyond(holds)).covers(want):
+            if kv is not live:
+                (lenders if any(kv is k for k in kept) else idle).add(kv)
+        if busy and not (free + idle.beyond(taken, lenders)).covers(want):
             return False
         self.cache.reclaim(want.gpu, want.host, keep=kept)
         return True
 
     def _shares_busy_prefix(self, job: Job) -> bool:
-        """Whether a job still prefilling begins with the job's first chunk: once its prefill ends,
-        the job shares the chunks it sealed instead of computing them beside it."""
+        """Whether a job still prefilling has whole chunks in common with the job that it has not
+        sealed yet: once it has, the job shares them instead of computing them beside it."""
         c = self.engine.cfg.residency.chunk_tokens
         head = job.ids[:c]
-        return len(head) == c and any(j.ids[:c] == head for j in self._filling)
+        if len(head) < c:
+            return False
+        for j in self._filling:
+            if j.ids[:c] == head and j.kv is not None:
+                common = common_prefix(j.ids, job.ids[: len(job.ids) - 1]) // c
+                if j.kv.seq.n_sealed < common:
+                    return True
+        return False
 
     def _next_free_deferred(self) -> Job | None:
         """The oldest deferred job that no busy job holds back any more."""

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from kvflash.config import EngineConfig, ResidencyConfig
 from kvflash.engine import Engine
 from kvflash.models.loader import LoadedModel
-from kvflash.prefix_cache import PrefixCache, _common_prefix
+from kvflash.prefix_cache import PrefixCache, common_prefix
 from kvflash.turn import TurnStats
 from tests.tiny import tiny_config, tiny_model
 
@@ -98,4 +98,4 @@ def test_a_live_sequence_sharing_no_whole_chunk_is_not_taken() -> None:
 def test_common_prefix_is_the_first_difference(a: list[int], tail: list[int], keep: int) -> None:
     b = a[:keep] + tail
     first = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-    assert _common_prefix(a, b) == first
+    assert common_prefix(a, b) == first

@@ -231,24 +231,27 @@ def test_no_slot_is_freed_while_a_sequence_reads_it_and_none_leaks(lm, ops) -> N
 
 
 def test_concurrent_requests_over_one_document_hold_it_once_and_a_cancelled_one_frees_its_own(lm) -> None:
-    """Five requests over one 20-chunk document submitted together: the first prefills it, the
-    others wait for that prefill and share its chunks; the pool's peak holds the document once
-    (not five times), the third request's client leaves after its first token, the fifth fails
+    """Five requests over one 20-chunk document submitted together to a 48-chunk pool: the first
+    prefills it, the others wait for that prefill and share its chunks; each reserves 22 chunks, but
+    admission counts the shared ones once, so all five run together; the pool's peak holds the
+    document once (not five times), the third request's client leaves after its first token, the fifth fails
     (a seed its sampler refuses, after its prefill), the others answer as they do alone, and once
     the scheduler stops every slot is free."""
     doc = ids(20 * C + 7, 12)
     prompts = [doc + ids(5 + i, 20 + i) for i in range(5)]
     refs = [alone(lm, p, 6)[1] for p in prompts[:4]]
-    eng = engine(lm)
+    eng = engine(lm, pool_chunks=48)
     sched = Scheduler(eng, None, frozenset(), max_batch=5)
     eng.pool.reset_peak()
     results: dict[int, tuple] = {}
+    busy: list[int] = []
     done = threading.Semaphore(0)
 
     def job(i: int) -> Job:
         gone = threading.Event()
 
         def on_token(tok: int) -> bool:
+            busy.append(len(sched._running) + len(sched._filling))
             if i == 2:
                 gone.set()
             return False
@@ -270,6 +273,7 @@ def test_concurrent_requests_over_one_document_hold_it_once_and_a_cancelled_one_
         for _ in range(5):
             assert done.acquire(timeout=120)
         assert eng.pool.peak_used < 2 * 20, eng.pool.peak_used
+        assert max(busy) == 5
         for i in (0, 1, 3):
             assert results[i][0] == refs[i]
         assert [results[i][1].source for i in range(4)] == ["cold", "shared", "shared", "shared"]
