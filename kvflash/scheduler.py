@@ -7,10 +7,10 @@ pieces. A step is a token budget (`Engine.step_tokens`): one decode token of eve
 then the next pieces of the prefilling ones in the order they came, as many as fit, all in one
 forward (`Engine.forward`, chunked prefill mixed with decode): a long prompt never stalls the
 others' answers, and the short next turns of many conversations prefill in one step. A request whose
-prompt begins as a prefilling one's (one document, several conversations) waits for that prefill to
-end, then shares the sealed chunks of the document in the pool (`PrefixCache`): the pool holds them
-once. A step of decode tokens alone replays CUDA graphs. A request ends at a stop id, at max_tokens
-or when its consumer says so; its sequence goes back to the prefix cache, live.
+prompt has whole chunks in common with a prefilling one's (one document, several conversations)
+waits until that prefill has sealed them, then shares them in the pool (`PrefixCache`): the pool
+holds them once. A step of decode tokens alone replays CUDA graphs. A request ends at a stop id, at
+max_tokens or when its consumer says so; its sequence goes back to the prefix cache, live.
 
 Admission by room: every sequence has one budget (`sequence_tokens`, at most the pool), and a
 request reserves the pool slots its prompt and answer can fill, up to that budget (and, when it will
@@ -286,8 +286,8 @@ class Scheduler:
 
     def _admit(self) -> None:
         """Starts waiting jobs, in order, while the pool has room for them and the batch is not full.
-        A job whose prompt begins with the same chunk as a prefilling job's (one document, several
-        conversations) waits for that prefill to end, then shares the chunks it sealed (`PrefixCache`)
+        A job whose prompt has whole chunks in common with a prefilling job's (one document, several
+        conversations) waits until that prefill has sealed them, then shares them (`PrefixCache`)
         instead of computing the same prefix beside it."""
         while len(self._running) + len(self._filling) < self.max_batch:
             job = self._next_free_deferred() or self._next_job()
