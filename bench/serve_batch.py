@@ -16,6 +16,7 @@ its decode rate is (decode-tokens - 1) * N over the difference. Answers are of f
 sides (`min_tokens` on the server, `min_new_tokens` for HF).
 
   python -m bench.serve_batch --conversations 1,8,32 --doc-tokens 8192 --out out/serve_batch
+  python -m bench.serve_batch --conversations 8,32 --shared-only --out out/serve_batch_shared
 """
 
 from __future__ import annotations
@@ -211,6 +212,7 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--device", default=None)
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers peer")
+    ap.add_argument("--shared-only", action="store_true", help="only the conversations over one document")
     ap.add_argument("--out", default="out/serve_batch")
     args = ap.parse_args()
     counts = [int(n) for n in args.conversations.split(",")]
@@ -219,17 +221,19 @@ def main() -> None:
     docs, shared_doc = documents(args, lm, max(counts))
     rows = []
     with progress_bar() as progress:
-        task = progress.add_task("conversations", total=len(counts) * 3)
+        task = progress.add_task("conversations", total=len(counts) * (1 if args.shared_only else 3))
         for n in counts:
-            row = {"n": n, "batched": guarded(conversations, args, docs[:n], n)}
-            progress.advance(task)
-            row["one_at_a_time"] = guarded(conversations, args, docs[:n], 1) if n > 1 else row["batched"]
-            progress.advance(task)
+            row = {"n": n}
+            if not args.shared_only:
+                row["batched"] = guarded(conversations, args, docs[:n], n)
+                progress.advance(task)
+                row["one_at_a_time"] = guarded(conversations, args, docs[:n], 1) if n > 1 else row["batched"]
+                progress.advance(task)
             row["shared"] = guarded(shared, args, shared_doc, n)
             progress.advance(task)
             rows.append(row)
     hf = {}
-    if not args.no_hf and lm.device.type == "cuda":
+    if not (args.no_hf or args.shared_only) and lm.device.type == "cuda":
         from bench.hf import hf_llama
 
         model = hf_llama(lm)
@@ -242,7 +246,8 @@ def main() -> None:
     meta = {"date": time.strftime("%Y-%m-%d"), "python": platform.python_version(),
             "torch": torch.__version__, "gpu": gpu, "args": vars(args)}  # fmt: skip
     write_json(out / "serve_batch.json", {"meta": meta, "rows": rows}, default=asdict)
-    plot(rows, out / "serve_batch.png")
+    if not args.shared_only:
+        plot(rows, out / "serve_batch.png")
 
 
 def guarded(fn, *args) -> dict:
@@ -264,6 +269,12 @@ def _f(x: float | None, spec: str = ".2f") -> str:
 
 
 def report(args, rows: list[dict]) -> None:
+    if not args.shared_only:
+        report_conversations(args, rows)
+    report_shared(args, rows)
+
+
+def report_conversations(args, rows: list[dict]) -> None:
     doc = f"{args.doc_tokens:,}-token documents"
     t = Table(title=f"turn 1: N conversations, {doc}, {args.max_tokens} tokens each")
     for col in ("N", "wall s", "TTFT p50", "TTFT max", "wall, one at a time", "prefills alone s", "HF e2e s",
@@ -288,6 +299,9 @@ def report(args, rows: list[dict]) -> None:
                   _f(one.get("tok_s"), ".0f"), _f(x_one), _f(ours, ".0f"), _f(peer, ".0f"),
                   _f(x_hf, ".1f"))  # fmt: skip
     Console().print(t)
+
+
+def report_shared(args, rows: list[dict]) -> None:
     t = Table(title=f"N conversations over one {args.shared_tokens:,}-token document, at once")
     for col in ("N", "wall s", "TTFT p50", "prompt tokens", "computed", "computed / (doc + questions)",
                 "shared from the pool", "pool slots at peak", "N x document slots"):  # fmt: skip
