@@ -161,6 +161,28 @@ def test_under_qk_a_reader_that_evicts_or_drops_shared_chunks_changes_nothing_th
         assert torch.equal(x, y)
 
 
+def test_pins_are_each_readers_own(lm) -> None:
+    """Under `qk` with a budget of 8 chunks, the second reader of a 20-chunk document pins chunks 3-5
+    of it: they stay resident for it through its answer, on the slots the first reader's copies
+    paged back in or their own, while the first, which pins nothing, leaves them to its policy."""
+    doc = ids(20 * C + 4, 13)
+    eng = engine(lm, "qk", pool_chunks=24)
+    cache = PrefixCache(eng, None, budget_tokens=8 * C, capacity=None)
+    first, second = doc + ids(6, 14), doc + ids(9, 15)
+    a, _ = take(cache, first)
+    answer(eng, a, first, 3)
+    b, stats = take(cache, second)
+    assert stats.source == "shared"
+    b.pin_range(3 * C, 6 * C)
+    answer(eng, b, second, 10)
+    assert all(b.seq.chunks[i].gpu is not None for i in (3, 4, 5))
+    assert not any(ch.pinned for ch in a.seq.chunks)
+    a.park()  # the first leaves the pool: the second's pinned chunks stay where they are
+    assert all(b.seq.chunks[i].gpu is not None and eng.pool.refs(b.seq.chunks[i].gpu) == 1 for i in (3, 4, 5))
+    cache.close()
+    assert_all_free(eng)
+
+
 def refs_held(seqs: list[PagedKV]) -> tuple[Counter, Counter]:
     gpu = Counter(ch.gpu for kv in seqs for ch in kv.seq.chunks if ch.gpu is not None)
     host = Counter(ch.host for kv in seqs for ch in kv.seq.chunks if ch.host is not None)
