@@ -590,9 +590,13 @@ class PagedKV:
             return
         c = self.cfg.chunk_tokens
         tokens = self.seq.tokens[first * c : (chunks[-1].index + 1) * c]
-        for ch, key in zip(chunks, chain_hashes(self.fingerprint, tokens, c, parent), strict=True):
+        keys = chain_hashes(self.fingerprint, tokens, c, parent)
+        for ch, key in zip(chunks, keys, strict=True):
             ch.key = key
             self.pool.index.add(key, ch.gpu)
+        fp, known = self.chain
+        if len(known) == first and fp in ("", self.fingerprint):  # a snapshot hashes none of them again
+            self.chain = (self.fingerprint, known + keys)
 
     def name_restored(self) -> None:
         """Names the chunks a restore of exact KV gave this empty-before sequence by the chain they
@@ -605,17 +609,15 @@ class PagedKV:
             if ch.host is not None:
                 self.host.publish(key, ch.host)
 
-    def share(self, ids: list[int]) -> int:
-        """Takes into this empty sequence the longest run of ids' whole chunks (at most len(ids) - 1
-        tokens: one is always computed) that some sequence holds as exact KV in the pool or the host
-        tier, as references to those slots: the pool slot where the chunk is resident, else its
-        host copy. The slots are sealed, so no sequence writes them; each reader evicts or drops its
-        own reference. Summaries are computed again from the keys. Returns the tokens taken."""
+    def share(self, ids: list[int], keys: list[str]) -> int:
+        """Takes into this empty sequence the longest run of ids' whole chunks, named by `keys`
+        (their chain hashes under `fingerprint`), that some sequence holds as exact KV in the pool
+        or the host tier, as references to those slots: the pool slot where the chunk is resident,
+        else its host copy. The slots are sealed, so no sequence writes them; each reader evicts or
+        drops its own reference. Summaries are computed again from the keys. Returns the tokens
+        taken."""
         assert not len(self.seq), "share needs an empty sequence"
         c, fp = self.cfg.chunk_tokens, self.fingerprint
-        if fp is None or len(ids) <= c:
-            return 0
-        keys = chain_hashes(fp, ids[: (len(ids) - 1) // c * c], c)
         n = shared_run(keys, self.pool.index.find, self.host.find)
         if not n:
             return 0

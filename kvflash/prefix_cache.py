@@ -87,7 +87,7 @@ class PrefixCache:
             return live
         kv = self._new()
         try:
-            if reuse and kv.share(ids):
+            if reuse and kv.share(ids, self._keys(ids)):
                 stats.source, stats.restored_tokens = "shared", len(kv.seq)
                 stats.shared_host_tokens = sum(ch.gpu is None for ch in kv.seq.chunks) * kv.cfg.chunk_tokens
         except BaseException:
@@ -114,9 +114,7 @@ class PrefixCache:
     def lendable(self, ids: list[int]) -> tuple[list[int], list[int]]:
         """The pool slots and host slots a new sequence for ids would share (`PagedKV.share`): per
         chunk its pool slot where it is resident, else its host copy."""
-        eng = self.engine
-        c = eng.cfg.residency.chunk_tokens
-        keys = chain_hashes(eng.fingerprint, ids[: (len(ids) - 1) // c * c], c)
+        eng, keys = self.engine, self._keys(ids)
         gpu, host = [], []
         for key in keys[: shared_run(keys, eng.pool.index.find, eng.host.find)]:
             g = eng.pool.index.find(key)
@@ -157,8 +155,13 @@ class PrefixCache:
         if best is None or n == len(best.seq):
             return best, n
         eng, c = self.engine, self.engine.cfg.residency.chunk_tokens
-        named = shared_run(chain_hashes(eng.fingerprint, ids[:n], c), eng.pool.index.find, eng.host.find)
+        named = shared_run(self._keys(ids)[: n // c], eng.pool.index.find, eng.host.find)
         return (best, n) if n > named * c else (None, 0)
+
+    def _keys(self, ids: list[int]) -> list[str]:
+        """The chain hashes of ids' whole chunks before its last token (which is always computed)."""
+        c = self.engine.cfg.residency.chunk_tokens
+        return chain_hashes(self.engine.fingerprint, ids[: (len(ids) - 1) // c * c], c)
 
     def _match(self, ids: list[int]) -> tuple[PagedKV | None, int]:
         """The idle sequence sharing the longest reusable prefix with ids, and its length."""

@@ -20,6 +20,7 @@ from kvflash.models.loader import LoadedModel
 from kvflash.paged_kv import PagedKV
 from kvflash.prefix_cache import PrefixCache
 from kvflash.scheduler import Job, Scheduler
+from kvflash.storage import chain_hashes
 from kvflash.turn import TurnStats
 from tests.tiny import tiny_config, tiny_model
 
@@ -219,7 +220,7 @@ def test_no_slot_is_freed_while_a_sequence_reads_it_and_none_leaks(lm, ops) -> N
                 continue
             kv = eng.new_sequence(6 * C)
             prompt = doc[: i * C + 1] + ids(n * 5, 10 + n)
-            kv.share(prompt)
+            kv.share(prompt, chain_hashes(eng.fingerprint, prompt[: (len(prompt) - 1) // C * C], C))
             eng.prefill(kv, prompt[len(kv.seq) :])
             seqs.append(kv)
         elif not seqs:
