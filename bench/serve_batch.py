@@ -7,7 +7,8 @@ then each resends its conversation with one more question (turn 2, whose documen
 holds live or on disk) and all decode --decode-tokens tokens together. The same runs on a server at
 `--max-batch 1` (one request at a time: the sum of the prefills alone, and the throughput batching
 must beat). Then N conversations over one shared document of --shared-tokens tokens ask at once:
-the prompt tokens the server computed (from /metrics) against one document plus the questions.
+the prompt tokens the server computed (from /metrics) against one document plus the questions, and
+the pool slots in use at the peak (from /metrics) against N times the document's.
 
 The peer is HF transformers on the same GPU, batched `generate` over the same turn-1 prompts (left
 padded, SDPA, whole KV on the GPU): a prefill alone, --max-tokens and --decode-tokens new tokens, so
@@ -15,6 +16,7 @@ its decode rate is (decode-tokens - 1) * N over the difference. Answers are of f
 sides (`min_tokens` on the server, `min_new_tokens` for HF).
 
   python -m bench.serve_batch --conversations 1,8,32 --doc-tokens 8192 --out out/serve_batch
+  python -m bench.serve_batch --conversations 8,32 --shared-only --out out/serve_batch_shared
 """
 
 from __future__ import annotations
@@ -101,11 +103,16 @@ def together(server: Served, convs: list[list[dict]], tokens: int) -> tuple[dict
     return row, [t for _, t in got]
 
 
-def computed_tokens(server: Served) -> int:
-    """Prompt tokens the server has prefilled (not reused), from /metrics."""
+def metric(server: Served, name: str) -> int:
+    """A sample of the server's /metrics (0 where it has none yet)."""
     text = httpx.get(f"{server.url}/metrics").text
-    m = re.search(r'^kvflash_tokens_total\{kind="cold"\} (\S+)$', text, re.M)
+    m = re.search(rf"^kvflash_{re.escape(name)} (\S+)$", text, re.M)
     return int(float(m.group(1))) if m else 0
+
+
+def computed_tokens(server: Served) -> int:
+    """Prompt tokens the server has prefilled (not reused)."""
+    return metric(server, 'tokens_total{kind="cold"}')
 
 
 def conversations(args, docs: list[str], max_batch: int) -> dict:
@@ -131,15 +138,22 @@ def conversations(args, docs: list[str], max_batch: int) -> dict:
 
 
 def shared(args, doc: str, n: int) -> dict:
-    """n conversations over one document at once: what the server prefilled of it."""
+    """n conversations over one document at once: what the server prefilled of it, the prompt
+    tokens it shared from the pool, and the pool slots in use at the peak (the warm-up's request
+    holds one), against n times the document's chunks."""
     server = Served(args, None, n)
     try:
         stream(server, [{"role": "user", "content": "Hello."}], 2)
-        before = computed_tokens(server)
+        before, gpu_before = computed_tokens(server), metric(server, 'tokens_total{kind="gpu"}')
         convs = [[{"role": "system", "content": doc}, {"role": "user", "content": QUESTIONS[i % 5]}]
                  for i in range(n)]  # fmt: skip
         row, _ = together(server, convs, args.max_tokens)
         row["computed_tokens"] = computed_tokens(server) - before
+        row["gpu_shared_tokens"] = metric(server, 'tokens_total{kind="gpu"}') - gpu_before
+        row["pool_slots_peak"] = metric(server, "pool_slots_used_peak")
+        row["pool_slots_shared"] = metric(server, "pool_slots_shared")
+        chunk = metric(server, "pool_tokens_used") // max(1, metric(server, "pool_slots_used"))
+        row["doc_slots"] = -(-args.shared_tokens // chunk)
     finally:
         server.stop()
     return row
@@ -198,6 +212,7 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--device", default=None)
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers peer")
+    ap.add_argument("--shared-only", action="store_true", help="only the conversations over one document")
     ap.add_argument("--out", default="out/serve_batch")
     args = ap.parse_args()
     counts = [int(n) for n in args.conversations.split(",")]
@@ -206,17 +221,19 @@ def main() -> None:
     docs, shared_doc = documents(args, lm, max(counts))
     rows = []
     with progress_bar() as progress:
-        task = progress.add_task("conversations", total=len(counts) * 3)
+        task = progress.add_task("conversations", total=len(counts) * (1 if args.shared_only else 3))
         for n in counts:
-            row = {"n": n, "batched": guarded(conversations, args, docs[:n], n)}
-            progress.advance(task)
-            row["one_at_a_time"] = guarded(conversations, args, docs[:n], 1) if n > 1 else row["batched"]
-            progress.advance(task)
+            row = {"n": n}
+            if not args.shared_only:
+                row["batched"] = guarded(conversations, args, docs[:n], n)
+                progress.advance(task)
+                row["one_at_a_time"] = guarded(conversations, args, docs[:n], 1) if n > 1 else row["batched"]
+                progress.advance(task)
             row["shared"] = guarded(shared, args, shared_doc, n)
             progress.advance(task)
             rows.append(row)
     hf = {}
-    if not args.no_hf and lm.device.type == "cuda":
+    if not (args.no_hf or args.shared_only) and lm.device.type == "cuda":
         from bench.hf import hf_llama
 
         model = hf_llama(lm)
@@ -229,7 +246,8 @@ def main() -> None:
     meta = {"date": time.strftime("%Y-%m-%d"), "python": platform.python_version(),
             "torch": torch.__version__, "gpu": gpu, "args": vars(args)}  # fmt: skip
     write_json(out / "serve_batch.json", {"meta": meta, "rows": rows}, default=asdict)
-    plot(rows, out / "serve_batch.png")
+    if not args.shared_only:
+        plot(rows, out / "serve_batch.png")
 
 
 def guarded(fn, *args) -> dict:
@@ -251,6 +269,12 @@ def _f(x: float | None, spec: str = ".2f") -> str:
 
 
 def report(args, rows: list[dict]) -> None:
+    if not args.shared_only:
+        report_conversations(args, rows)
+    report_shared(args, rows)
+
+
+def report_conversations(args, rows: list[dict]) -> None:
     doc = f"{args.doc_tokens:,}-token documents"
     t = Table(title=f"turn 1: N conversations, {doc}, {args.max_tokens} tokens each")
     for col in ("N", "wall s", "TTFT p50", "TTFT max", "wall, one at a time", "prefills alone s", "HF e2e s",
@@ -275,8 +299,12 @@ def report(args, rows: list[dict]) -> None:
                   _f(one.get("tok_s"), ".0f"), _f(x_one), _f(ours, ".0f"), _f(peer, ".0f"),
                   _f(x_hf, ".1f"))  # fmt: skip
     Console().print(t)
+
+
+def report_shared(args, rows: list[dict]) -> None:
     t = Table(title=f"N conversations over one {args.shared_tokens:,}-token document, at once")
-    for col in ("N", "wall s", "TTFT p50", "prompt tokens", "computed", "computed / (doc + questions)"):
+    for col in ("N", "wall s", "TTFT p50", "prompt tokens", "computed", "computed / (doc + questions)",
+                "shared from the pool", "pool slots at peak", "N x document slots"):  # fmt: skip
         t.add_column(col, justify="right")
     for r in rows:
         s = _part(r, "shared")
@@ -285,7 +313,8 @@ def report(args, rows: list[dict]) -> None:
             continue
         once = args.shared_tokens + s["prompt_tokens"] - r["n"] * args.shared_tokens
         t.add_row(str(r["n"]), _f(s["wall_s"]), _f(s["ttft_p50_s"]), str(s["prompt_tokens"]),
-                  str(s["computed_tokens"]), _f(s["computed_tokens"] / once))  # fmt: skip
+                  str(s["computed_tokens"]), _f(s["computed_tokens"] / once), str(s["gpu_shared_tokens"]),
+                  str(s["pool_slots_peak"]), str(r["n"] * s["doc_slots"]))  # fmt: skip
     Console().print(t)
 
 

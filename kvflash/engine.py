@@ -8,6 +8,7 @@ prompt chooses which chunks of the document it attends to.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from functools import cached_property
 
 import torch
 
@@ -44,7 +45,7 @@ class Engine:
         if warm:
             self.warm_up()
 
-    @property
+    @cached_property
     def fingerprint(self) -> str:
         """The model fingerprint of this engine's KV (its dtype and chunk size included): what its
         snapshots are stored and looked up under."""
@@ -122,7 +123,9 @@ class Engine:
     def new_sequence(self, budget_tokens: int | None = None) -> PagedKV:
         c = self.cfg.residency.chunk_tokens
         budget = self.pool.n_slots if budget_tokens is None else -(-budget_tokens // c)
-        return PagedKV(self.pool, self.host, self.cfg.residency, min(budget, self.pool.n_slots))
+        kv = PagedKV(self.pool, self.host, self.cfg.residency, min(budget, self.pool.n_slots))
+        kv.fingerprint = self.fingerprint
+        return kv
 
     @property
     def step_tokens(self) -> int:

@@ -8,6 +8,10 @@ Pinning host memory is slow, so memory a prefill will need is reserved ahead (`r
 allocated by a background thread while the GPU computes; a block's pages are touched by torch's
 threads and then registered with CUDA (`pinned_empty`), which takes about half the time of
 cudaHostAlloc faulting them in one thread (docs/BENCHMARKS.md, Cold prefill).
+
+Like the pool's, host slots are counted references, named by chain hash (`ChunkIndex`): a chunk one
+sequence paged out is the copy another pages out or reads from disk, and a slot is free once its last
+reader has released it. A host copy is written once, when it is taken, and never again.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from collections.abc import Iterator
 import torch
 
 from kvflash import KVFlashError
+from kvflash.chunk_index import ChunkIndex
 from kvflash.pool import ChunkPool, chunk_bytes, chunk_shape
 
 BLOCK_SLOTS = 64
@@ -73,6 +78,11 @@ class HostTier:
         self._blocks: list[torch.Tensor | None] = []
         """Allocated blocks in slot order; None while a block is being allocated."""
         self._free: list[int] = []
+        self._extra: dict[int, int] = {}
+        """Readers beyond the first of each shared slot."""
+        self._index = ChunkIndex()
+        """The host copies of sealed chunks of exact KV, by chain hash (under `_grown`: a restore's
+        prefetch thread reads into the tier too)."""
         self._pending_in = False
         self._pending_out = False
         self._target = 0
@@ -178,8 +188,35 @@ class HostTier:
         self.release_many([host_slot])
 
     def release_many(self, host_slots: list[int]) -> None:
+        """Drops one reference to each slot; the last reader's release frees it (and its name)."""
         with self._grown:
-            self._free.extend(host_slots)
+            for h in host_slots:
+                extra = self._extra.pop(h, 0)
+                if extra > 1:
+                    self._extra[h] = extra - 1
+                elif not extra:
+                    self._index.forget(h)
+                    self._free.append(h)
+
+    def publish(self, key: str, host_slot: int) -> None:
+        """Names a slot holding the sealed chunk of exact KV whose chain hash is `key`."""
+        with self._grown:
+            self._index.add(key, host_slot)
+
+    def find(self, key: str) -> int | None:
+        with self._grown:
+            return self._index.find(key)
+
+    def share(self, key: str) -> int | None:
+        """A new reference to the slot named `key`, or None where no slot holds it."""
+        with self._grown:
+            h = self._index.find(key)
+            if h is not None:
+                self._extra[h] = self._extra.get(h, 0) + 1
+            return h
+
+    def refs(self, host_slot: int) -> int:
+        return 1 + self._extra.get(host_slot, 0)
 
     def page_out(self, gpu_slot: int) -> int:
         """Copies a pool slot into a new host slot (async on CUDA); returns the host slot."""

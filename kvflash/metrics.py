@@ -21,8 +21,9 @@ class ServerMetrics:
     """Ended requests by outcome: the finish reason ("stop", "length"), "error", "refused" (a bad
     request) or "busy" (the waiting queue was full)."""
     tokens: Counter = field(default_factory=Counter)
-    """Prompt tokens by where their KV came from ("cold" prefilled, "memory", "disk", "lazy"), and
-    "generated"."""
+    """Prompt tokens by where their KV came from ("cold" prefilled; "memory", the request's own live
+    sequence; "gpu" and "host", chunks that other live sequences hold, shared from the pool or the
+    host tier; "disk" and "lazy", the store), and "generated"."""
     ttft: list[int] = field(default_factory=lambda: [0] * (len(TTFT_BUCKETS) + 1))
     ttft_sum: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -31,7 +32,10 @@ class ServerMetrics:
         with self._lock:
             self.requests[finish] += 1
             self.tokens["cold"] += stats.prefilled_tokens
-            if stats.restored_tokens:
+            if stats.source == "shared":
+                self.tokens["gpu"] += stats.restored_tokens - stats.shared_host_tokens
+                self.tokens["host"] += stats.shared_host_tokens
+            elif stats.restored_tokens:
                 self.tokens[stats.source] += stats.restored_tokens
             self.tokens["generated"] += stats.generated_tokens
             self.ttft[sum(stats.ttft_s > b for b in TTFT_BUCKETS)] += 1

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from kvflash import KVFlashError, kernels
+from kvflash.chunk_index import shared_run
 from kvflash.config import ResidencyConfig
 from kvflash.host_tier import BLOCK_SLOTS, HostTier
 from kvflash.kvcache import sdpa
@@ -77,6 +78,9 @@ class PagedKV:
         self.chain: tuple[str, list[str]] = ("", [])
         """(fingerprint, chain hashes) of the first chunks, as far as they are known (a restore's,
         then each snapshot's): a snapshot hashes only the chunks after them."""
+        self.fingerprint: str | None = None
+        """The model fingerprint its sealed chunks of exact KV are named under (set by the engine):
+        named chunks are shared with every sequence whose prompt begins the same (`share`)."""
         self.approximate = False
         """Some step ran without every earlier chunk resident: this KV is not what the dense cache
         computes, and is stored apart from exact KV (snapshots.APPROX_SUFFIX)."""
@@ -214,9 +218,11 @@ class PagedKV:
         their pool slots: a page-in issued after it on the side stream may reuse them."""
         for ch in chunks:
             assert ch.sealed, f"chunk {ch.index} is not sealed and cannot leave the GPU"
-        out = [ch for ch in chunks if ch.host is None]
+        out = [ch for ch in chunks if ch.host is None and not self._share_host(ch)]
         for ch, h in zip(out, self.host.page_out_many([ch.gpu for ch in out]), strict=True):
             ch.host = h
+            if ch.key is not None:
+                self.host.publish(ch.key, h)
         self.moved["gpu_to_host"] += len(out) * self.chunk_nbytes
         for ch in chunks:
             self.pool.release(ch.gpu)
@@ -227,6 +233,7 @@ class PagedKV:
         with self._fetch_lock:
             fetch = self.fetch  # `free` may clear it without the lock
             todo = [ch for ch in chunks if ch.host is None and ch.gpu is None and ch.disk is not None]
+            todo = [ch for ch in todo if not self._share_host(ch)]
             if not todo or fetch is None:
                 return
             slots = self.host.alloc_many(len(todo))
@@ -238,6 +245,8 @@ class PagedKV:
                 raise
             for ch, h in zip(todo, slots, strict=True):
                 ch.host = h
+                if ch.key is not None:
+                    self.host.publish(ch.key, h)
             self.moved["disk"] += len(todo) * self.chunk_nbytes
 
     def chunk_kv(self, index: int) -> torch.Tensor:
@@ -247,11 +256,28 @@ class PagedKV:
             self.load_to_host([ch])
         return self.pool.kv[ch.gpu] if ch.gpu is not None else self.host.view(ch.host)
 
+    def _share_host(self, ch: Chunk) -> bool:
+        """Takes a reference to the host copy of a named chunk where the host tier holds one."""
+        if ch.key is not None:
+            ch.host = self.host.share(ch.key)
+        return ch.host is not None
+
     def _make_resident(self, chunks: list[Chunk]) -> None:
-        """Gives chunks pool slots, paging in those with host copies in one batch."""
-        for ch, g in zip(chunks, self.pool.alloc_many(len(chunks)), strict=True):
+        """Gives chunks pool slots: a named chunk that some sequence holds in the pool shares its
+        slot; the others get new slots, paging in those with host copies in one batch."""
+        new = []
+        for ch in chunks:
+            g = None if ch.key is None else self.pool.index.find(ch.key)
+            if g is None:
+                new.append(ch)
+            else:
+                self.pool.share(g)
+                ch.gpu = g
+        for ch, g in zip(new, self.pool.alloc_many(len(new)), strict=True):
             ch.gpu = g
-        paged = [ch for ch in chunks if ch.host is not None]
+            if ch.key is not None:
+                self.pool.index.add(ch.key, g)
+        paged = [ch for ch in new if ch.host is not None]
         self.host.page_in_many([ch.host for ch in paged], [ch.gpu for ch in paged])
         self.moved["host_to_gpu"] += len(paged) * self.chunk_nbytes
 
@@ -553,6 +579,80 @@ class PagedKV:
         for ch, summary in zip(chunks, summaries, strict=True):
             self.seq.set_summary(ch.index, summary)
             ch.sealed = True
+        self._name(chunks)
+
+    def _name(self, chunks: list[Chunk]) -> None:
+        """Names newly sealed chunks by their chain hash and publishes their slots, where their KV is
+        exact (a step that ran with every earlier chunk resident) and their parent is named."""
+        first = chunks[0].index
+        parent = self.seq.chunks[first - 1].key if first else ROOT_HASH
+        if self.fingerprint is None or self.approximate or parent is None:
+            return
+        c = self.cfg.chunk_tokens
+        tokens = self.seq.tokens[first * c : (chunks[-1].index + 1) * c]
+        keys = chain_hashes(self.fingerprint, tokens, c, parent)
+        for ch, key in zip(chunks, keys, strict=True):
+            ch.key = key
+            self.pool.index.add(key, ch.gpu)
+        fp, known = self.chain
+        if len(known) == first and fp in ("", self.fingerprint):  # a snapshot hashes none of them again
+            self.chain = (self.fingerprint, known + keys)
+
+    def name_restored(self) -> None:
+        """Names the chunks a restore of exact KV gave this empty-before sequence by the chain they
+        were stored under, publishing their host copies (a lazy one's as they are read)."""
+        fp, keys = self.chain
+        if fp != self.fingerprint or self.approximate:
+            return
+        for ch, key in zip(self.seq.chunks, keys, strict=False):
+            ch.key = key
+            if ch.host is not None:
+                self.host.publish(key, ch.host)
+
+    def share(self, ids: list[int], keys: list[str]) -> int:
+        """Takes into this empty sequence the longest run of ids' whole chunks, named by `keys`
+        (their chain hashes under `fingerprint`), that some sequence holds as exact KV in the pool
+        or the host tier, as references to those slots: the pool slot where the chunk is resident,
+        else its host copy. The slots are sealed, so no sequence writes them; each reader evicts or
+        drops its own reference. Summaries are computed again from the keys. Returns the tokens
+        taken."""
+        assert not len(self.seq), "share needs an empty sequence"
+        c, fp = self.cfg.chunk_tokens, self.fingerprint
+        n = shared_run(keys, self.pool.index.find, self.host.find)
+        if not n:
+            return 0
+        self.seq.ensure_chunks(n * c)
+        self.seq.tokens.extend(ids[: n * c])
+        for ch, key in zip(self.seq.chunks, keys[:n], strict=True):
+            g = self.pool.index.find(key)
+            if g is not None:
+                self.pool.share(g)
+                ch.gpu = g
+            else:
+                ch.host = self.host.share(key)
+            ch.key, ch.sealed = key, True
+        self.seq.set_summaries(self._summaries(self.seq.chunks))
+        self.chain = (fp, keys[:n])
+        self._dirty = True
+        return n * c
+
+    def _summaries(self, chunks: list[Chunk]) -> torch.Tensor:
+        """[n, *summary_shape] of sealed chunks from their keys: in place in the pool, host copies
+        staged to the pool's device a block at a time."""
+        dev, blocks, i32 = self.pool.kv.device, self.cfg.summary_blocks, torch.int32
+        out = torch.empty((len(chunks), *self.summary_shape), device=dev)
+        on_gpu = [i for i, ch in enumerate(chunks) if ch.gpu is not None]
+        if on_gpu:
+            slots = torch.tensor([chunks[i].gpu for i in on_gpu], device=dev, dtype=i32)
+            out[on_gpu] = kernels.chunk_summaries(self.pool.kv, slots, blocks)
+        on_host = [i for i, ch in enumerate(chunks) if ch.gpu is None]
+        self.host.fence()  # a page-out still copying is read after it lands
+        for lo in range(0, len(on_host), BLOCK_SLOTS):
+            part = on_host[lo : lo + BLOCK_SLOTS]
+            staged = torch.stack([self.host.view(chunks[i].host).to(dev) for i in part])
+            rows = torch.arange(len(part), device=dev, dtype=i32)
+            out[part] = kernels.chunk_summaries(staged, rows, blocks)
+        return out
 
     def truncate(self, n_chunks: int) -> None:
         """Keeps the first n_chunks chunks (sealed) and drops every later token, giving back the

@@ -1,4 +1,9 @@
-"""The GPU chunk pool: one tensor of slots, one slot per chunk, so a page-in or out is one copy."""
+"""The GPU chunk pool: one tensor of slots, one slot per chunk, so a page-in or out is one copy.
+
+Slots are counted references: a sealed chunk of exact KV is named by its chain hash (`index`) and
+read by every sequence whose prompt shares its prefix; a sequence that evicts or drops it releases
+its own reference, and the slot is free once the last reader has released it. A sealed chunk is
+never written again, so a shared slot is read-only."""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import os
 import torch
 
 from kvflash import KVFlashError
+from kvflash.chunk_index import ChunkIndex
 from kvflash.config import ModelConfig
 
 
@@ -70,8 +76,14 @@ class ChunkPool:
         self.chunk_tokens = chunk_tokens
         self.kv = torch.zeros((n_slots + 1, *chunk_shape(cfg, chunk_tokens)), dtype=dtype, device=device)
         self._free = list(range(n_slots - 1, -1, -1))
-        self._taken = bytearray(n_slots)
-        """1 where a slot is given out: a release is checked in O(1), not by a scan of `_free`."""
+        self._refs = [0] * n_slots
+        """Readers of each slot (0: free): a release is checked in O(1), not by a scan of `_free`."""
+        self.index = ChunkIndex()
+        """The sealed chunks of exact KV in the pool, by chain hash."""
+        self.n_shared = 0
+        """Slots read by more than one sequence."""
+        self.peak_used = 0
+        """The most slots in use at once since `reset_peak`."""
         self.pad_slot = n_slots
         self.epoch = 0
 
@@ -82,6 +94,17 @@ class ChunkPool:
     @property
     def n_free(self) -> int:
         return len(self._free)
+
+    @property
+    def n_used(self) -> int:
+        """Slots holding a chunk, a shared one counted once."""
+        return self.n_slots - len(self._free)
+
+    def reset_peak(self) -> None:
+        self.peak_used = self.n_used
+
+    def refs(self, slot: int) -> int:
+        return self._refs[slot]
 
     def alloc(self) -> int:
         return self.alloc_many(1)[0]
@@ -94,11 +117,23 @@ class ChunkPool:
         out = self._free[len(self._free) - n :]
         del self._free[len(self._free) - n :]
         for slot in out:
-            self._taken[slot] = 1
+            self._refs[slot] = 1
+        self.peak_used = max(self.peak_used, self.n_used)
         return sorted(out)
 
+    def share(self, slot: int) -> None:
+        """One more reader of a slot in use (a sealed chunk another sequence holds)."""
+        assert 0 <= slot < self.n_slots and self._refs[slot], f"bad share of slot {slot}"
+        self._refs[slot] += 1
+        self.n_shared += self._refs[slot] == 2
+
     def release(self, slot: int) -> None:
-        assert 0 <= slot < self.n_slots and self._taken[slot], f"bad release of slot {slot}"
-        self._taken[slot] = 0
+        """Drops one reader's reference; the last one frees the slot (and its name)."""
+        assert 0 <= slot < self.n_slots and self._refs[slot], f"bad release of slot {slot}"
+        self._refs[slot] -= 1
+        self.n_shared -= self._refs[slot] == 1
+        if self._refs[slot]:
+            return
+        self.index.forget(slot)
         self._free.append(slot)
         self.epoch += 1

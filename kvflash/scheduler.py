@@ -2,22 +2,24 @@
 
 One thread owns the engine. It admits waiting requests in the order they came while the pool has
 room for them and fewer than `max_batch` run: each takes a sequence from the prefix cache (live,
-restored from disk, or empty) and prefills the rest of its prompt in pieces. A step is a token
-budget (`Engine.step_tokens`): one decode token of every running request, then the next pieces of
-the prefilling ones in the order they came, as many as fit, all in one forward (`Engine.forward`,
-chunked prefill mixed with decode): a long prompt never stalls the others' answers, and the short
-next turns of many conversations prefill in one step. A request whose prompt begins as a busy one's
-(one document, several conversations) waits for it to end and takes its chunks from the sequence it
-leaves. A step of decode tokens alone replays CUDA graphs. A request ends at a stop id, at
+sharing another's chunks, restored from disk, or empty) and prefills the rest of its prompt in
+pieces. A step is a token budget (`Engine.step_tokens`): one decode token of every running request,
+then the next pieces of the prefilling ones in the order they came, as many as fit, all in one
+forward (`Engine.forward`, chunked prefill mixed with decode): a long prompt never stalls the
+others' answers, and the short next turns of many conversations prefill in one step. A request whose
+prompt has whole chunks in common with a prefilling one's (one document, several conversations)
+waits until that prefill has sealed them, then shares them in the pool (`PrefixCache`): the pool
+holds them once. A step of decode tokens alone replays CUDA graphs. A request ends at a stop id, at
 max_tokens or when its consumer says so; its sequence goes back to the prefix cache, live.
 
 Admission by room: every sequence has one budget (`sequence_tokens`, at most the pool), and a
 request reserves the pool slots its prompt and answer can fill, up to that budget (and, when it will
 evict, host-tier slots for its chunks). It is admitted when its reservation fits beside the
 reservations of the requests running, once idle live sequences (oldest first, never the one it
-continues) are parked in the host tier or freed for it; else it waits at the head of the queue, so a
-long prompt is not overtaken forever by short ones. Thirty short chats thus run together in a pool
-that one long document fills alone, and the pool never runs out under a running request.
+continues or shares chunks from) are parked in the host tier or freed for it; else it waits at the
+head of the queue, so a long prompt is not overtaken forever by short ones. Thirty short chats thus
+run together in a pool that one long document fills alone, and the pool never runs out under a
+running request.
 
 Isolation: whatever a request's admission, prefill piece, sampling or callbacks raise fails that
 request alone. A step that raises is run again part by part (the decode tokens together, then each
@@ -44,7 +46,7 @@ from kvflash import KVFlashError
 from kvflash.engine import Engine
 from kvflash.generate import Sampler, Sampling
 from kvflash.paged_kv import PagedKV
-from kvflash.prefix_cache import PrefixCache
+from kvflash.prefix_cache import PrefixCache, common_prefix
 from kvflash.snapshots import KVSnapshots
 from kvflash.step import Piece, Prefill
 from kvflash.storage import ChunkError
@@ -86,12 +88,49 @@ class Room:
         return self.gpu >= other.gpu and self.host >= other.host
 
 
-def held(kv: PagedKV | None) -> Room:
-    """The slots a sequence holds now."""
-    if kv is None:
-        return Room(0, 0)
-    chunks = kv.seq.chunks
-    return Room(sum(ch.gpu is not None for ch in chunks), sum(ch.host is not None for ch in chunks))
+@dataclass
+class Holdings:
+    """The slots some sequences hold, a slot several of them read counted once: slots that more than
+    one sequence reads are kept in sets, the others just counted."""
+
+    sole: Room = Room(0, 0)
+    """Slots no other sequence reads."""
+    gpu: set[int] = field(default_factory=set)
+    host: set[int] = field(default_factory=set)
+
+    def add(self, kv: PagedKV | None) -> None:
+        if kv is not None:
+            g = [ch.gpu for ch in kv.seq.chunks if ch.gpu is not None]
+            h = [ch.host for ch in kv.seq.chunks if ch.host is not None]
+            shared_g, shared_h = [s for s in g if kv.pool.refs(s) > 1], [s for s in h if kv.host.refs(s) > 1]
+            self.sole += Room(len(g) - len(shared_g), len(h) - len(shared_h))
+            self.gpu.update(shared_g)
+            self.host.update(shared_h)
+
+    def beyond(self, *others: Holdings) -> Room:
+        """The slots held here and in none of `others`: what freeing these sequences frees."""
+        gpu, host = set(self.gpu), set(self.host)
+        for o in others:
+            gpu -= o.gpu
+            host -= o.host
+        return self.sole + Room(len(gpu), len(host))
+
+
+def owed(need: Room, kv: PagedKV | None, lent: tuple[list[int], list[int]] = ([], [])) -> Room:
+    """The most slots a job may still take from the free ones: its reservation less the slots it
+    holds (and those it is about to share, `lent`). A job that evicts may also give up a pool slot it
+    shares, which its other readers keep, and page the chunk back into a new one: one more each."""
+    g = [ch.gpu for ch in kv.seq.chunks if ch.gpu is not None] if kv is not None else []
+    h = sum(ch.host is not None for ch in kv.seq.chunks) if kv is not None else 0
+    shared = len(lent[0]) + (sum(kv.pool.refs(s) > 1 for s in g) if kv is not None else 0)
+    has = Room(len(g) + len(lent[0]), h + len(lent[1]))
+    evicts = need.host > 0
+    return Room(max(0, need.gpu - has.gpu) + (shared if evicts else 0), max(0, need.host - has.host))
+
+
+def _holds_any(kv: PagedKV, gpu: set[int], host: set[int]) -> bool:
+    """Whether a sequence holds any of these slots."""
+    return any(ch.gpu in gpu or ch.host in host for ch in kv.seq.chunks)
 
 
 @dataclass
@@ -247,10 +286,9 @@ class Scheduler:
 
     def _admit(self) -> None:
         """Starts waiting jobs, in order, while the pool has room for them and the batch is not full.
-        A job whose prompt begins with the same chunk as a busy job's (one document, several
-        conversations) waits for that job to end, then takes its chunks from the sequence it leaves
-        (`PrefixCache`) instead of computing the same prefix beside it: a sequence's chunks are not
-        shared while it is in use."""
+        A job whose prompt has whole chunks in common with a prefilling job's (one document, several
+        conversations) waits until that prefill has sealed them, then shares them (`PrefixCache`)
+        instead of computing the same prefix beside it."""
         while len(self._running) + len(self._filling) < self.max_batch:
             job = self._next_free_deferred() or self._next_job()
             if job is None:
@@ -273,29 +311,47 @@ class Scheduler:
     def _make_room(self, job: Job) -> bool:
         """Whether the job's reservation fits beside the busy jobs' once idle sequences are freed;
         if so, parks or frees as many as it takes, oldest first, keeping the one the job continues. With no
-        job busy it is always admitted (what it cannot hold fails it alone, at its own step)."""
+        job busy it is always admitted (what it cannot hold fails it alone, at its own step).
+
+        What the busy jobs and this one (with the sequence it continues, or the chunks it will
+        share) may still take is `owed`; the room is the free slots and those that only idle
+        sequences read, less the ones it continues or shares chunks from, which stay (a slot several
+        sequences read counts once)."""
         job.need = self.need(job)
         busy = [*self._running, *self._filling]
-        owed = Room(0, 0)  # what the busy jobs may still take
+        reuse = job.recoveries < RECOVERIES
+        live = self.cache.continued(job.context) if reuse else None
+        lent = self.cache.lendable(job.context) if reuse and live is None else ([], [])
+        want, taken = owed(job.need, live, lent), Holdings()
         for j in busy:
-            has = held(j.kv)
-            owed += Room(max(0, j.need.gpu - has.gpu), max(0, j.need.host - has.host))
-        live = self.cache.continued(job.context) if job.recoveries < RECOVERIES else None
-        want = job.need - held(live) + owed
+            want += owed(j.need, j.kv)
+            taken.add(j.kv)
+        taken.add(live)
         free = Room(self.engine.pool.n_free, self.engine.host.max_slots - self.engine.host.n_used)
-        idle = Room(0, 0)
+        lent_sets = set(lent[0]), set(lent[1])
+        kept = [kv for kv in self.cache.idle if kv is live or _holds_any(kv, *lent_sets)]
+        idle, lenders = Holdings(), Holdings()
         for kv in self.cache.idle:
             if kv is not live:
-                idle += held(kv)
-        if busy and not (free + idle).covers(want):
+                (lenders if any(kv is k for k in kept) else idle).add(kv)
+        if busy and not (free + idle.beyond(taken, lenders)).covers(want):
             return False
-        self.cache.reclaim(want.gpu, want.host, keep=live)
+        self.cache.reclaim(want.gpu, want.host, keep=kept)
         return True
 
     def _shares_busy_prefix(self, job: Job) -> bool:
+        """Whether a job still prefilling has whole chunks in common with the job that it has not
+        sealed yet: once it has, the job shares them instead of computing them beside it."""
         c = self.engine.cfg.residency.chunk_tokens
         head = job.ids[:c]
-        return len(head) == c and any(j.ids[:c] == head for j in (*self._filling, *self._running))
+        if len(head) < c:
+            return False
+        for j in self._filling:
+            if j.ids[:c] == head and j.kv is not None:
+                common = common_prefix(j.ids, job.ids[: len(job.ids) - 1]) // c
+                if j.kv.seq.n_sealed < common:
+                    return True
+        return False
 
     def _next_free_deferred(self) -> Job | None:
         """The oldest deferred job that no busy job holds back any more."""

@@ -16,6 +16,9 @@ class Chunk:
     """Chain hash of a stored copy not yet read (lazy restore): fetched through the host tier."""
     sealed: bool = False
     """Full and final: only sealed chunks are summarised, scored, paged out, hashed or stored."""
+    key: str | None = None
+    """Chain hash of a sealed chunk of exact KV: the name its slots are shared under (None for
+    approximate KV, which no other sequence computes the same)."""
     pinned: bool = False
     last_use: int = 0
     score: float = float("-inf")

@@ -203,6 +203,7 @@ class Server:
         that is told to come back later loses less than one whose request waits without bound."""
         self.default_max_tokens = default_max_tokens
         self.scheduler = Scheduler(engine, snapshots, tokenizer.eos_ids, max_batch, sequence_tokens)
+        engine.pool.reset_peak()  # the warm-up's scratch sequences are not the server's use
         self.content_ids = ContentIds(tokenizer)
         self.metrics = ServerMetrics()
         self.max_prompt_tokens = max_prompt_tokens or self.scheduler.max_context_tokens - default_max_tokens
@@ -305,7 +306,18 @@ class Server:
                 len(sched.cache.idle),
             ),
             "pool_slots": ("gauge", "Chunk slots of the GPU pool.", pool.n_slots),
-            "pool_slots_used": ("gauge", "GPU pool slots holding a chunk.", pool.n_slots - pool.n_free),
+            "pool_slots_used": ("gauge", "GPU pool slots holding a chunk, a shared one once.", pool.n_used),
+            "pool_tokens_used": (
+                "gauge",
+                "Tokens the GPU pool's slots in use hold room for, a shared slot once.",
+                pool.n_used * pool.chunk_tokens,
+            ),
+            "pool_slots_shared": ("gauge", "GPU pool slots read by more than one sequence.", pool.n_shared),
+            "pool_slots_used_peak": (
+                "gauge",
+                "The most GPU pool slots in use at once since the server started.",
+                pool.peak_used,
+            ),
             "host_tier_slots": ("gauge", "Chunk slots the host tier may grow to.", host.max_slots),
             "host_tier_slots_used": ("gauge", "Host tier slots holding a chunk.", host.n_used),
             "host_tier_bytes_allocated": (

@@ -25,7 +25,11 @@ class TurnStats:
     generated_tokens: int = 0
     decode_tok_s: float = 0.0
     source: str = "cold"
-    """cold, memory (live in this process), disk, or lazy (disk, read on demand)."""
+    """cold, memory (live in this process), shared (chunks that other live sequences hold), disk, or
+    lazy (disk, read on demand)."""
+    shared_host_tokens: int = 0
+    """Of a shared prefix, the tokens whose chunks only the host tier held (the rest were in the
+    pool)."""
     bytes_moved: dict[str, int] = field(default_factory=dict)
     resident_chunks: int = 0
     pinned_chunks: int = 0

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from kvflash.config import EngineConfig, ResidencyConfig
 from kvflash.engine import Engine
 from kvflash.models.loader import LoadedModel
-from kvflash.prefix_cache import PrefixCache, _common_prefix
+from kvflash.prefix_cache import PrefixCache, common_prefix
 from kvflash.turn import TurnStats
 from tests.tiny import tiny_config, tiny_model
 
@@ -46,8 +46,8 @@ def test_a_prompt_that_diverges_from_a_live_sequence_reuses_its_whole_shared_chu
     _turn(cache, first)
     second = first[:cut] + _ids(3 * C, 1)  # as a client resending the conversation re-encoded
     logits, stats = _turn(cache, second)
-    assert stats.source == "memory" and stats.restored_tokens == (cut // C) * C
-    (kv,) = cache.idle
+    assert stats.source == "shared" and stats.restored_tokens == (cut // C) * C
+    (kv,) = cache.idle  # a cache of one sequence frees the first once the second shares its chunks
     assert kv.seq.tokens == second
     assert eng.pool.n_free == eng.pool.n_slots - len(kv.resident())  # the dropped chunks' slots are back
     cold = PrefixCache(_engine("full", 512), None)
@@ -62,11 +62,13 @@ def test_a_resent_prompt_keeps_its_whole_chunks_and_prefills_the_rest() -> None:
     ids = _ids(6 * C + 3, 2)
     _turn(cache, ids)
     _, stats = _turn(cache, ids)
-    assert stats.source == "memory" and stats.restored_tokens == 6 * C
+    assert stats.source == "shared" and stats.restored_tokens == 6 * C
     assert cache.idle[0].seq.tokens == ids
 
 
-def test_truncating_an_evicting_sequence_gives_back_its_host_slots() -> None:
+def test_sharing_part_of_an_evicting_sequence_gives_back_the_host_slots_of_the_rest() -> None:
+    """A cache of one sequence: the second prompt shares the first's 4 leading chunks, then the
+    first is freed; only the shared chunks' host copies stay taken."""
     eng = _engine("qk", 8 * C)
     cache = PrefixCache(eng, None)
     first = _ids(30 * C, 3)
@@ -75,7 +77,8 @@ def test_truncating_an_evicting_sequence_gives_back_its_host_slots() -> None:
     on_host = sum(ch.host is not None for ch in kv.seq.chunks)
     assert on_host > 10  # most chunks went to the host tier
     _, stats = _turn(cache, first[: 4 * C] + _ids(C, 4))
-    assert stats.source == "memory" and stats.restored_tokens == 4 * C
+    assert stats.source == "shared" and stats.restored_tokens == 4 * C
+    (kv,) = cache.idle
     assert eng.host.n_used == sum(ch.host is not None for ch in kv.seq.chunks) < on_host
 
 
@@ -95,4 +98,4 @@ def test_a_live_sequence_sharing_no_whole_chunk_is_not_taken() -> None:
 def test_common_prefix_is_the_first_difference(a: list[int], tail: list[int], keep: int) -> None:
     b = a[:keep] + tail
     first = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-    assert _common_prefix(a, b) == first
+    assert common_prefix(a, b) == first

@@ -220,7 +220,7 @@ def test_a_request_whose_sampler_cannot_start_fails_alone(lm) -> None:
         assert results[0][0] == alone
         assert isinstance(results[1], RuntimeError | OverflowError | ValueError), results[1]
         assert run_jobs(sched, [prompt(30, 5)], 3)[0]
-        assert len(sched.cache._made) <= 2  # the failed request's sequence was freed
+        assert len(sched.cache._made) == len(sched.cache.idle)  # the failed request's sequence was freed
     finally:
         sched.close()
     assert sched.engine.pool.n_free == sched.engine.pool.n_slots
@@ -312,10 +312,12 @@ def test_max_context_tokens_is_what_one_sequence_holds(lm, policy: str) -> None:
         sched.close()
 
 
-def test_a_request_sharing_a_busy_requests_document_waits_and_reuses_its_chunks(lm) -> None:
-    """Two prompts over one 100-token document, submitted together: the second waits for the first
-    to end and takes the document's whole chunks from the sequence it leaves, instead of computing
-    them beside it; both answers are the ones each gets alone."""
+def test_a_request_sharing_a_busy_requests_document_waits_for_its_prefill_and_shares_its_chunks(
+    lm,
+) -> None:
+    """Two prompts over one 100-token document, submitted together: the second waits for the first's
+    prefill and shares the document's whole chunks in the pool, instead of computing them beside
+    it; both answers are the ones each gets alone."""
     doc = prompt(100, 70)
     prompts = [doc + prompt(9, 71), doc + prompt(12, 72)]
     alone = []
@@ -346,7 +348,7 @@ def test_a_request_sharing_a_busy_requests_document_waits_and_reuses_its_chunks(
         sched.close()
     (first_ids, first, one), (second_ids, second, two) = stats
     assert [first_ids, second_ids] == prompts and [first, second] == alone
-    assert one.source == "cold" and two.source == "memory" and two.restored_tokens == 96  # 6 chunks of 16
+    assert one.source == "cold" and two.source == "shared" and two.restored_tokens == 96  # 6 chunks of 16
 
 
 def alone_answers(lm, prompts: list[list[int]], max_tokens: int, pool_tokens: int) -> list[list[int]]:
@@ -423,7 +425,7 @@ def test_a_prompt_without_room_waits_at_the_head_of_the_queue(lm) -> None:
 
 
 def idle_room_run(lm, host_chunks: int) -> tuple[Scheduler, list[list[int]], list[int], list[int]]:
-    """Three 100-token chats kept live, then a 400-token prompt continuing the last one that needs
+    """Three 100-token chats kept live, then a 400-token prompt beginning as the last one that needs
     nearly the whole 32-chunk pool; the host tier holds `host_chunks` chunks."""
     chats = [prompt(100, 20 + i) for i in range(3)]
     big = chats[2] + prompt(300, 30)
@@ -461,10 +463,11 @@ def test_idle_sequences_are_parked_in_the_host_tier_for_a_prompt_that_needs_thei
 
 
 def test_idle_sequences_are_freed_when_the_host_tier_has_no_room(lm) -> None:
-    """With a host tier too small to park them, the older chats are freed, never the continued one."""
+    """With a host tier too small to park them, the older chats are freed, never the one whose
+    chunks the long prompt shares (it stays beside the long prompt's sequence)."""
     sched, chats, _, _ = idle_room_run(lm, host_chunks=4)
     try:
-        assert [kv.seq.tokens[:100] for kv in sched.cache.idle] == [chats[2]]
+        assert [kv.seq.tokens[:100] for kv in sched.cache.idle] == [chats[2], chats[2]]
     finally:
         sched.close()
 

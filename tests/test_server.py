@@ -287,8 +287,8 @@ def test_a_client_that_leaves_mid_stream_ends_its_answer(lm) -> None:
                     break
         settled(server)  # the streamed answer ends; its sequence is kept live with what it had
         kept = [kv for kv in server.scheduler.cache.idle if kv.seq.tokens[: len(ids)] == ids]
-        assert len(kept) == 1  # the first answer's sequence, cut back to the story and regrown
-        generated = len(kept[0].seq) - len(ids)
+        assert len(kept) == 2  # the first answer's sequence, and the one sharing its chunks, kept last
+        generated = len(kept[-1].seq) - len(ids)
         assert ask(url, TURN1, max_tokens=2).choices[0].message.content
     assert 0 <= generated < whole - 1
 
@@ -579,3 +579,46 @@ def test_text_completions_answer_stream_and_reuse_the_prompts_kv(lm) -> None:
         assert longer.usage.prompt_tokens_details.cached_tokens >= 64
         bad = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": ""}, timeout=30)
         assert bad.status_code == 400 and bad.json()["error"]["param"] is not None
+
+
+LEDGER = " ".join(
+    f"Entry {i}: the {ship} docked at pier {i % 7} with {cargo} for the {house} house."
+    for i, (ship, cargo, house) in enumerate(
+        zip(
+            ["Gull", "Tern", "Heron", "Petrel", "Osprey", "Plover"] * 10,
+            ["salt", "rye", "copper", "wool", "tar", "rope", "lamp oil", "slate"] * 8,
+            ["Quill", "Marsh", "Elden", "Tide", "Fenwick"] * 12,
+            strict=False,
+        )
+    )
+)
+
+
+def test_concurrent_conversations_over_one_document_share_it_in_the_pool(lm) -> None:
+    """Four conversations over one document at once, through the openai client: the server computes
+    the document for one of them and the others share its chunks in the pool (/metrics: the GPU
+    prefix hits are the document's whole chunks three times, the pool's peak holds it once), and
+    each answer is the one the conversation gets alone."""
+    questions = ["Who docked at pier 3?", "What did the Tern carry?", "Which house got rye?", "How many?"]
+    convs = [[{"role": "system", "content": LEDGER}, {"role": "user", "content": q}] for q in questions]
+    alone = []
+    for conv in convs:
+        with serving(lm, None) as (url, _):
+            alone.append(ask(url, conv, max_tokens=8).choices[0].message.content)
+    with serving(lm, None, max_batch=4) as (url, server):
+        ids = [server.prompt_ids(ChatRequest(model=MODEL, messages=c)) for c in convs]
+        with ThreadPoolExecutor(len(convs)) as pool:
+            got = list(pool.map(lambda c: ask(url, c, max_tokens=8), convs))
+        text = httpx.get(f"{url}/metrics").text
+    common = min(
+        next(i for i, (x, y) in enumerate(zip(ids[0], other, strict=False)) if x != y) for other in ids[1:]
+    )
+    doc_chunks = common // 64
+    assert doc_chunks >= 12
+    assert [r.choices[0].message.content for r in got] == alone
+    shared = sorted(r.usage.prompt_tokens_details.cached_tokens for r in got)
+    assert shared == [0] + [doc_chunks * 64] * 3
+    assert _metric(text, 'tokens_total{kind="gpu"}') == 3 * doc_chunks * 64
+    assert doc_chunks <= _metric(text, "pool_slots_used_peak") < 2 * doc_chunks
+    assert _metric(text, "pool_slots_shared") == doc_chunks  # the idle conversations still share it
+    assert _metric(text, "pool_tokens_used") == 64 * _metric(text, "pool_slots_used")

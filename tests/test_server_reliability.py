@@ -43,11 +43,12 @@ def lm(smollm_path):
 
 def stray(server: Server) -> tuple[int, int, int]:
     """Pool slots, host-tier slots and store leases held by no live sequence kept for reuse: every
-    request must give these back when it ends, however it ends."""
+    request must give these back when it ends, however it ends. A slot that several live sequences
+    share counts once."""
     eng, idle = server.scheduler.engine, server.scheduler.cache.idle
     chunks = [ch for kv in idle for ch in kv.seq.chunks]
-    pool = eng.pool.n_slots - eng.pool.n_free - sum(ch.gpu is not None for ch in chunks)
-    host = eng.host.n_used - sum(ch.host is not None for ch in chunks)
+    pool = eng.pool.n_used - len({ch.gpu for ch in chunks if ch.gpu is not None})
+    host = eng.host.n_used - len({ch.host for ch in chunks if ch.host is not None})
     store = server.snapshots.store if server.snapshots else None
     leases = store.index.conn.execute("SELECT COUNT(*) FROM leases").fetchone()[0] if store else 0
     return pool, host, leases - sum(kv.fetch is not None for kv in idle)
