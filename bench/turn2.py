@@ -63,8 +63,8 @@ def stored_turn1(store: SnapshotStore, engine: Engine, doc: Document, question: 
     cfg = lm.config
     fp = engine.fingerprint + APPROX_SUFFIX
     g = torch.Generator().manual_seed(0)
-    kvs = [torch.randn((cfg.n_layers, 2, cfg.n_kv_heads, chunk, cfg.head_dim), generator=g).to(engine.kv_dtype)
-           for _ in range(8)]  # fmt: skip
+    shape = (cfg.n_layers, 2, cfg.n_kv_heads, chunk, cfg.head_dim)
+    kvs = [torch.randn(shape, generator=g).to(engine.kv_dtype) for _ in range(8)]
     blobs, parent = [], ROOT_HASH
     n = len(ids) // chunk
     for i in range(n):
