@@ -56,7 +56,9 @@ class Engine:
         """The fingerprints of this model's KV in each other dtype (this chunk size), to the dtype's
         name: snapshots under them are this model's, with KV this engine does not restore."""
         c = self.cfg.residency.chunk_tokens
-        return {self.lm.fingerprint(c, dt): name for name, dt in KV_DTYPE_NAMES.items() if dt != self.kv_dtype}
+        return {
+            self.lm.fingerprint(c, dt): name for name, dt in KV_DTYPE_NAMES.items() if dt != self.kv_dtype
+        }
 
     def warm_up(self) -> None:
         """A prefill and decode steps on scratch sequences: one of the pool's budget, whose prefill

@@ -71,8 +71,9 @@ def slots_for(
 
 
 class ChunkPool:
-    """Slots of `slot_shape` (`[n_layers, 2, Hkv, C, D]`, C + 1 rows for fp8); the epoch changes with every residency change, so anything
-    derived from residency (slot lists, masks) is rebuilt when it moves instead of being trusted.
+    """Slots of `slot_shape` (`[n_layers, 2, Hkv, C, D]`, C + 1 rows for fp8); the epoch changes with
+    every residency change, so anything derived from residency (slot lists, masks) is rebuilt when it
+    moves instead of being trusted.
     One more slot than `n_slots`, `pad_slot`, is never given out: the rows that pad a batched decode
     step to the size its CUDA graph was captured for write and read it."""
 
@@ -81,7 +82,9 @@ class ChunkPool:
     ):
         self.cfg = cfg
         self.chunk_tokens = chunk_tokens
-        self.kv = torch.zeros((n_slots + 1, *slot_shape(cfg, chunk_tokens, dtype)), dtype=dtype, device=device)
+        self.kv = torch.zeros(
+            (n_slots + 1, *slot_shape(cfg, chunk_tokens, dtype)), dtype=dtype, device=device
+        )
         self._free = list(range(n_slots - 1, -1, -1))
         self._taken = bytearray(n_slots)
         """1 where a slot is given out: a release is checked in O(1), not by a scan of `_free`."""
