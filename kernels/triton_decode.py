@@ -142,7 +142,8 @@ def _decode_split_kernel(
     t_chunk = t // C
     t_row = (t % C) * stride_tok
     k_base = kv_ptr + layer_off + h * stride_head
-    sc_base = sc_ptr + (layer_off + h * stride_head) // 4  # the scale view starts C rows in
+    if FP8:
+        sc_base = sc_ptr + (layer_off + h * stride_head) // 4  # the scale view starts C rows in
     m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D], tl.float32)

@@ -208,7 +208,9 @@ def _prefill_kernel(
     full_blocks = n_full // CPI
 
     k_base = kv_ptr + layer_off + (h // G) * stride_head
-    sc_base = sc_ptr + (layer_off + (h // G) * stride_head) // 4  # the scale view starts C rows in
+    sc_base = sc_ptr
+    if FP8:
+        sc_base = sc_ptr + (layer_off + (h // G) * stride_head) // 4  # the scale view starts C rows in
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)

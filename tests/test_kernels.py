@@ -538,10 +538,12 @@ def test_interp_gather_scatter(n, layers, h_kv, d, c, dtype) -> None:
 
 
 @interp
-def test_interp_sequence_decodes_through_the_kernels_as_through_the_reference() -> None:
+@pytest.mark.parametrize("kv_dtype", ["fp32", "fp8"])
+def test_interp_sequence_decodes_through_the_kernels_as_through_the_reference(kv_dtype: str) -> None:
     """A sequence larger than its budget decodes through the kernels (forced on, as on CUDA) to the
     reference path's logits: the decode buffers (slot table padded to the budget, the step's inputs
-    sent in one copy, turned keys), chunk boundaries and re-selections every 8 tokens."""
+    sent in one copy, turned keys), chunk boundaries and re-selections every 8 tokens; fp8 KV
+    written by the kernels (scales included) as by the twins."""
     from kvflash.config import EngineConfig, ResidencyConfig
     from kvflash.engine import Engine
     from kvflash.models.loader import LoadedModel
@@ -556,7 +558,7 @@ def test_interp_sequence_decodes_through_the_kernels_as_through_the_reference() 
     for forced in (False, True):
         force = mock.patch.object(kernels, "uses_triton", return_value=True)
         with force if forced else contextlib.nullcontext():
-            eng = Engine(lm, EngineConfig(pool_tokens=1024, residency=res, kv_dtype="fp32"))
+            eng = Engine(lm, EngineConfig(pool_tokens=1024, residency=res, kv_dtype=kv_dtype))
             kv = eng.new_sequence(6 * 16)
             logits, step, out = eng.prefill(kv, ids), eng.decode_step(kv), []
             for i, pos in enumerate(range(len(ids), len(ids) + 24)):
@@ -567,7 +569,9 @@ def test_interp_sequence_decodes_through_the_kernels_as_through_the_reference() 
             assert kv.uses_triton == forced
             assert not forced or kv.shifted  # chunks evicted between resident ones
         runs.append(torch.stack(out))
-    torch.testing.assert_close(runs[1], runs[0], **TOL[torch.float32])
+    torch.testing.assert_close(
+        runs[1], runs[0], **TOL[torch.float32 if kv_dtype == "fp32" else torch.bfloat16]
+    )
 
 
 @interp
