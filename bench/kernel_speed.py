@@ -57,7 +57,7 @@ CHUNK = 64
 DTYPE = torch.bfloat16
 FP8 = torch.float8_e4m3fn
 FP8_CONTEXTS = [65536, 131072, 262144]
-FP8_BATCHES = [16, 32, 64]
+FP8_BATCHES = [16, 64]
 LONG_CONTEXT = 65536
 """Contexts from here on count as long for the decode target."""
 L2_DEFEAT_BYTES = 512 << 20

@@ -171,3 +171,22 @@ def test_fp8_kv_under_fp32_compute_stays_close_to_bf16_kv(lm) -> None:
     ref, got = runs
     assert ((got - ref).abs().amax() / ref.abs().amax()).item() < 2**-5
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def test_model_info_counts_fp8_kv_bytes_and_names_its_fingerprint(smollm_path, capfd, monkeypatch) -> None:
+    """`--kv-dtype fp8` is taken on a CPU (the torch twins run it): half the bytes of bf16 KV a token
+    (its scale rows aside), and a fingerprint of its own."""
+    import json
+
+    from tests.test_cli_inputs import kvflash
+
+    facts = {}
+    for name in ("bf16", "fp8"):
+        code, out, _ = kvflash(
+            ["model", "info", "--model", str(smollm_path), "--kv-dtype", name, "--json"], capfd, monkeypatch
+        )
+        assert code in (0, None)
+        facts[name] = json.loads(out)
+    assert facts["fp8"]["kv_dtype"] == "float8_e4m3fn"
+    assert 2 * facts["fp8"]["kv_bytes_per_token"] == facts["bf16"]["kv_bytes_per_token"]
+    assert facts["fp8"]["fingerprint"] != facts["bf16"]["fingerprint"]
