@@ -10,6 +10,12 @@ times FP8_HEADROOM, later tokens clamped). The relative error of an output row (
 head) is max |fp8 - bf16| / max |bf16| over its head_dim values; the table gives the max and mean
 over rows, and the share of K/V values clamped.
 
+Scale rules: every chunk of that KV quantised per (layer, K/V, kv-head) block with its exact scale
+(the block's largest magnitude / 448: a whole chunk written at once) and with the scale a chunk
+begun by one token gets (that token's largest magnitude x headroom / 448, for several headrooms;
+the engine's is FP8_HEADROOM): the error of each value relative to its block's largest magnitude
+(max and mean over values, K and V apart) and the share of values clamped.
+
 Logits: the engine with a pool that holds the whole prompt, bf16 KV and fp8 KV, prefills the prose
 and decodes --decode teacher-forced tokens: the max relative error of the logits (over the largest
 bf16 logit of the step) and how often both pick the same next token.
@@ -32,7 +38,8 @@ from bench.harness import out_dir, run_meta, write_json
 from kvflash import kernels
 from kvflash.config import EngineConfig, ResidencyConfig
 from kvflash.engine import Engine
-from kvflash.kernels._common import FP8_MAX, fp8_scales
+from kvflash.kernels import reference
+from kvflash.kernels._common import FP8_HEADROOM, FP8_MAX, fp8_scales
 from kvflash.kvcache import ContiguousKV
 from kvflash.models.loader import LoadedModel, load_model
 
@@ -120,6 +127,33 @@ def attention_errors(lm: LoadedModel, cache: Recording, c: int) -> list[dict]:
     return rows
 
 
+def scale_rules(cache: Recording, c: int, headrooms: tuple[float, ...]) -> list[dict]:
+    """Value errors of the exact scales and of first-token scales with each headroom."""
+    n = cache.length
+    kv = cache.buf[:, :, :, :n].float()  # [L, 2, Hkv, N, D]
+    blocks = kv.reshape(*kv.shape[:3], n // c, c, kv.shape[-1]).movedim(3, 0)  # [chunks, L, 2, Hkv, C, D]
+    amax = blocks.abs().amax((-2, -1))
+    first = blocks[..., :1, :].abs().amax((-2, -1))
+    rules = [("exact (whole chunk)", reference.fp8_scale(amax, whole=True))]
+    rules += [(f"first token x {h:g}", torch.where(first > 0, first * (h / FP8_MAX), 1.0)) for h in headrooms]
+    rows = []
+    for name, scale in rules:
+        values = reference.quantize_fp8(blocks, scale[..., None, None]).float() * scale[..., None, None]
+        err = (values - blocks).abs() / amax.clamp_min(1e-30)[..., None, None]
+        clamped = blocks.abs() > (FP8_MAX * scale * (1 + 2**-4))[..., None, None]
+        for i, part in enumerate("KV"):
+            rows.append(
+                {
+                    "part": f"values ({part})",
+                    "mode": name,
+                    "max_rel": err[:, :, i].max().item(),
+                    "mean_rel": err[:, :, i].mean().item(),
+                    "clamped": clamped[:, :, i].float().mean().item(),
+                }
+            )
+    return rows
+
+
 def logit_errors(lm: LoadedModel, ids: list[int], forced: list[int]) -> dict:
     """bf16 KV and fp8 KV, a pool holding the whole prompt: prefill, then teacher-forced decode."""
     runs = []
@@ -148,8 +182,8 @@ def logit_errors(lm: LoadedModel, ids: list[int], forced: list[int]) -> dict:
 
 def table(rows: list[dict], tokens: int, queries: int) -> Table:
     t = Table(title=f"fp8 KV against bf16 KV, {tokens:,} tokens of prose ({queries} query tokens)")
-    for col in ("part", "write", "max rel. err", "mean rel. err", "clamped", "top-1 agree"):
-        t.add_column(col, justify="left" if col in ("part", "write") else "right")
+    for col in ("part", "scales", "max rel. err", "mean rel. err", "clamped", "top-1 agree"):
+        t.add_column(col, justify="left" if col in ("part", "scales") else "right")
     for r in rows:
         clamped = f"{r['clamped']:.2e}" if "clamped" in r else ""
         agree = f"{100 * r['top1_agree']:.1f} %" if "top1_agree" in r else ""
@@ -177,7 +211,7 @@ def main() -> None:
     console.print(f"prefill {len(ids):,} tokens (dense, bf16) on {lm.device}")
     cache = prefill_dense(lm, ids, args.queries)
     with torch.inference_mode():
-        rows = attention_errors(lm, cache, c)
+        rows = scale_rules(cache, c, (1, 4, 16, FP8_HEADROOM, 64)) + attention_errors(lm, cache, c)
     del cache
     console.print("the engine: bf16 KV, then fp8 KV")
     rows.append(logit_errors(lm, ids, forced))
