@@ -61,9 +61,9 @@ def stored_turn1(store: SnapshotStore, engine: Engine, doc: Document, question: 
     ids = encode_messages(tok, messages + [user], known={0: docs})
     start = content_start(tok, messages)
     cfg = lm.config
-    fp = lm.fingerprint(chunk) + APPROX_SUFFIX
+    fp = engine.fingerprint + APPROX_SUFFIX
     g = torch.Generator().manual_seed(0)
-    kvs = [torch.randn((cfg.n_layers, 2, cfg.n_kv_heads, chunk, cfg.head_dim), generator=g).to(lm.dtype)
+    kvs = [torch.randn((cfg.n_layers, 2, cfg.n_kv_heads, chunk, cfg.head_dim), generator=g).to(engine.kv_dtype)
            for _ in range(8)]  # fmt: skip
     blobs, parent = [], ROOT_HASH
     n = len(ids) // chunk

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import threading
 from collections.abc import Callable
 
 import torch
@@ -35,7 +36,9 @@ __all__ = [
     "rotary_qk",
     "scatter_chunks",
     "silu_mul",
+    "start_cache_key",
     "uses_triton",
+    "warm",
     "write_tokens",
 ]
 
@@ -126,6 +129,38 @@ def prefill_attention(
     causal mask still follows chunk_index."""
     fn = _pick("prefill_attention", kv_pool, q, slots, chunk_index)
     return fn(q, kv_pool, layer, slots, chunk_index, q_start, sm_scale, rot=rot)
+
+
+_cache_key: list[threading.Thread] = []
+
+
+def _hash_compiler() -> None:
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:  # another Triton: its first launch computes its key itself
+        return
+    triton_key()
+
+
+def start_cache_key() -> None:
+    """Starts computing, in the background, the hash of Triton's compiler that keys its on-disk
+    cache: a process pays it once, before its first kernel loads from the cache, and it reads the
+    whole compiler library. Started when a model is loaded for CUDA, it overlaps the load."""
+    if not _cache_key and _have_triton():
+        _cache_key.append(threading.Thread(target=_hash_compiler, daemon=True, name="kvflash-triton-key"))
+        _cache_key[0].start()
+
+
+def warm(kv_pool: torch.Tensor, hq: int, dtype: torch.dtype) -> None:
+    """Compiles, or loads from Triton's cache, every variant of the prefill and scoring kernels that
+    steps over this pool with `hq` query heads of `dtype` can launch, so that none compiles on the
+    path of a turn. Nothing to do where the twins run."""
+    if _pick("prefill_attention", kv_pool) is reference.prefill_attention:
+        return
+    for thread in _cache_key:  # the key it computes is the first thing a launch needs
+        thread.join()
+    importlib.import_module("kvflash.kernels.triton_prefill").warm_prefill(kv_pool, hq, dtype)
+    importlib.import_module("kvflash.kernels.triton_scoring").warm_lse(kv_pool, hq, dtype)
 
 
 def chunk_summaries(kv_pool: torch.Tensor, slots: torch.Tensor, blocks: int) -> torch.Tensor:

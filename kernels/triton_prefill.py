@@ -243,6 +243,32 @@ def _prefill_kernel(
         )
 
 
+BLOCK_MS = (16, 32, 64, 128)
+"""Every query tile `_block_m` picks."""
+
+
+def warm_prefill(kv_pool: torch.Tensor, hq: int, dtype: torch.dtype) -> None:
+    """Compiles, or loads from Triton's cache, every variant of the prefill kernels a step on this
+    pool can launch (each query tile, keys rotated or not, split or not, the combine for each power
+    of two of splits), on scratch queries over slot 0 (read only). A variant first met inside a turn
+    would compile there: a lazily restored turn's short question scouts with rotated keys and
+    splits, which no earlier step of the process ran."""
+    d, c, dev = kv_pool.shape[5], chunk_tokens(kv_pool), kv_pool.device
+    n = MAX_SPLITS * MIN_SPLIT_BLOCKS * max(1, BLOCK_TOKENS // c)  # key tiles for every split
+    slots = torch.zeros(n, dtype=torch.int32, device=dev)
+    index = torch.arange(n, dtype=torch.int32, device=dev)
+    rot = torch.zeros(n, 2, d // 2, dtype=torch.float32, device=dev)
+    for block_m in BLOCK_MS:
+        q = torch.zeros(block_m, hq, d, dtype=dtype, device=dev)
+        for r in (None, rot):
+            for splits in (1, 2):
+                prefill_attention(q, kv_pool, 0, slots, index, n * c, 1.0, r, splits, block_m)
+    q = torch.zeros(BLOCK_MS[0], hq, d, dtype=dtype, device=dev)
+    for k in range(2, (MAX_SPLITS - 1).bit_length() + 1):  # the combine's rows: 4, 8, ... splits
+        splits = 2**k
+        prefill_attention(q, kv_pool, 0, slots, index, n * c, 1.0, None, splits, BLOCK_MS[0])
+
+
 def _block_m(t: int, hq: int, device: torch.device) -> int:
     """128-row query tiles, or 64 when 128 would leave SMs idle (short query blocks)."""
     if t <= 64 or triton.cdiv(t, 128) * hq < 2 * sm_count(device):
@@ -271,17 +297,18 @@ def prefill_attention(
     sm_scale: float,
     rot: torch.Tensor | None = None,
     n_splits: int | None = None,
+    block_m: int | None = None,
 ) -> torch.Tensor:
     """Same contract as reference.prefill_attention; chunk_index must be ascending (logical order).
     With `rot` [n, 2, D/2] fp32 the kernel walks one chunk a block, turning the queries by each
-    chunk's rotation. `n_splits` overrides `prefill_splits`."""
+    chunk's rotation. `n_splits` overrides `prefill_splits`, `block_m` the query tile (`_block_m`)."""
     t, hq, d = q.shape
     h_kv, c = kv_pool.shape[3], chunk_tokens(kv_pool)
     assert q.stride(2) == 1 and slots.is_contiguous() and chunk_index.is_contiguous()
     cpi = 1 if rot is not None else max(1, BLOCK_TOKENS // c)
     if rot is not None:
         assert rot.dtype == torch.float32 and rot.is_contiguous() and rot.shape == (slots.numel(), 2, d // 2)
-    block_m = _block_m(t, hq, q.device)
+    block_m = block_m or _block_m(t, hq, q.device)
     q_blocks = triton.cdiv(t, block_m)
     splits = n_splits or prefill_splits(q_blocks * hq, slots.numel() // cpi, q.device)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)

@@ -172,7 +172,25 @@ def chunk_lse(
             q, kv_pool, fp8_scales(kv_pool) if fp8 else None, slots, rot, out, rows, d**-0.5 * LOG2E,
             q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
             s[0], s[1], s[3], s[4], h_kv,
-            G=g, C=c, D=d, BLOCK_R=min(LSE_ROWS, max(16, next_pow2(rows))), SHIFTED=rot is not None,
+            G=g, C=c, D=d, BLOCK_R=_block_r(rows), SHIFTED=rot is not None,
             PREC=dot_precision(kv_pool.dtype), FP8=fp8, num_warps=4 if d <= 64 else 8,
         )  # fmt: skip
     return out
+
+
+def _block_r(rows: int) -> int:
+    return min(LSE_ROWS, max(16, next_pow2(rows)))
+
+
+def warm_lse(kv_pool: torch.Tensor, hq: int, dtype: torch.dtype) -> None:
+    """Compiles, or loads from Triton's cache, each variant of `chunk_lse` (every row tile, keys
+    rotated or not) on scratch queries over slot 0, as `triton_prefill.warm_prefill` does for the
+    prefill: a scout's row tile follows its question's length."""
+    n_layers, d, g, dev = kv_pool.shape[1], kv_pool.shape[5], hq // kv_pool.shape[3], kv_pool.device
+    slots = torch.zeros(1, dtype=torch.int32, device=dev)
+    rot = torch.zeros(1, 2, d // 2, dtype=torch.float32, device=dev)
+    tiles = {_block_r(t * g): t for t in range(LSE_ROWS, 0, -1)}  # the shortest t of each tile
+    for t in tiles.values():
+        q = torch.zeros(n_layers, t, hq, d, dtype=dtype, device=dev)
+        for r in (None, rot):
+            chunk_lse(q, kv_pool, slots, r)

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from kvflash import kernels
 from kvflash.batch_kv import BatchKV, padded_size
 from kvflash.config import KV_DTYPE_NAMES, EngineConfig, resolve_kv_dtype
 from kvflash.decode_graph import BatchGraphs
@@ -66,8 +67,11 @@ class Engine:
         under an evicting policy one over a small budget, whose steps page chunks out and in, score
         them and scout. A process's first CUDA calls (cuBLAS handles and its choice per matrix shape,
         Triton kernels compiled or loaded from the cache, pinned host memory) are slow; warmed here,
-        they are part of starting the engine instead of the first turn's time to first token."""
+        they are part of starting the engine instead of the first turn's time to first token; every
+        variant of the prefill and scoring kernels is compiled or loaded first (`kernels.warm`), as
+        the steps below reach only the variants of their own shapes."""
         c = self.cfg.residency.chunk_tokens
+        kernels.warm(self.pool.kv, self.lm.config.n_heads, self.lm.dtype)
         kv = self.new_sequence()
         try:
             whole = min(self.step_tokens, (self.pool.n_slots - 1) * c)

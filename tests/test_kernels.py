@@ -338,6 +338,37 @@ def test_gpu_prefill_splits(splits: int) -> None:
     check_prefill(Prefill(512, 128000, 3, 3, 64, 64, 2000, torch.bfloat16, seed=6), "cuda", splits=splits)
 
 
+def _variants(kernel) -> int:
+    """Variants of a Triton kernel compiled (or loaded from the cache) in this process."""
+    return sum(len(cache[0]) for cache in kernel.device_caches.values())
+
+
+@on_gpu
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_gpu_warm_leaves_no_prefill_or_scoring_variant_to_compile(kv: str) -> None:
+    """After `kernels.warm`, prefill and scoring calls of any length, slot count and rotation (what
+    turns launch) compile nothing: none compiles on a turn's path (over bf16 KV, and fp8 KV)."""
+    tp, ts = triton_impl("triton_prefill"), triton_impl("triton_scoring")
+    hq, h_kv, c, d, n_slots = 9, 3, 64, 64, 96
+    pool = torch.randn(n_slots, 2, 2, h_kv, c, d, device="cuda").to(torch.bfloat16)
+    if kv == "fp8":
+        pool = fp8_pool(pool)
+    kernels.warm(pool, hq, torch.bfloat16)
+    watched = (tp._prefill_kernel, tp._combine_kernel, ts._lse_kernel)
+    before = [_variants(k) for k in watched]
+    rng = random.Random(0)
+    for t in [*rng.sample(range(1, 700), 30), 4096]:
+        n = rng.randint(1, n_slots)
+        slots = torch.tensor(rng.sample(range(n_slots), n), dtype=torch.int32, device="cuda")
+        index = torch.arange(n, dtype=torch.int32, device="cuda")
+        rot = torch.randn(n, 2, d // 2, device="cuda") if rng.random() < 0.5 else None
+        q = torch.randn(t, hq, d, device="cuda").to(torch.bfloat16)
+        kernels.prefill_attention(q, pool, 1, slots, index, rng.randint(0, n * c), d**-0.5, rot)
+        kernels.chunk_lse(q[None, : min(t, 80)].expand(2, -1, -1, -1), pool, slots, rot)
+    torch.cuda.synchronize()
+    assert [_variants(k) for k in watched] == before
+
+
 def test_shifted_keys_sit_at_the_shifted_positions() -> None:
     """A key rotated to position p, then shifted by s, is the key rotated to p + s: the reference's
     rotation moves keys along RoPE positions (what cache positions rely on)."""

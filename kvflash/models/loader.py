@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from kvflash import KVFlashError
+from kvflash import KVFlashError, kernels
 from kvflash.config import DTYPES, ModelConfig
 from kvflash.models.fingerprint import model_fingerprint, weights_identity
 from kvflash.models.llama import LlamaForCausalLM, pack_weights
@@ -82,6 +82,8 @@ def load_model(
     from kvflash.models.fetch import default_model_path
 
     dev = torch.device(device) if device is not None else default_device()
+    if dev.type == "cuda":
+        kernels.start_cache_key()
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise KVFlashError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")

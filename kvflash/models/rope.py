@@ -14,9 +14,11 @@ from kvflash.config import ModelConfig
 
 
 def inv_frequencies(cfg: ModelConfig) -> torch.Tensor:
-    """Per-pair inverse frequencies [head_dim // 2] in fp32, after any scaling."""
+    """Per-pair inverse frequencies [head_dim // 2] in fp32, after any scaling; computed on the host
+    whatever the default device (a meta-device build would run them through Python decompositions,
+    importing torch._dynamo), then moved with the module."""
     d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64, device="cpu") / d))
     s = cfg.rope_scaling
     if s.kind == "linear":
         inv = inv / s.factor
