@@ -158,8 +158,10 @@ def logit_errors(lm: LoadedModel, ids: list[int], forced: list[int]) -> dict:
     """bf16 KV and fp8 KV, a pool holding the whole prompt: prefill, then teacher-forced decode."""
     runs = []
     for kv_dtype in ("bf16", "fp8"):
-        cfg = EngineConfig(pool_tokens=len(ids) + len(forced) + 64, residency=ResidencyConfig(policy="full"))
-        engine = Engine(lm, EngineConfig(**{**cfg.__dict__, "kv_dtype": kv_dtype}))
+        pool = len(ids) + len(forced) + 64
+        engine = Engine(
+            lm, EngineConfig(pool_tokens=pool, residency=ResidencyConfig(policy="full"), kv_dtype=kv_dtype)
+        )
         kv = engine.new_sequence()
         with torch.inference_mode():
             out = [engine.prefill(kv, ids).float().cpu()]
