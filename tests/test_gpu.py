@@ -259,8 +259,8 @@ def test_fp8_kv_at_full_budget_stays_near_bf16_kv(lm) -> None:
     """The whole 3,000-token prompt resident, 64 teacher-forced decode steps: fp8 KV against bf16
     KV, each logit's error relative to the step's largest bf16 logit: mean below 0.12, max below
     0.25, the same next token in at least 90 % of the steps, and the haystack's passcode still
-    answered (greedy). The same run through the torch twins on a CPU (bf16 compute) measured mean
-    0.069, max 0.112, 98.5 % and the passcode (docs/BENCHMARKS.md, "fp8 KV")."""
+    answered (greedy). The same run through the torch twins on a CPU (bf16 compute) gave mean
+    0.069, max 0.112, 98.5 % and the passcode; docs/BENCHMARKS.md, "fp8 KV", has the error on prose."""
     ids, value = _prompt(lm, 3000)
     forced = ids[100:164]
     fp8, bf16 = (_forced_logits(lm, ids, forced, kv, None) for kv in ("fp8", "bf16"))
