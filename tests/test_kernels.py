@@ -766,7 +766,7 @@ def check_scoring_fp8(case: Lse, device: str, blocks: int = 4) -> None:
 
 def check_write_fp8(runs: list[tuple[int, int, int]], h_kv: int, d: int, c: int, device: str) -> None:
     """Writes of runs (slot, first offset, tokens), one launch for all, then one token more into the
-    first run's chunk: bit for bit what the twin writes, scales included."""
+    first run's chunk (which has room for it): bit for bit what the twin writes, scales included."""
     g = torch.Generator().manual_seed(len(runs))
     pool = fp8_pool(torch.randn(8, 2, 2, h_kv, c, d, generator=g)).to(device)
     slot = torch.tensor([s for s, o, n in runs for _ in range(n)], dtype=torch.int32, device=device)
@@ -774,6 +774,7 @@ def check_write_fp8(runs: list[tuple[int, int, int]], h_kv: int, d: int, c: int,
     k, v = torch.randn(2, slot.numel(), h_kv, d, generator=g) * torch.tensor([1.0, 30.0])[:, None, None, None]
     want = pool.clone()
     s0, o0, n0 = runs[0]
+    assert o0 + n0 < c
     more = (
         torch.tensor([s0], dtype=torch.int32, device=device),
         torch.tensor([o0 + n0], dtype=torch.int32, device=device),
@@ -832,9 +833,9 @@ def test_interp_scoring_fp8(case: Lse) -> None:
 @pytest.mark.parametrize(
     "runs,h_kv,d,c",
     [
-        ([(5, 13, 3), (1, 0, 16), (3, 0, 5)], 3, 64, 16),  # a chunk finished, one whole, one begun
+        ([(5, 9, 3), (1, 0, 16), (3, 0, 5)], 3, 64, 16),  # a chunk continued, one whole, one begun
         ([(2, 0, 1), (4, 7, 1), (6, 0, 1)], 8, 128, 64),  # decode rows: one token per sequence
-        ([(0, 0, 64), (7, 0, 64), (1, 0, 30)], 1, 64, 64),
+        ([(1, 0, 30), (0, 0, 64), (7, 0, 64)], 1, 64, 64),
     ],
 )
 def test_interp_write_tokens_fp8(runs, h_kv: int, d: int, c: int) -> None:
@@ -893,7 +894,7 @@ def test_gpu_scoring_fp8(case: Lse) -> None:
 
 @on_gpu
 def test_gpu_write_tokens_fp8() -> None:
-    check_write_fp8([(5, 13, 51), (1, 0, 64), (3, 0, 64), (2, 0, 17)], 3, 64, 64, "cuda")
+    check_write_fp8([(5, 13, 40), (1, 0, 64), (3, 0, 64), (2, 0, 17)], 3, 64, 64, "cuda")
     check_write_fp8([(s, o, 1) for s, o in ((0, 0), (1, 5), (2, 63), (3, 0), (4, 1))], 8, 128, 64, "cuda")
 
 
