@@ -53,7 +53,10 @@ def ask_process(doc: Path, question: str, store: Path, args) -> dict:
     wall = time.perf_counter() - t0
     if out.returncode:
         raise SystemExit(f"kvflash ask failed:\n{out.stderr[-2000:]}")
-    return {"wall_s": wall, **json.loads(out.stdout.strip().splitlines()[-1])}
+    warned = [line for line in out.stderr.splitlines() if line.startswith("warning:")]
+    for line in warned:  # a snapshot that could not be saved, a store that went cold: say so
+        print(line, file=sys.stderr)
+    return {"wall_s": wall, "warnings": warned, **json.loads(out.stdout.strip().splitlines()[-1])}
 
 
 def hf_ttft(lm, model, doc: Path, question: str) -> tuple[float, float, int]:

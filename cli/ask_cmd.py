@@ -126,7 +126,7 @@ def open_session(
         EngineConfig(pool_tokens=budget, residency=res, cuda_graphs=cuda_graphs), host_bytes, kv_dtype
     )
     check_pool_fits(lm, budget, res.chunk_tokens, cfg.kv_dtype)
-    engine = Engine(lm, cfg)
+    engine = Engine(lm, cfg, warm=False)
     st = None
     if not no_store:
         try:
@@ -134,7 +134,9 @@ def open_session(
         except StoreError as e:  # the store only saves time: answer without it
             warn(f"snapshot store unusable, answering without it: {e}")
     try:
-        return Session(engine, documents, st, name=session, lazy=lazy, pins=pinned, prefetch=prefetch)
+        sess = Session(engine, documents, st, name=session, lazy=lazy, pins=pinned, prefetch=prefetch)
+        engine.warm_up()  # while the session reads its stored documents' ids and summaries
+        return sess
     except BaseException:
         if st is not None:  # its threads and decode workers: close_session never sees this one
             st.close()

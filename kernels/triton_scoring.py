@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from kvflash.kernels._common import LOG2E, chunk_tokens, dot_precision, fp8_scales, is_fp8, next_pow2, pow2
+from kvflash.kernels.triton_prefill import compiled
 
 LN2 = tl.constexpr(0.6931471805599453)
 LSE_ROWS = 64
@@ -90,7 +91,7 @@ def chunk_summaries(kv_pool: torch.Tensor, slots: torch.Tensor, blocks: int) -> 
     return out
 
 
-@triton.jit(do_not_specialize=["n_rows"])
+@triton.jit(do_not_specialize=["n_rows", "stride_ql", "stride_qt", "stride_ol", "stride_ot", "stride_oh"])
 def _lse_kernel(
     q_ptr,
     kv_ptr,
@@ -193,4 +194,4 @@ def warm_lse(kv_pool: torch.Tensor, hq: int, dtype: torch.dtype) -> None:
     for t in tiles.values():
         q = torch.zeros(n_layers, t, hq, d, dtype=dtype, device=dev)
         for r in (None, rot):
-            chunk_lse(q, kv_pool, slots, r)
+            compiled(chunk_lse, q, kv_pool, slots, r)

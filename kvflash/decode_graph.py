@@ -42,7 +42,9 @@ def capture(compute: Callable[[], torch.Tensor], queries: Callable[[], list | No
     if recorded is not None:
         recorded.clear()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    # Other threads keep working while a step is captured (the host tier pins memory ahead, a store
+    # reads, a saver waits on copies): only this thread's calls may end the capture.
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         logits = compute()
     return Captured(graph, logits, None if recorded is None else list(recorded))
 

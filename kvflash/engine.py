@@ -28,7 +28,9 @@ kernel picks for short pieces (32, 64 and 128 rows), the shapes of a conversatio
 
 
 class Engine:
-    def __init__(self, lm: LoadedModel, cfg: EngineConfig):
+    def __init__(self, lm: LoadedModel, cfg: EngineConfig, warm: bool = True):
+        """`warm`: run `warm_up` now where it applies (CUDA); a caller with other start-up work to
+        overlap with it passes False and calls `warm_up` itself."""
         self.lm, self.cfg = lm, cfg
         self.kv_dtype = resolve_kv_dtype(cfg.kv_dtype, lm.dtype, lm.device)
         c = cfg.residency.chunk_tokens
@@ -39,7 +41,7 @@ class Engine:
         self.batch_graphs = BatchGraphs(lm.model)
         self._batches: dict[tuple[int, int], BatchKV] = {}
         self._no_logits = torch.empty(0, lm.config.vocab_size, device=lm.device)
-        if lm.device.type == "cuda":
+        if warm:
             self.warm_up()
 
     @property
@@ -70,6 +72,8 @@ class Engine:
         they are part of starting the engine instead of the first turn's time to first token; every
         variant of the prefill and scoring kernels is compiled or loaded first (`kernels.warm`), as
         the steps below reach only the variants of their own shapes."""
+        if self.lm.device.type != "cuda":  # the first calls cost little there
+            return
         c = self.cfg.residency.chunk_tokens
         kernels.warm(self.pool.kv, self.lm.config.n_heads, self.lm.dtype)
         kv = self.new_sequence()

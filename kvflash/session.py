@@ -10,9 +10,11 @@ else the longest stored prefix (eagerly, or lazily when the KV is larger than th
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 
 from kvflash.documents import Document, system_message
 from kvflash.engine import Engine
@@ -68,12 +70,27 @@ class Session:
         the snapshot's chunks instead of tokenising the documents again."""
         self._ahead: StoredSummaries | None = None
         """Summaries read while building this turn's prompt, for its restore."""
+        self._known: StoredSummaries | None = None
+        """The same, kept for the turn's snapshot, whose summaries file then need not read them."""
         self._last_turn: tuple[int, int] | None = None
         """Where the previous question and answer lie in the prompt (`last-turn` pins)."""
         if name and self.snapshots:
             self._resume()
         if self.snapshots:
             self._warn_other_kv()
+        self._docs_ahead: Future[list[int] | None] | None = None
+        """The documents' stored ids (and with them `_ahead`), read on a thread from construction to
+        the first question: a caller that warms the engine after building the session overlaps
+        the read with the warm-up (`kvflash ask` does)."""
+        if self.snapshots and len(self.messages) == 1:
+            self._docs_ahead = Future()
+            threading.Thread(target=self._read_docs_ahead, daemon=True, name="kvflash-docs-ahead").start()
+
+    def _read_docs_ahead(self) -> None:
+        try:
+            self._docs_ahead.set_result(self._stored_document_ids())
+        except BaseException as e:  # raised again where the result is taken
+            self._docs_ahead.set_exception(e)
 
     @property
     def kv(self) -> PagedKV | None:
@@ -106,6 +123,7 @@ class Session:
         """Forgets the conversation (the documents stay)."""
         self.close()
         self.messages, self.ids = [system_message(self.documents)], []
+        self._ahead = self._docs_ahead = None
 
     def close(self) -> None:
         self.cache.close()
@@ -113,7 +131,8 @@ class Session:
     def _prompt_ids(self, question: str) -> list[int]:
         user = {"role": "user", "content": question}
         if len(self.messages) == 1:
-            docs = self._stored_document_ids()
+            ahead, self._docs_ahead = self._docs_ahead, None
+            docs = ahead.result() if ahead is not None else self._stored_document_ids()
             if docs is None:  # a cold prefill follows: its host memory is pinned while tokenising
                 self.engine.expect(len(self.messages[0]["content"]) // CHARS_PER_TOKEN)
                 docs = self.tok.encode_plain(self.messages[0]["content"])
@@ -195,6 +214,7 @@ class Session:
         t0 = time.perf_counter()
         ids = self._prompt_ids(question)
         ahead, self._ahead = self._ahead, None
+        self._known = ahead
         turn_start = len(self.ids) or (self._doc_span or [0, 0])[1]
         kv = self.cache.take(ids, stats, on_restore, ahead)
         try:
@@ -273,8 +293,9 @@ class Session:
             "messages": self.messages[1:],
             "tail": self.ids[n * c :],
         }
+        known, self._known = self._known, None
         try:
-            sid = self.snapshots.save(self.kv, self.label, meta)
+            sid = self.snapshots.save(self.kv, self.label, meta, known)
         except Exception as e:  # a full disk or a store error must not lose the answer
             warnings.warn(f"could not save the session snapshot: {e}", stacklevel=2)
             return None

@@ -21,7 +21,15 @@ import torch
 
 from kvflash.paged_kv import PagedKV
 from kvflash.pool import chunk_shape
-from kvflash.storage import ROOT_HASH, ChunkBlob, InvalidChunk, SnapshotInfo, SnapshotStore, chain_hashes
+from kvflash.storage import (
+    ROOT_HASH,
+    ChunkBlob,
+    ChunkSummary,
+    InvalidChunk,
+    SnapshotInfo,
+    SnapshotStore,
+    chain_hashes,
+)
 
 APPROX_SUFFIX = "+approx"
 """Fingerprint suffix of chunks whose KV was computed without every earlier chunk resident (a budget
@@ -42,15 +50,22 @@ class RestoreStats:
 
 @dataclass
 class StoredSummaries:
-    """Token ids and key summaries of stored chunks, in chain order."""
+    """Token ids and key summaries of stored chunks, in chain order, as the store read them."""
 
-    hashes: list[str]
-    tokens: list[list[int]]
+    read: list[ChunkSummary]
     rows: torch.Tensor
-    """[n, L, Hkv, B, D] fp32 on the CPU."""
+    """[n, L, Hkv, B, D] fp32 on the CPU: the summaries of `read`, which are views of it."""
+
+    @property
+    def hashes(self) -> list[str]:
+        return [s.chain_hash for s in self.read]
+
+    @property
+    def tokens(self) -> list[list[int]]:
+        return [s.tokens for s in self.read]
 
     def head(self, n: int) -> StoredSummaries:
-        return StoredSummaries(self.hashes[:n], self.tokens[:n], self.rows[:n])
+        return StoredSummaries(self.read[:n], self.rows[:n])
 
 
 @dataclass
@@ -95,13 +110,15 @@ class KVSnapshots:
 
     def read_summaries(self, fp: str, hashes: list[str], shape: tuple[int, ...]) -> StoredSummaries:
         rows = torch.empty((len(hashes), *shape))
-        got = self.store.read_summaries(hashes, fp, rows)
-        return StoredSummaries(list(hashes), [s.tokens for s in got], rows)
+        return StoredSummaries(self.store.read_summaries(hashes, fp, rows), rows)
 
-    def save(self, kv: PagedKV, label: str, meta: dict | None = None) -> str:
+    def save(
+        self, kv: PagedKV, label: str, meta: dict | None = None, known: StoredSummaries | None = None
+    ) -> str:
         """Snapshots the sealed prefix as its label's newest (`replace`), writing only chunks the
-        store does not already hold."""
-        return self.replace(self.stage(kv), label, meta)
+        store does not already hold; `known`, summaries read for the sequence's restore, are not
+        read again for the snapshot's summaries file."""
+        return self.replace(self.stage(kv), label, meta, known)
 
     def stage(self, kv: PagedKV) -> StagedSnapshot:
         """The sealed prefix's chain, with a copy of the KV of every chunk the store lacks: `put`
@@ -124,10 +141,16 @@ class KVSnapshots:
         return StagedSnapshot(fp, items)
 
     def put(
-        self, staged: StagedSnapshot, label: str, meta: dict | None = None, succeeds: Sequence[str] = ()
+        self,
+        staged: StagedSnapshot,
+        label: str,
+        meta: dict | None = None,
+        succeeds: Sequence[str] = (),
+        known: StoredSummaries | None = None,
     ) -> str:
         """Writes a staged snapshot (compressing its new chunks); returns its id."""
-        return self.store.put_snapshot(label, staged.fp, staged.items, meta, succeeds)
+        read = known.read if known is not None else ()
+        return self.store.put_snapshot(label, staged.fp, staged.items, meta, succeeds, read)
 
     def usable(self, fp: str) -> bool:
         """Whether this engine can restore KV stored under fp: exact KV, or approximate KV (which a
@@ -142,12 +165,18 @@ class KVSnapshots:
         snaps = self.store.list_snapshots()
         return [s for s in snaps if s.label == label and s.fingerprint in kinds and not s.pinned]
 
-    def replace(self, staged: StagedSnapshot, label: str, meta: dict | None = None) -> str:
+    def replace(
+        self,
+        staged: StagedSnapshot,
+        label: str,
+        meta: dict | None = None,
+        known: StoredSummaries | None = None,
+    ) -> str:
         """Writes a staged snapshot as its label's newest, taking over the hits of the snapshots it
         `superseded`, then removes those. A store error raises with nothing changed; a removal that
         fails only warns: the new snapshot is written and the old one is still valid."""
         previous = [s.id for s in self.superseded(label, staged.fp)]
-        sid = self.put(staged, label, meta, succeeds=previous)
+        sid = self.put(staged, label, meta, previous, known)
         for old in previous:
             try:
                 self.store.rm(old)

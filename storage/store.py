@@ -297,9 +297,12 @@ class SnapshotStore:
         chunks: Iterable[ChunkBlob | str],
         meta: dict | None = None,
         succeeds: Sequence[str] = (),
+        known: Sequence[ChunkSummary] = (),
     ) -> str:
         """Saves chunks 0..n-1 of a sequence as a new snapshot and returns its id. It starts with the
-        hits of the snapshots it `succeeds` (ids; the caller removes them).
+        hits of the snapshots it `succeeds` (ids; the caller removes them). `known`: summaries of the
+        chain's first chunks as `read_summaries` gave them (checked then), which the snapshot's
+        summaries file takes instead of reading them again.
 
         Only chunks not already stored are encoded and written (in parallel). An item may be a chain
         hash instead of a blob for a chunk the caller knows is stored (`find_longest_prefix`), so a
@@ -317,7 +320,7 @@ class SnapshotStore:
         try:
             with self._saving():
                 hashes, rows, n_tokens = self._write_chunks(fingerprint, items, written)
-                self._save_summaries(fingerprint, items, hashes, written, summaries)
+                self._save_summaries(fingerprint, items, hashes, written, summaries, known)
                 now = time.time()
                 return self.index.add_snapshot(
                     label, fingerprint, n_tokens, meta_json, hashes, rows, now, succeeds
@@ -384,13 +387,20 @@ class SnapshotStore:
         return ChunkRow.of(h)
 
     def _save_summaries(
-        self, fp: str, items: list[ChunkBlob | str], hashes: list[str], written: list[str], out: list[str]
+        self,
+        fp: str,
+        items: list[ChunkBlob | str],
+        hashes: list[str],
+        written: list[str],
+        out: list[str],
+        known: Sequence[ChunkSummary] = (),
     ) -> None:
         """Writes the summaries file of a chain being saved, unless one of it is stored (appending
-        its name to `out` first). A chunk this save wrote gives its own token ids and summary, every
-        other those its chunk file holds (read back, from the summaries file of a snapshot the chain
-        extends where there is one): the file holds what the chunk files hold. Best effort, as the
-        file only spares reads: without it the snapshot restores per chunk."""
+        its name to `out` first). A chunk this save wrote gives its own token ids and summary, a
+        `known` one those read before, every other those its chunk file holds (read back, from the
+        summaries file of a snapshot the chain extends where there is one): the file holds what the
+        chunk files hold. Best effort, as the file only spares reads: without it the snapshot
+        restores per chunk."""
         last = hashes[-1]
         try:
             if self.has_summaries(fp, hashes):
@@ -401,6 +411,9 @@ class SnapshotStore:
                 for i, x in enumerate(items)
                 if isinstance(x, ChunkBlob) and x.chain_hash in new
             }
+            for i, k in enumerate(known[: len(hashes)]):
+                if i not in entries and k.chain_hash == hashes[i]:
+                    entries[i] = (k.tokens, k.summary)
             old = [i for i in range(len(hashes)) if i not in entries]
             if old:
                 read = self.read_summaries([hashes[i] for i in old], fp)

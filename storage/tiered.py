@@ -224,12 +224,13 @@ class TieredStore:
         chunks: Iterable[ChunkBlob | str],
         meta: dict | None = None,
         succeeds: Sequence[str] = (),
+        known: Sequence[ChunkSummary] = (),
     ) -> str:
         """Saves to the local tier and queues the copy to the shared one. A chunk given by hash that
         only the shared tier holds is brought here first (from the read-through queue, else Redis)."""
         items = list(chunks)
         self._bring_here([x for x in items if isinstance(x, str)])
-        sid = self.local.put_snapshot(label, fingerprint, items, meta, succeeds)
+        sid = self.local.put_snapshot(label, fingerprint, items, meta, succeeds, known)
         self._queue(_Job("copy", [sid, *succeeds], self.local.get_snapshot(sid).stored_bytes))
         return sid
 

@@ -100,6 +100,25 @@ def test_a_grown_chain_reads_its_prefix_from_the_file_of_the_snapshot_it_extends
     assert calls == {"get_summaries": 1} and same(got, store.chunk_summaries(hashes_of(longer), FP))
 
 
+def test_a_save_takes_the_summaries_its_restore_read_instead_of_reading_them_again(store, tmp_path) -> None:
+    """A session's next save passes the summaries its restore read (`known`): the new chain's file
+    is written without a read of the old one, and holds what a save that reads it writes."""
+    first, longer = make_chain(toks(6)), make_chain(toks(9))
+    store.put_snapshot("turn 1", FP, first)
+    known = store.read_summaries(hashes_of(first), FP)
+    store.backend.calls.clear()
+    store.put_snapshot("turn 2", FP, [*hashes_of(first), *longer[6:]], known=known)
+    assert store.backend.calls == {"get_summaries": 1}  # the header of the file the save would write
+    root = tmp_path / "other"
+    with SnapshotStore(root, workers=2, backend=Counting(root)) as other:  # the same save, reading
+        other.put_snapshot("turn 1", FP, first)
+        other.backend.calls.clear()
+        other.put_snapshot("turn 2", FP, [*hashes_of(first), *longer[6:]])
+        assert other.backend.calls == {"get_summaries": 2}
+        want = sums_path(other, longer[-1].chain_hash).read_bytes()
+    assert sums_path(store, longer[-1].chain_hash).read_bytes() == want
+
+
 def _flip(path, offset: int) -> None:
     data = bytearray(path.read_bytes())
     data[offset] ^= 0x10
