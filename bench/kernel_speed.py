@@ -9,6 +9,12 @@ buffer, timed the same way, which is the most any single kernel reading that man
 a fixed few microseconds). Prefill attention is compute bound: TFLOP/s against SDPA's flash path on the same
 causal shape. Targets: decode >= 85% of copy at long context and >= SDPA; prefill >= 80%.
 
+`--fp8` measures decode over a pool of fp8 KV (e4m3, with its scale rows) against a bf16 pool of
+the same shape, side by side in one run, at 64K-256K tokens and batch 16 and up: tokens/s of one
+layer's attention (sequences per call / call time) and the share of copy bandwidth, counted in the
+fp8 pool's bytes. Targets: >= 1.7x bf16's tokens/s, >= 85 % of copy. Its SDPA column is SDPA over
+the fp8 KV's values in bf16 (the max error is against it).
+
 Times are GPU times: each side's calls are replayed from one CUDA graph, so Python launch overhead
 (tens of microseconds, larger than the whole kernel at small shapes) is left out: this measures the
 kernels, one layer's attention at a time (bench/decode.py measures the engine's decode step). Each
@@ -16,6 +22,7 @@ graph reads at least L2_DEFEAT_BYTES of distinct KV, so small shapes are not ser
 the 60 MB L2.
 
     python -m bench.kernel_speed --out docs/kernels.json
+    python -m bench.kernel_speed --fp8 --out docs/kernels-fp8.json
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
 from bench.harness import copy_bandwidth, progress_bar, pyplot, require_cuda, save_png, write_json
+from kvflash.kernels import reference
+from kvflash.kernels._common import fp8_scales
 from kvflash.kernels.triton_decode import paged_decode_attention
 from kvflash.kernels.triton_prefill import prefill_attention
 
@@ -46,6 +55,9 @@ BATCHES = [1, 4, 16, 64]
 PREFILL_TOKENS = [4096, 16384]
 CHUNK = 64
 DTYPE = torch.bfloat16
+FP8 = torch.float8_e4m3fn
+FP8_CONTEXTS = [65536, 131072, 262144]
+FP8_BATCHES = [16, 64]
 LONG_CONTEXT = 65536
 """Contexts from here on count as long for the decode target."""
 L2_DEFEAT_BYTES = 512 << 20
@@ -73,6 +85,13 @@ class Row:
     max_err: float
     read_rate: float | None = None
     """GB/s of the streaming read of the same bytes (decode only)."""
+    kv: str = "bf16"
+    """The pool's KV dtype (decode)."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Sequences attended per second: one decode token each, one layer."""
+        return self.batch / self.ours_ms * 1e3
 
 
 READ_BLOCK = 4096
@@ -152,6 +171,28 @@ def paged_pool(batch: int, n: int, h_kv: int, d: int) -> tuple[torch.Tensor, tor
     return pool, table
 
 
+def to_fp8(pool: torch.Tensor, step: int = 4096) -> torch.Tensor:
+    """The pool's KV in an fp8 pool (a scale row per block, as kvflash/pool.py lays it out), each
+    block scaled by its largest magnitude / 448, as a prefill writes whole chunks; a few thousand
+    slots at a time."""
+    out = torch.zeros(*pool.shape[:4], CHUNK + 1, pool.shape[5], dtype=FP8, device=pool.device)
+    scales = fp8_scales(out)
+    for lo in range(0, pool.shape[0], step):
+        part = pool[lo : lo + step].float()
+        scale = reference.fp8_scale(part.abs().amax((-2, -1)), whole=True)
+        scales[lo : lo + step] = scale
+        out[lo : lo + step, ..., :CHUNK, :] = reference.quantize_fp8(part, scale[..., None, None])
+    return out
+
+
+def to_values(pool: torch.Tensor, step: int = 4096) -> torch.Tensor:
+    """An fp8 pool's values as a bf16 pool (SDPA's input)."""
+    out = torch.empty(*pool.shape[:4], CHUNK, pool.shape[5], dtype=DTYPE, device=pool.device)
+    for lo in range(0, pool.shape[0], step):
+        out[lo : lo + step] = reference.kv_values(pool[lo : lo + step]).to(DTYPE)
+    return out
+
+
 def contiguous(pool: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The same K/V as [B, Hkv, N, D] tensors in logical order."""
     b, n = table.shape
@@ -160,13 +201,17 @@ def contiguous(pool: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, t
     return kv[0], kv[1]
 
 
-def bench_decode(model: str, context: int, batch: int, copy_gbps: float) -> Row:
+def bench_decode(model: str, context: int, batch: int, copy_gbps: float, kv: str = "bf16") -> Row:
     d, hq, h_kv = MODELS[model]
     n = context // CHUNK
-    gbytes = batch * context * h_kv * d * 2 * DTYPE.itemsize / 1e9
+    fp8 = kv == "fp8"
+    gbytes = batch * n * (CHUNK + fp8) * h_kv * d * 2 * (1 if fp8 else DTYPE.itemsize) / 1e9
     copies = -(-L2_DEFEAT_BYTES // int(gbytes * 1e9))
     pool, table = paged_pool(copies * batch, n, h_kv, d)
-    k, v = contiguous(pool, table)
+    if fp8:
+        pool = to_fp8(pool)
+        torch.cuda.empty_cache()
+    k, v = contiguous(to_values(pool) if fp8 else pool, table)
     q = torch.randn(copies * batch, hq, d, dtype=DTYPE, device="cuda")
     n_slots = torch.full((batch,), n, dtype=torch.int32, device="cuda")
     last_valid = torch.full((batch,), CHUNK, dtype=torch.int32, device="cuda")
@@ -185,7 +230,7 @@ def bench_decode(model: str, context: int, batch: int, copy_gbps: float) -> Row:
     read = read_limit(list(pool.view(copies, -1)))
     return Row(
         "decode", model, context, batch, gbytes, t_ours, t_sdpa, backend,
-        rate, gbytes / t_sdpa * 1e3, rate / copy_gbps, err, read,
+        rate, gbytes / t_sdpa * 1e3, rate / copy_gbps, err, read, kv,
     )  # fmt: skip
 
 
@@ -223,11 +268,43 @@ def jobs(max_gb: float) -> list[tuple]:
     return out
 
 
+def fp8_jobs(max_gb: float) -> list[tuple]:
+    """bf16 then fp8 decode of each long-context, batched shape whose bf16 KV fits in max_gb."""
+    out: list[tuple] = []
+    for model, (d, _, h_kv) in MODELS.items():
+        for context in FP8_CONTEXTS:
+            for batch in FP8_BATCHES:
+                if batch * context * h_kv * d * 2 * DTYPE.itemsize <= max_gb * 1e9:
+                    out += [("decode", model, context, batch, kv) for kv in ("bf16", "fp8")]
+    return out
+
+
+def fp8_table(rows: list[Row], copy_gbps: float) -> Table:
+    """fp8 against bf16, shape by shape: tokens/s of each and their ratio, each one's share of copy."""
+    t = Table(title=f"decode over fp8 KV against bf16 KV, {torch.cuda.get_device_name()}")
+    for col in ("model", "context", "batch", "bf16 tok/s", "fp8 tok/s", "fp8/bf16", "bf16/copy", "fp8/copy"):
+        t.add_column(col, justify="left" if col == "model" else "right")
+    pairs: dict[tuple, dict[str, Row]] = {}
+    for r in rows:
+        pairs.setdefault((r.model, r.context, r.batch), {})[r.kv] = r
+    for (model, context, batch), by in pairs.items():
+        if set(by) != {"bf16", "fp8"}:
+            continue
+        b, f = by["bf16"], by["fp8"]
+        ratio, of_copy = f.tokens_per_s / b.tokens_per_s, f.ours_rate / copy_gbps
+        t.add_row(
+            model, f"{context // 1024}K", str(batch), f"{b.tokens_per_s:,.0f}", f"{f.tokens_per_s:,.0f}",
+            f"[{'green' if ratio >= 1.7 else 'red'}]{ratio:.2f}x[/]", f"{b.ours_rate / copy_gbps:.0%}",
+            f"[{'green' if of_copy >= 0.85 else 'red'}]{of_copy:.0%}[/]",
+        )  # fmt: skip
+    return t
+
+
 def table(rows: list[Row], copy_gbps: float) -> Table:
     t = Table(
         title=f"kvflash kernels on {torch.cuda.get_device_name()}: copy {copy_gbps:,.0f} GB/s (read+write)"
     )
-    for col in ("kernel", "model", "context", "batch", "KV GB", "ours", "SDPA", "backend", "ours/SDPA"):
+    for col in ("kernel", "model", "KV", "context", "batch", "KV GB", "ours", "SDPA", "backend", "ours/SDPA"):
         t.add_column(col, justify="left" if col in ("kernel", "model", "backend") else "right")
     t.add_column("ours/copy", justify="right")
     t.add_column("read limit/copy", justify="right")
@@ -241,7 +318,7 @@ def table(rows: list[Row], copy_gbps: float) -> Table:
         if r.of_copy is not None and r.context >= LONG_CONTEXT:
             of_copy = f"[{'green' if r.of_copy >= 0.85 else 'red'}]{of_copy}[/]"
         t.add_row(
-            r.kernel, r.model, f"{r.context // 1024}K", str(r.batch), f"{r.gbytes:.2f}",
+            r.kernel, r.model, r.kv, f"{r.context // 1024}K", str(r.batch), f"{r.gbytes:.2f}",
             f"{r.ours_rate:,.0f} {unit}", f"{r.sdpa_rate:,.0f} {unit}", r.sdpa_backend,
             f"[{'green' if good else 'red'}]{vs_sdpa:.2f}[/]", of_copy,
             "" if r.read_rate is None else f"{r.read_rate / copy_gbps:.0%}",
@@ -255,19 +332,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="path of the JSON results")
     ap.add_argument("--max-gb", type=float, default=40.0, help="skip decode shapes with more KV than this")
+    ap.add_argument("--fp8", action="store_true", help="decode over fp8 KV against bf16 KV, nothing else")
     args = ap.parse_args()
     require_cuda("kernel_speed", "CUDA kernels")
     console = Console(width=None if Console().is_terminal else 160)
-    todo = jobs(args.max_gb)
+    todo = fp8_jobs(args.max_gb) if args.fp8 else [(*job, "bf16") for job in jobs(args.max_gb)]
     rows: list[Row] = []
     with progress_bar(console=console, transient=True) as progress:
         task = progress.add_task("copy bandwidth", total=len(todo) + 1)
         copy_gbps = copy_bandwidth()
         progress.advance(task)
-        for kind, model, context, batch in todo:
-            progress.update(task, description=f"{kind} {model} {context // 1024}K x{batch}")
+        for kind, model, context, batch, kv in todo:
+            progress.update(task, description=f"{kind} {model} {kv} {context // 1024}K x{batch}")
             if kind == "decode":
-                rows.append(bench_decode(model, context, batch, copy_gbps))
+                rows.append(bench_decode(model, context, batch, copy_gbps, kv))
             else:
                 rows.append(bench_prefill(model, context))
             torch.cuda.empty_cache()
@@ -275,6 +353,8 @@ def main() -> None:
                 time.sleep(SETTLE_S)
             progress.advance(task)
     console.print(table(rows, copy_gbps))
+    if args.fp8:
+        console.print(fp8_table(rows, copy_gbps))
     meta = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -284,7 +364,7 @@ def main() -> None:
         "dtype": str(DTYPE),
         "copy_gbps": copy_gbps,
     }
-    write_json(args.out, {**meta, "rows": [asdict(r) for r in rows]})
+    write_json(args.out, {**meta, "rows": [{**asdict(r), "tokens_per_s": r.tokens_per_s} for r in rows]})
     png = str(args.out).removesuffix(".json") + ".png"
     plot_decode([asdict(r) for r in rows], copy_gbps, png)
     console.print(f"wrote {args.out} and {png}")
@@ -299,13 +379,16 @@ def plot_decode(rows: list[dict], copy_gbps: float, path: str) -> None:
     fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 3.6), sharey=True)
     for ax, model in zip(axes, models, strict=True):
         mine = [r for r in rows if r["kernel"] == "decode" and r["model"] == model]
-        for batch in sorted({r["batch"] for r in mine}):
+        for batch, kv in sorted({(r["batch"], r["kv"]) for r in mine}):
             pts = sorted(
                 (r["context"], 100 * r["ours_rate"] / copy_gbps, 100 * r["read_rate"] / copy_gbps)
                 for r in mine
-                if r["batch"] == batch
+                if (r["batch"], r["kv"]) == (batch, kv)
             )
-            line = ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"batch {batch}")
+            label = f"batch {batch}" + ("" if kv == "bf16" else f", {kv}")
+            line = ax.plot(
+                [p[0] for p in pts], [p[1] for p in pts], "o-" if kv == "bf16" else "s--", label=label
+            )
             if batch == 1:
                 color = line[0].get_color()
                 ax.plot([p[0] for p in pts], [p[2] for p in pts], "--", color=color, label="read limit, b1")

@@ -25,7 +25,7 @@ from rich.table import Table
 
 from bench.document import reference_text
 from bench.harness import save
-from kvflash.config import DTYPES, EngineConfig, ResidencyConfig
+from kvflash.config import DTYPES, KV_DTYPE_NAMES, EngineConfig, ResidencyConfig
 from kvflash.engine import Engine
 from kvflash.models.loader import LoadedModel, load_model
 from kvflash.pool import chunk_shape, summary_shape
@@ -136,7 +136,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="GGUF file or HF directory (default: the default model)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--tokens", type=int, default=4096, help="document length in tokens")
-    ap.add_argument("--kv-dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    ap.add_argument("--kv-dtypes", nargs="+", default=list(DTYPES), choices=list(KV_DTYPE_NAMES))
     ap.add_argument("--codec", default="lossless", choices=list(CODEC_NAMES))
     ap.add_argument("--level", type=int, default=DEFAULT_LEVEL, help="zstd level")
     ap.add_argument("--out", default="out/kv_bytes")

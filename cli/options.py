@@ -43,8 +43,9 @@ DeviceOpt = typer.Option(
 )
 KvDtypeOpt = typer.Option(
     None, "--kv-dtype", callback=_kv_dtype,
-    help="KV in memory and snapshots: auto, fp32, bf16 or fp16 (default auto: bf16 where the model "
-    "computes in fp32 on a CPU, else the model's dtype). Snapshots of another KV dtype are not restored.",
+    help="KV in memory and snapshots: auto, fp32, bf16, fp16 or fp8 (e4m3, scaled per chunk and head; "
+    "default auto: bf16 where the model computes in fp32 on a CPU, else the model's dtype). Snapshots of "
+    "another KV dtype are not restored.",
 )  # fmt: skip
 StoreOpt = typer.Option(None, "--store", help="Snapshot store directory (default: $KVFLASH_HOME/snapshots).")
 SharedStoreOpt = typer.Option(

@@ -2,8 +2,10 @@
 
 Each call picks its implementation from its arguments: Triton when every tensor is on CUDA, triton
 imports and the pool's shape suits the kernels (power-of-two chunk_tokens and head_dim >= 16);
-otherwise the twin in `reference`. `KVFLASH_KERNELS=torch` forces the twins, to bisect a numerical
-difference. Triton is imported only on first CUDA use, so CPU-only runs never pay for it.
+otherwise the twin in `reference`. A pool of fp8 KV (`float8_e4m3fn`, its scales in an extra row
+of each block: kvflash/pool.py, `slot_shape`) goes through the same calls. `KVFLASH_KERNELS=torch`
+forces the twins, to bisect a numerical difference. Triton is imported only on first CUDA use, so
+CPU-only runs never pay for it.
 
 The kernels are not specialised on the counts and offsets that change from call to call (tokens of
 a step, slots listed, splits, a table's width): Triton would otherwise compile a kernel again for
@@ -21,7 +23,7 @@ from collections.abc import Callable
 import torch
 
 from kvflash.kernels import reference
-from kvflash.kernels._common import pow2
+from kvflash.kernels._common import chunk_tokens, pow2
 
 __all__ = [
     "chunk_lse",
@@ -79,7 +81,7 @@ def uses_triton(*tensors: torch.Tensor, head_dim: int, chunk_tokens: int = 1) ->
 def _pick(name: str, pool: torch.Tensor, *tensors: torch.Tensor) -> Callable:
     """The implementation of `name` for a call on this (contiguous) pool and these tensors."""
     triton = pool.is_contiguous() and uses_triton(
-        pool, *tensors, head_dim=pool.shape[5], chunk_tokens=pool.shape[4]
+        pool, *tensors, head_dim=pool.shape[5], chunk_tokens=chunk_tokens(pool)
     )
     return _impl(name, triton)
 

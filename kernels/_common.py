@@ -47,3 +47,30 @@ def pow2(n: int) -> bool:
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
+
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+"""Largest finite e4m3fn."""
+FP8_HEADROOM = 32.0
+"""A chunk whose first write holds fewer than all its tokens (a decode step, the last partial chunk
+of a prompt) takes the scale of those tokens' largest magnitude times this, so that the tokens after
+them fit; later tokens beyond 448 x scale are clamped. A write of the whole chunk takes its exact
+maximum. e4m3 keeps 3 mantissa bits from 2^-6 to 448, so headroom costs precision only below
+2^-6 x scale (docs/BENCHMARKS.md: "fp8 KV")."""
+
+
+def is_fp8(kv: torch.Tensor) -> bool:
+    return kv.dtype == FP8
+
+
+def chunk_tokens(kv: torch.Tensor) -> int:
+    """Tokens per chunk of a pool, host block or chunk `[..., rows, D]` (fp8: the last row holds
+    scales)."""
+    return kv.shape[-2] - is_fp8(kv)
+
+
+def fp8_scales(kv: torch.Tensor) -> torch.Tensor:
+    """The fp32 scales `[..., L, 2, Hkv]` of an fp8 pool, host block or chunk `[..., L, 2, Hkv, C + 1, D]`:
+    a view of the first 4 bytes of each block's last row (kvflash/pool.py: `slot_shape`)."""
+    return kv[..., -1, :4].view(torch.float32)[..., 0]

@@ -3,6 +3,10 @@
 They define what each kernel computes. The pool is `[n_slots, n_layers, 2, Hkv, C, D]` (0 = K, 1 = V,
 K post-RoPE). Query head h reads kv-head h // (Hq // Hkv). Positions that no query may see are zeroed
 before use, so stale or poisoned bytes in unused slot positions never leak in (0 * NaN is NaN).
+
+An fp8 pool (e4m3fn) has C + 1 rows per (layer, K/V, kv-head) block, the last holding the block's
+fp32 scale (`_common.fp8_scales`): a value is its e4m3 byte times the scale (`kv_values`), and
+`write_tokens` sets the scales (`FP8_HEADROOM` says how).
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvflash.kernels._common import FP8, FP8_HEADROOM, FP8_MAX, chunk_tokens, fp8_scales, is_fp8
 from kvflash.models.rope import apply_rotary
 
 
@@ -22,6 +27,26 @@ def _attend(
     v = v.float().repeat_interleave(g, dim=-3)
     scores = (q.float() @ k.transpose(-1, -2)) * scale
     return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v
+
+
+def kv_values(kv: torch.Tensor) -> torch.Tensor:
+    """Blocks `[..., rows, D]` of a pool as values `[..., C, D]`: as they are, or for fp8 the C token
+    rows in fp32 times their block's scale."""
+    if not is_fp8(kv):
+        return kv
+    return kv[..., :-1, :].float() * fp8_scales(kv)[..., None, None]
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale in fp32, clamped to ±448 and rounded to the nearest e4m3fn (ties to even)."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def fp8_scale(amax: torch.Tensor, whole: bool) -> torch.Tensor:
+    """The scale of a block whose first write's largest magnitude is amax: amax / 448 when the write
+    holds the whole chunk, FP8_HEADROOM times that otherwise; 1 for an all-zero write."""
+    mul = (1.0 if whole else FP8_HEADROOM) / FP8_MAX
+    return torch.where(amax > 0, amax.float() * mul, 1.0)
 
 
 def shift_keys(k: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
@@ -47,13 +72,13 @@ def paged_decode_attention(
     last_valid[b] tokens of the last listed slot (the append head) are valid. Returns [B, Hq, D].
     rot [B, max_n, 2, D/2], when given, moves each listed chunk's keys (`shift_keys`)."""
     b, _, d = q.shape
-    c = kv_pool.shape[4]
+    c = chunk_tokens(kv_pool)
     max_n = slot_table.shape[1]
     listed = torch.arange(max_n, device=q.device)[None, :] < n_slots[:, None]  # [B, max_n]
     slots = torch.where(listed, slot_table, 0).long()
     tok = torch.arange(max_n * c, device=q.device)[None, :]
     valid = tok < ((n_slots - 1) * c + last_valid)[:, None]  # [B, max_n * C]
-    kv = kv_pool[slots, layer]  # [B, max_n, 2, Hkv, C, D]
+    kv = kv_values(kv_pool[slots, layer])  # [B, max_n, 2, Hkv, C, D]
     if rot is not None:
         kv = kv.float()
         kv[:, :, 0] = shift_keys(kv[:, :, 0].transpose(1, 2), rot[:, None]).transpose(1, 2)
@@ -76,10 +101,10 @@ def prefill_attention(
     """Query t sits at position q_start + t; key j of listed slot i at chunk_index[i] * C + j; causal.
     Returns [T, Hq, D]. rot [n, 2, D/2], when given, moves each listed chunk's keys (`shift_keys`)."""
     t, _, d = q.shape
-    c = kv_pool.shape[4]
+    c = chunk_tokens(kv_pool)
     key_pos = (chunk_index.long()[:, None] * c + torch.arange(c, device=q.device)).flatten()
     q_pos = q_start + torch.arange(t, device=q.device)
-    kv = kv_pool[slots.long(), layer]  # [n, 2, Hkv, C, D]
+    kv = kv_values(kv_pool[slots.long(), layer])  # [n, 2, Hkv, C, D]
     if rot is not None:
         kv = kv.float()
         kv[:, 0] = shift_keys(kv[:, 0].transpose(0, 1), rot).transpose(0, 1)
@@ -93,7 +118,7 @@ def prefill_attention(
 def chunk_summaries(kv_pool: torch.Tensor, slots: torch.Tensor, blocks: int) -> torch.Tensor:
     """[n, L, Hkv, blocks, D] fp32: the mean key of each of `blocks` equal runs of tokens of each listed
     chunk (call on full chunks only)."""
-    keys = kv_pool[slots.long(), :, 0].float()  # [n, L, Hkv, C, D]
+    keys = kv_values(kv_pool[slots.long(), :, 0]).float()  # [n, L, Hkv, C, D]
     n, layers, h_kv, c, d = keys.shape
     return keys.view(n, layers, h_kv, blocks, c // blocks, d).mean(4)
 
@@ -105,7 +130,7 @@ def chunk_lse(
     q [L, T, Hq, D] -> [L, T, Hq, n] fp32 (query head h reads kv-head h // (Hq // Hkv)). rot [n, 2, D/2],
     when given, moves each chunk's keys (`shift_keys`). Call on full chunks only."""
     layers, t, hq, d = q.shape
-    keys = kv_pool[slots.long(), :, 0]  # [n, L, Hkv, C, D]
+    keys = kv_values(kv_pool[slots.long(), :, 0])  # [n, L, Hkv, C, D]
     if rot is not None:
         keys = shift_keys(keys.movedim(0, 2), rot).movedim(2, 0)
     qs = q.float().view(layers, t, keys.shape[2], -1, d)
@@ -121,10 +146,34 @@ def write_tokens(
     k: torch.Tensor,
     v: torch.Tensor,
 ) -> None:
-    """Stores token t's K/V [Hkv, D] at position offset[t] of slot slot[t], in place."""
+    """Stores token t's K/V [Hkv, D] at position offset[t] of slot slot[t], in place.
+
+    fp8: a token at offset 0 leads the run of tokens after it that fill the same chunk in order; the
+    run's largest magnitude per (K/V, kv-head) sets the chunk's scales (`fp8_scale`), before any
+    token is stored. Tokens whose chunk no run of this write leads use the scales stored with it."""
+    if is_fp8(kv_pool):
+        _write_fp8(kv_pool, layer, slot.tolist(), offset.tolist(), torch.stack([k, v], 1).float())
+        return
     slot, offset = slot.long(), offset.long()
     kv_pool[slot, layer, 0, :, offset] = k.to(kv_pool.dtype)
     kv_pool[slot, layer, 1, :, offset] = v.to(kv_pool.dtype)
+
+
+def _write_fp8(
+    kv_pool: torch.Tensor, layer: int, slots: list[int], offsets: list[int], x: torch.Tensor
+) -> None:
+    """x [T, 2, Hkv, D] fp32 into an fp8 pool (`write_tokens`)."""
+    c, n = chunk_tokens(kv_pool), len(slots)
+    scales = fp8_scales(kv_pool)
+    for t in range(n):
+        if offsets[t]:
+            continue
+        r = 1
+        while r < c and t + r < n and slots[t + r] == slots[t] and offsets[t + r] == r:
+            r += 1
+        scales[slots[t], layer] = fp8_scale(x[t : t + r].abs().amax(dim=(0, 3)), r == c)
+    slot, offset = (torch.tensor(v, device=kv_pool.device) for v in (slots, offsets))
+    kv_pool[slot, layer, :, :, offset] = quantize_fp8(x, scales[slot, layer][..., None])
 
 
 def gather_chunks(kv_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

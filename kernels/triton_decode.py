@@ -10,6 +10,10 @@ each (sequence, kv-head) that finishes last (`fused`), or by a second small kern
 writes the output itself. bench/decode_tune.py times both merges side by side. With `rot`
 (positions within the cache) each chunk is scored against the query turned back by that chunk's
 rotation, one chunk per tile.
+
+An fp8 pool's tiles are loaded as e4m3 bytes, widened to bf16 in registers (exactly: e4m3 is a
+subset of bf16) for bf16 dots, and their scales applied outside the dots: each key column's logit
+times its chunk's K scale, each probability times its chunk's V scale before the second dot.
 """
 
 from __future__ import annotations
@@ -20,7 +24,17 @@ import torch
 import triton
 import triton.language as tl
 
-from kvflash.kernels._common import LOG2E, dot_precision, f32_dot, next_pow2, pool_strides, sm_count
+from kvflash.kernels._common import (
+    LOG2E,
+    chunk_tokens,
+    dot_precision,
+    f32_dot,
+    fp8_scales,
+    is_fp8,
+    next_pow2,
+    pool_strides,
+    sm_count,
+)
 
 BLOCK_TOKENS = 64
 """Tokens per loop iteration: whole chunks, at least this many, so short chunks still fill a tile."""
@@ -59,6 +73,7 @@ def _decode_split_kernel(
     out_ptr,
     count_ptr,
     rot_ptr,
+    sc_ptr,
     qk_scale,
     stride_qb,
     stride_qh,
@@ -85,6 +100,7 @@ def _decode_split_kernel(
     MERGE_ROWS: tl.constexpr,
     PDL: tl.constexpr,
     SHIFTED: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     if PDL:
         # Launched before the previous kernel ends (programmatic dependent launch): wait for its
@@ -110,7 +126,10 @@ def _decode_split_kernel(
     q = tl.load(
         q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None], other=0.0
     )
-    q = q.to(kv_ptr.dtype.element_ty)
+    if FP8:
+        q = q.to(tl.bfloat16)
+    else:
+        q = q.to(kv_ptr.dtype.element_ty)
     if F32_DOT:
         q = q.to(tl.float32)
     if SHIFTED:  # one chunk a block (CPI == 1): its keys move by their chunk's rotation
@@ -123,6 +142,8 @@ def _decode_split_kernel(
     t_chunk = t // C
     t_row = (t % C) * stride_tok
     k_base = kv_ptr + layer_off + h * stride_head
+    if FP8:
+        sc_base = sc_ptr + (layer_off + h * stride_head) // 4  # the scale view starts C rows in
     m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D], tl.float32)
@@ -141,22 +162,35 @@ def _decode_split_kernel(
                 D,
                 F32_DOT,
                 PREC,
+                FP8,
             )
         else:
             k = tl.load(k_base + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         v = tl.load(k_base + stride_kv + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        if FP8:  # each token's chunk's scales (one slot per chunk: cached after the first column)
+            sc_rows = sc_base + slot * stride_slot // 4
+            k_sc = tl.load(sc_rows, mask=valid, other=0.0)
+            v_sc = tl.load(sc_rows + stride_kv // 4, mask=valid, other=0.0)
         if F32_DOT:
             v = v.to(tl.float32)
+        elif FP8:
+            v = v.to(tl.bfloat16)
         if not SHIFTED:  # the order of the measured kernel: both loads issued before the dot
             if F32_DOT:
                 k = k.to(tl.float32)
+            elif FP8:
+                k = k.to(tl.bfloat16)
             qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+        if FP8:
+            qk = qk * k_sc[None, :]
         qk = qk * qk_scale
         qk = tl.where(valid[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
+        if FP8:
+            p = p * v_sc[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m_i = m_new
 
@@ -186,9 +220,20 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def _shifted_qk(qa, qb, rot_row, k_rows, mask, D: tl.constexpr, F32_DOT: tl.constexpr, PREC: tl.constexpr):
+def _shifted_qk(
+    qa,
+    qb,
+    rot_row,
+    k_rows,
+    mask,
+    D: tl.constexpr,
+    F32_DOT: tl.constexpr,
+    PREC: tl.constexpr,
+    FP8: tl.constexpr,
+):
     """q . R(s) k over one chunk's keys, as R(-s) q . k: the query halves qa, qb (fp32) turned back
-    by the chunk's rotation (cos, sin at rot_row: 2 x D/2 fp32), then one dot per half of the keys."""
+    by the chunk's rotation (cos, sin at rot_row: 2 x D/2 fp32), then one dot per half of the keys
+    (fp8 keys: unscaled, widened to bf16)."""
     hd = tl.arange(0, D // 2)
     cos = tl.load(rot_row + hd)[None, :]
     sin = tl.load(rot_row + D // 2 + hd)[None, :]
@@ -199,6 +244,11 @@ def _shifted_qk(qa, qb, rot_row, k_rows, mask, D: tl.constexpr, F32_DOT: tl.cons
     if F32_DOT:
         ka = ka.to(tl.float32)
         kb = kb.to(tl.float32)
+    elif FP8:
+        ka = ka.to(tl.bfloat16)
+        kb = kb.to(tl.bfloat16)
+        ra = ra.to(tl.bfloat16)
+        rb = rb.to(tl.bfloat16)
     else:
         ra = ra.to(ka.dtype)
         rb = rb.to(kb.dtype)
@@ -301,7 +351,7 @@ def decode_launch(head_dim: int, batch: int, kv_bytes: int = 2) -> Launch:
     per SM), its tiles five stages deep, merged in the split kernel: one ramp-up per SM instead of
     four, and with so few splits the merging program reads little. Four stages are slower (the
     compiled kernel holds 72 KB of shared memory, five 137 KB). Only 2-byte KV takes it: fp32 tiles
-    twice the size would not fit in shared memory five deep.
+    twice the size would not fit in shared memory five deep (fp8 tiles, half the size, do).
     From batch 16 the (b, kv-head) programs alone fill the device and 64-token tiles are best, and
     head_dim 128 merges in the split kernel: over two waves at batch 16-31, six from batch 32.
     head_dim 64 keeps the two-kernel merge below batch 16 (the fused merge is slower there at every
@@ -311,13 +361,13 @@ def decode_launch(head_dim: int, batch: int, kv_bytes: int = 2) -> Launch:
         return Launch(BLOCK_TOKENS, 2, 2 if batch < 32 else 6, True)
     if batch >= 16:
         return Launch(BLOCK_TOKENS, 2, WAVES, False)
-    if head_dim >= 128 and batch <= 8 and kv_bytes == 2:
+    if head_dim >= 128 and batch <= 8 and kv_bytes <= 2:
         return Launch(128, 5, 1, True)
     if head_dim >= 128:
         return Launch(128, 3, WAVES * (1 if batch == 1 else 2), False)
     if batch == 1:
         return Launch(BLOCK_TOKENS, 2, WAVES, False)
-    if batch <= 8 and kv_bytes == 2:
+    if batch <= 8 and kv_bytes <= 2:
         return Launch(128, 5, 1, False)
     return Launch(2 * BLOCK_TOKENS, 2, WAVES, False)
 
@@ -379,7 +429,7 @@ def paged_decode_attention(
     both kernels as programmatic dependent launches (`use_pdl`). With `rot` [B, W, 2, D/2] fp32 the
     kernel walks one chunk a block, turning the query by each chunk's rotation."""
     b, hq, d = q.shape
-    h_kv, c = kv_pool.shape[3], kv_pool.shape[4]
+    h_kv, c = kv_pool.shape[3], chunk_tokens(kv_pool)
     assert q.stride(2) == 1 and slot_table.stride(1) == 1, "q and slot_table rows must be contiguous"
     g = hq // h_kv
     tuned = decode_launch(d, b, kv_pool.element_size())
@@ -417,6 +467,7 @@ def paged_decode_attention(
         out,
         counters,
         rot,
+        fp8_scales(kv_pool) if is_fp8(kv_pool) else None,
         sm_scale * LOG2E,
         q.stride(0),
         q.stride(1),
@@ -443,6 +494,7 @@ def paged_decode_attention(
         MERGE_ROWS=merge_rows,
         PDL=pdl,
         SHIFTED=rot is not None,
+        FP8=is_fp8(kv_pool),
         num_warps=num_warps,
         num_stages=num_stages or tuned.stages,
         launch_pdl=pdl,

@@ -8,7 +8,8 @@ context has too few (query block, head) programs to fill the GPU (72 for a 512-t
 SmolLM2's 9 heads on 132 SMs), so then the unmasked slots are split between programs, each writing
 a partial output and its log-sum-exp, merged by the decode kernel's combine (`prefill_splits`). With
 `rot` (positions within the cache) each key chunk is scored against the queries turned back by that
-chunk's rotation, one chunk per tile.
+chunk's rotation, one chunk per tile. An fp8 pool is read as the decode kernel reads it (e4m3 tiles
+widened to bf16, scales applied to the logits and the probabilities).
 """
 
 from __future__ import annotations
@@ -18,7 +19,17 @@ import triton
 import triton.language as tl
 from triton.compiler.errors import CompilationError
 
-from kvflash.kernels._common import LOG2E, dot_precision, f32_dot, next_pow2, pool_strides, sm_count
+from kvflash.kernels._common import (
+    LOG2E,
+    chunk_tokens,
+    dot_precision,
+    f32_dot,
+    fp8_scales,
+    is_fp8,
+    next_pow2,
+    pool_strides,
+    sm_count,
+)
 from kvflash.kernels.triton_decode import COMBINE_COLS, COMBINE_ROWS, _combine_kernel, _shifted_qk
 
 BLOCK_TOKENS = 64
@@ -61,6 +72,7 @@ def _attend_blocks(
     q_pos,
     last_pos,
     k_base,
+    sc_base,
     slots_ptr,
     chunk_index_ptr,
     blk_lo,
@@ -78,6 +90,7 @@ def _attend_blocks(
     PREC: tl.constexpr,
     STAGES: tl.constexpr,
     SHIFTED: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """Online-softmax update over blocks [blk_lo, blk_hi); MASKED applies the causal and list-end masks."""
     t = tl.arange(0, CPI * C)
@@ -94,7 +107,7 @@ def _attend_blocks(
             live = t < CPI * C
         if SHIFTED:  # one chunk a block (CPI == 1)
             qk = _shifted_qk(
-                qa, qb, rot_ptr + blk * D, k_base + rows[:, None], live[:, None], D, F32_DOT, PREC
+                qa, qb, rot_ptr + blk * D, k_base + rows[:, None], live[:, None], D, F32_DOT, PREC, FP8
             )
             v = tl.load(k_base + stride_kv + rows[:, None] + d[None, :], mask=live[:, None], other=0.0)
         elif MASKED:
@@ -106,9 +119,16 @@ def _attend_blocks(
         if not SHIFTED:
             if F32_DOT:
                 k = k.to(tl.float32)
+            elif FP8:
+                k = k.to(tl.bfloat16)
             qk = tl.dot(q, tl.trans(k), input_precision=PREC)
         if F32_DOT:
             v = v.to(tl.float32)
+        elif FP8:
+            v = v.to(tl.bfloat16)
+        if FP8:  # each key's chunk's scales
+            sc_rows = sc_base + slot * stride_slot // 4
+            qk = qk * tl.load(sc_rows, mask=live, other=0.0)[None, :]
         qk = qk * qk_scale
         if MASKED:
             qk = tl.where(live[None, :] & (key_pos[None, :] <= q_pos[:, None]), qk, float("-inf"))
@@ -116,6 +136,8 @@ def _attend_blocks(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
+        if FP8:
+            p = p * tl.load(sc_rows + stride_kv // 4, mask=live, other=0.0)[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m_i = m_new
     return acc, m_i, l_i
@@ -128,6 +150,7 @@ def _prefill_kernel(
     slots_ptr,
     chunk_index_ptr,
     rot_ptr,
+    sc_ptr,
     o_ptr,
     o_part_ptr,
     lse_ptr,
@@ -156,6 +179,7 @@ def _prefill_kernel(
     FULL_STAGES: tl.constexpr,
     SHIFTED: tl.constexpr,
     SPLIT: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     mb = tl.program_id(0)
     h = tl.program_id(1)
@@ -164,7 +188,10 @@ def _prefill_kernel(
     d = tl.arange(0, D)
     q_pos = q_start + r
     q = tl.load(q_ptr + r[:, None] * stride_qt + h * stride_qh + d[None, :], mask=(r < T)[:, None], other=0.0)
-    q = q.to(kv_ptr.dtype.element_ty)
+    if FP8:
+        q = q.to(tl.bfloat16)
+    else:
+        q = q.to(kv_ptr.dtype.element_ty)
     if F32_DOT:
         q = q.to(tl.float32)
     qa = q
@@ -182,6 +209,9 @@ def _prefill_kernel(
     full_blocks = n_full // CPI
 
     k_base = kv_ptr + layer_off + (h // G) * stride_head
+    sc_base = sc_ptr
+    if FP8:
+        sc_base = sc_ptr + (layer_off + (h // G) * stride_head) // 4  # the scale view starts C rows in
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -189,15 +219,15 @@ def _prefill_kernel(
     blk_lo = tl.minimum(s * per_split, full_blocks)
     blk_hi = tl.minimum(blk_lo + per_split, full_blocks)
     acc, m_i, l_i = _attend_blocks(
-        acc, m_i, l_i, q, qa, qb, rot_ptr, q_pos, last_pos, k_base, slots_ptr, chunk_index_ptr, blk_lo,
-        blk_hi, n_vis, qk_scale, stride_slot, stride_kv, stride_tok, C, CPI, D, False, F32_DOT, PREC,
-        FULL_STAGES, SHIFTED,
+        acc, m_i, l_i, q, qa, qb, rot_ptr, q_pos, last_pos, k_base, sc_base, slots_ptr, chunk_index_ptr,
+        blk_lo, blk_hi, n_vis, qk_scale, stride_slot, stride_kv, stride_tok, C, CPI, D, False, F32_DOT,
+        PREC, FULL_STAGES, SHIFTED, FP8,
     )  # fmt: skip
     if s == n_splits - 1:  # the last split also reads the masked slots, up to the block's last query
         acc, m_i, l_i = _attend_blocks(
-            acc, m_i, l_i, q, qa, qb, rot_ptr, q_pos, last_pos, k_base, slots_ptr, chunk_index_ptr,
-            full_blocks, tl.cdiv(n_vis, CPI), n_vis, qk_scale, stride_slot, stride_kv, stride_tok, C, CPI,
-            D, True, F32_DOT, PREC, 1, SHIFTED,
+            acc, m_i, l_i, q, qa, qb, rot_ptr, q_pos, last_pos, k_base, sc_base, slots_ptr,
+            chunk_index_ptr, full_blocks, tl.cdiv(n_vis, CPI), n_vis, qk_scale, stride_slot, stride_kv,
+            stride_tok, C, CPI, D, True, F32_DOT, PREC, 1, SHIFTED, FP8,
         )  # fmt: skip
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -224,7 +254,7 @@ def warm_prefill(kv_pool: torch.Tensor, hq: int, dtype: torch.dtype) -> None:
     of two of splits), on scratch queries over slot 0 (read only). A variant first met inside a turn
     would compile there: a lazily restored turn's short question scouts with rotated keys and
     splits, which no earlier step of the process ran."""
-    d, c, dev = kv_pool.shape[5], kv_pool.shape[4], kv_pool.device
+    d, c, dev = kv_pool.shape[5], chunk_tokens(kv_pool), kv_pool.device
     n = MAX_SPLITS * MIN_SPLIT_BLOCKS * max(1, BLOCK_TOKENS // c)  # key tiles for every split
     slots = torch.zeros(n, dtype=torch.int32, device=dev)
     index = torch.arange(n, dtype=torch.int32, device=dev)
@@ -282,7 +312,7 @@ def prefill_attention(
     With `rot` [n, 2, D/2] fp32 the kernel walks one chunk a block, turning the queries by each
     chunk's rotation. `n_splits` overrides `prefill_splits`, `block_m` the query tile (`_block_m`)."""
     t, hq, d = q.shape
-    h_kv, c = kv_pool.shape[3], kv_pool.shape[4]
+    h_kv, c = kv_pool.shape[3], chunk_tokens(kv_pool)
     assert q.stride(2) == 1 and slots.is_contiguous() and chunk_index.is_contiguous()
     cpi = 1 if rot is not None else max(1, BLOCK_TOKENS // c)
     if rot is not None:
@@ -302,6 +332,7 @@ def prefill_attention(
         slots,
         chunk_index,
         rot,
+        fp8_scales(kv_pool) if is_fp8(kv_pool) else None,
         out,
         o_part,
         lse,
@@ -330,6 +361,7 @@ def prefill_attention(
         FULL_STAGES=3 if block_m * d <= TILE_ELEMS_DEEP else 2,
         SHIFTED=rot is not None,
         SPLIT=splits > 1,
+        FP8=is_fp8(kv_pool),
         num_warps=8 if block_m == 128 else 4,
     )
     if splits > 1:

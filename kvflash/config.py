@@ -11,16 +11,21 @@ from kvflash.policies import POLICIES
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-KV_DTYPES = ("auto", *DTYPES)
-"""`EngineConfig.kv_dtype` choices: `auto` or a name of DTYPES."""
+"""Compute dtypes (`--dtype`), each also a KV dtype."""
+KV_DTYPE_NAMES = {**DTYPES, "fp8": torch.float8_e4m3fn}
+"""KV dtypes by `--kv-dtype` name: fp8 is e4m3 with one fp32 scale per (chunk, layer, K/V, kv-head)
+(kvflash/pool.py: `slot_shape`)."""
+KV_DTYPES = ("auto", *KV_DTYPE_NAMES)
+"""`EngineConfig.kv_dtype` choices: `auto` or a name of KV_DTYPE_NAMES."""
 
 
 def resolve_kv_dtype(name: str, compute: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype KV is kept in, in every tier. `auto`: bf16 where the model computes in fp32 on the
     CPU (half the bytes in memory and on disk; attention still computes in fp32), else the model's
-    own dtype (on CUDA that is already 16-bit, and the kernels read it at full speed)."""
+    own dtype (on CUDA that is already 16-bit, and the kernels read it at full speed). fp8 is never
+    chosen by `auto`: it is lossy (docs/BENCHMARKS.md: "fp8 KV")."""
     if name != "auto":
-        return DTYPES[name]
+        return KV_DTYPE_NAMES[name]
     return torch.bfloat16 if compute == torch.float32 and device.type == "cpu" else compute
 
 

@@ -14,7 +14,7 @@ import torch
 
 from kvflash import kernels
 from kvflash.batch_kv import BatchKV, padded_size
-from kvflash.config import DTYPES, EngineConfig, resolve_kv_dtype
+from kvflash.config import KV_DTYPE_NAMES, EngineConfig, resolve_kv_dtype
 from kvflash.decode_graph import BatchGraphs
 from kvflash.generate import Sampler, Sampling, Step, decode, eager_step
 from kvflash.host_tier import HostTier
@@ -53,14 +53,16 @@ class Engine:
 
     @property
     def kv_dtype_name(self) -> str:
-        """The KV dtype as `--kv-dtype` names it (fp32, bf16, fp16)."""
-        return next(name for name, dt in DTYPES.items() if dt == self.kv_dtype)
+        """The KV dtype as `--kv-dtype` names it (fp32, bf16, fp16, fp8)."""
+        return next(name for name, dt in KV_DTYPE_NAMES.items() if dt == self.kv_dtype)
 
     def other_kv_fingerprints(self) -> dict[str, str]:
         """The fingerprints of this model's KV in each other dtype (this chunk size), to the dtype's
         name: snapshots under them are this model's, with KV this engine does not restore."""
         c = self.cfg.residency.chunk_tokens
-        return {self.lm.fingerprint(c, dt): name for name, dt in DTYPES.items() if dt != self.kv_dtype}
+        return {
+            self.lm.fingerprint(c, dt): name for name, dt in KV_DTYPE_NAMES.items() if dt != self.kv_dtype
+        }
 
     def warm_up(self) -> None:
         """A prefill and decode steps on scratch sequences: one of the pool's budget, whose prefill

@@ -24,7 +24,7 @@ import torch
 
 from kvflash import KVFlashError
 from kvflash.chunk_index import ChunkIndex
-from kvflash.pool import ChunkPool, chunk_bytes, chunk_shape
+from kvflash.pool import ChunkPool, chunk_bytes
 
 BLOCK_SLOTS = 64
 """Host memory grows in blocks of this many chunks, so a large budget costs nothing until used."""
@@ -69,7 +69,7 @@ def runs(src: list[int], dst: list[int], block: int) -> Iterator[tuple[int, int,
 class HostTier:
     def __init__(self, pool: ChunkPool, budget_bytes: int):
         self.pool = pool
-        self.shape = chunk_shape(pool.cfg, pool.chunk_tokens)
+        self.shape = tuple(pool.kv.shape[1:])
         self.dtype = pool.kv.dtype
         self.slot_bytes = chunk_bytes(pool.cfg, pool.chunk_tokens, self.dtype)
         self.max_slots = budget_bytes // self.slot_bytes

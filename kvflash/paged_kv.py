@@ -413,23 +413,20 @@ class PagedKV:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kv = self.pool.kv
-        if self.uses_triton:
-            kernels.write_tokens(kv, layer, self._w_slot, self._w_off, k, v)
-        else:
-            kv[:, layer, 0][self._w_slot.long(), :, self._w_off.long()] = k.to(kv.dtype)
-            kv[:, layer, 1][self._w_slot.long(), :, self._w_off.long()] = v.to(kv.dtype)
+        kernels.write_tokens(kv, layer, self._w_slot, self._w_off, k, v)
         if self.queries is not None and self._n_cand:
             self.queries.append(q[-self.cfg.score_queries :].float())
         if self.uses_triton:
             return self._attend_triton(layer, q)
         # K/V in the pool's dtype are read in q's (the model's) dtype: a 16-bit KV under an fp32
-        # model attends in fp32, as the reference twins do.
+        # model attends in fp32, as the reference twins do (fp8 KV: its values, in fp32).
         h_kv, d = kv.shape[3], kv.shape[5]
-        keys = kv[self._slots, layer, 0].transpose(0, 1)  # [Hkv, n, C, D]
+        kv = kernels.reference.kv_values(kv[self._slots, layer])  # [n, 2, Hkv, C, D]
+        keys = kv[:, 0].transpose(0, 1)  # [Hkv, n, C, D]
         if self._rot is not None:
             keys = kernels.reference.shift_keys(keys, self._rot)
         keys = keys.reshape(h_kv, -1, d).to(q.dtype)
-        values = kv[self._slots, layer, 1].transpose(0, 1).reshape(h_kv, -1, d).to(q.dtype)
+        values = kv[:, 1].transpose(0, 1).reshape(h_kv, -1, d).to(q.dtype)
         return sdpa(q, keys, values, self._mask)
 
     def _attend_triton(self, layer: int, q: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ Layout (little-endian): a header, then one fixed-size record per chunk:
   header  magic "KVFPAGE1", version u16, fingerprint 32 bytes, chunk_tokens u32, dtype u8,
           n_layers u32, n_kv_heads u32, head_dim u32, n_chunks u32, header crc32 u32
   record  flags u8 (1 = was resident), score f32, token ids i32[C], summary f32[L, Hkv, B, D],
-          KV bytes [L, 2, Hkv, C, D] in the KV dtype, record crc32 u32
+          KV bytes [L, 2, Hkv, C, D] in the KV dtype (fp8: as held, `pool.slot_shape`), record crc32 u32
 Because records have a fixed size, the blob's length is checked against the header before anything
 is allocated, and every checksum is checked before anything is written into the pool or host tier.
 """
@@ -23,7 +23,7 @@ from kvflash.pool import chunk_bytes
 MAGIC = b"KVFPAGE1"
 VERSION = 1
 HEADER = struct.Struct("<8sH32sIBIIII")
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3}
 RECORD_HEAD = struct.Struct("<Bf")
 
 

@@ -21,9 +21,21 @@ class PoolFull(KVFlashError):
     pass
 
 
+FP8 = torch.float8_e4m3fn
+
+
 def chunk_shape(cfg: ModelConfig, chunk_tokens: int) -> tuple[int, ...]:
-    """Per-chunk layout `[n_layers, 2, n_kv_heads, chunk_tokens, head_dim]`, shared by every tier."""
+    """Per-chunk KV `[n_layers, 2, n_kv_heads, chunk_tokens, head_dim]`, as stored and hashed."""
     return (cfg.n_layers, 2, cfg.n_kv_heads, chunk_tokens, cfg.head_dim)
+
+
+def slot_shape(cfg: ModelConfig, chunk_tokens: int, dtype: torch.dtype) -> tuple[int, ...]:
+    """A slot's layout, shared by the pool and the host tier: `chunk_shape`, with one more row per
+    (layer, K/V, kv-head) for fp8 KV, whose first 4 bytes hold that block's fp32 scale
+    (`kernels.fp8_scales`). So a chunk's scales travel with its bytes: a page-out, a page-in or a
+    staging copy of an fp8 chunk is still one copy of one contiguous run."""
+    rows = chunk_tokens + (dtype == FP8)
+    return (cfg.n_layers, 2, cfg.n_kv_heads, rows, cfg.head_dim)
 
 
 def summary_shape(cfg: ModelConfig, summary_blocks: int) -> tuple[int, ...]:
@@ -32,7 +44,8 @@ def summary_shape(cfg: ModelConfig, summary_blocks: int) -> tuple[int, ...]:
 
 
 def chunk_bytes(cfg: ModelConfig, chunk_tokens: int, dtype: torch.dtype) -> int:
-    return cfg.kv_bytes_per_token(dtype) * chunk_tokens
+    """Bytes of one slot (`slot_shape`)."""
+    return math.prod(slot_shape(cfg, chunk_tokens, dtype)) * dtype.itemsize
 
 
 def slots_for(
@@ -64,8 +77,9 @@ def slots_for(
 
 
 class ChunkPool:
-    """Slots of `[n_layers, 2, Hkv, C, D]`; the epoch changes with every residency change, so anything
-    derived from residency (slot lists, masks) is rebuilt when it moves instead of being trusted.
+    """Slots of `slot_shape` (`[n_layers, 2, Hkv, C, D]`, C + 1 rows for fp8); the epoch changes with
+    every residency change, so anything derived from residency (slot lists, masks) is rebuilt when it
+    moves instead of being trusted.
     One more slot than `n_slots`, `pad_slot`, is never given out: the rows that pad a batched decode
     step to the size its CUDA graph was captured for write and read it."""
 
@@ -74,7 +88,9 @@ class ChunkPool:
     ):
         self.cfg = cfg
         self.chunk_tokens = chunk_tokens
-        self.kv = torch.zeros((n_slots + 1, *chunk_shape(cfg, chunk_tokens)), dtype=dtype, device=device)
+        self.kv = torch.zeros(
+            (n_slots + 1, *slot_shape(cfg, chunk_tokens, dtype)), dtype=dtype, device=device
+        )
         self._free = list(range(n_slots - 1, -1, -1))
         self._refs = [0] * n_slots
         """Readers of each slot (0: free): a release is checked in O(1), not by a scan of `_free`."""

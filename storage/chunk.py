@@ -15,7 +15,7 @@ from kvflash.storage.names import check_fingerprint, check_hash
 ROOT_HASH = "0" * 64
 """The parent of chunk 0."""
 
-KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 
 
 def token_bytes(tokens: Sequence[int] | np.ndarray | torch.Tensor) -> bytes:
@@ -76,7 +76,8 @@ def chain_hashes(
 
 @dataclass
 class ChunkBlob:
-    """One full, final chunk: its tokens, key summary and KV `[L, 2, Hkv, C, D]` (on any device)."""
+    """One full, final chunk: its tokens, key summary and KV `[L, 2, Hkv, C, D]` (on any device; fp8
+    KV as held, with a scale row: `codec.held_shape`)."""
 
     fingerprint: str
     index: int
@@ -116,8 +117,9 @@ class ChunkBlob:
         if kv.dim() != 5 or kv.shape[1] != 2:
             raise InvalidChunk(f"chunk {self.index}: kv must be [L, 2, Hkv, C, D], got {tuple(kv.shape)}")
         if kv.dtype not in KV_DTYPES:
-            raise InvalidChunk(f"chunk {self.index}: kv dtype {kv.dtype} is not bf16, fp16 or fp32")
+            raise InvalidChunk(f"chunk {self.index}: kv dtype {kv.dtype} is not bf16, fp16, fp32 or fp8")
         L, _, H, C, D = kv.shape
+        C -= kv.dtype == torch.float8_e4m3fn  # its last row holds the scales
         if len(self.tokens) != C:
             raise InvalidChunk(f"chunk {self.index}: {len(self.tokens)} tokens for a {C}-token chunk")
         if s.dtype != torch.float32 or s.dim() != 4 or (s.shape[0], s.shape[1], s.shape[3]) != (L, H, D):

@@ -6,7 +6,9 @@
   SmolLM2 KV of 4K tokens of prose the two planes compress 1.44x, within 2% of what coding each
   element's exponent and its sign and mantissa apart, without context, can reach (1.465x: 2.9 bits
   of exponent, 8 of sign and mantissa); the exponent in a plane of its own, channel-major, gained 1%.
-- fp8: e4m3 with one fp32 scale per (layer, K/V, kv-head), then zstd. Lossy; see `fp8_error`.
+- fp8: e4m3 with one fp32 scale per (layer, K/V, kv-head), then zstd. Lossy; see `fp8_error`. KV
+  that is fp8 already (`--kv-dtype fp8`, dtype code 4) is stored in this codec as it is held: its
+  scales and bytes, no second rounding.
 
 The "raw" bytes of a codec are what zstd compresses: the planes, or the scales followed by the fp8
 bytes. Decoding never allocates more than the raw size the caller validated against the shape.
@@ -30,6 +32,7 @@ DEFAULT_LEVEL = 1
 store)."""
 FP8_MAX = 448.0
 """Largest finite float8_e4m3fn."""
+FP8 = torch.float8_e4m3fn
 
 
 class Codec(IntEnum):
@@ -39,7 +42,7 @@ class Codec(IntEnum):
 
 CODEC_NAMES = {"lossless": Codec.LOSSLESS, "fp8": Codec.FP8}
 
-DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
+DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, FP8: 4}
 DTYPES_BY_CODE = {v: k for k, v in DTYPE_CODES.items()}
 _TORCH_UINT = {2: torch.uint16, 4: torch.uint32}
 
@@ -68,6 +71,25 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return _local.decompressor
 
 
+def held_shape(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The tensor a chunk of KV shape `[L, 2, Hkv, C, D]` is held in: fp8 KV has one more row per
+    (layer, K/V, kv-head), whose first 4 bytes are that block's fp32 scale (kvflash/pool.py,
+    `slot_shape`)."""
+    L, two, H, C, D = shape
+    return (L, two, H, C + 1, D) if dtype == FP8 else tuple(shape)
+
+
+def kv_shape(held: torch.Tensor) -> tuple[int, ...]:
+    """The KV shape `[L, 2, Hkv, C, D]` of a chunk held in `held` (inverse of `held_shape`)."""
+    L, two, H, rows, D = held.shape
+    return (L, two, H, rows - (held.dtype == FP8), D)
+
+
+def fits(codec: Codec, dtype: torch.dtype) -> bool:
+    """Whether a codec stores KV of a dtype: fp8 KV only in the fp8 codec (its scales are part of it)."""
+    return dtype != FP8 or codec == Codec.FP8
+
+
 def raw_size(codec: Codec, dtype: torch.dtype, shape: tuple[int, ...]) -> int:
     """The raw length a codec produces for a shape; the bound every decode is held to."""
     n = math.prod(shape)
@@ -77,8 +99,12 @@ def raw_size(codec: Codec, dtype: torch.dtype, shape: tuple[int, ...]) -> int:
 
 
 def encode(kv: torch.Tensor, codec: Codec, level: int = DEFAULT_LEVEL) -> Encoded:
+    """kv as held (`held_shape`); fp8 KV takes the fp8 codec whatever `codec` says."""
     kv = kv.detach().cpu().contiguous()
-    raw = _split_planes(kv) if codec == Codec.LOSSLESS else _fp8_raw(kv)
+    if kv.dtype == FP8:
+        raw = _fp8_held_raw(kv)
+    else:
+        raw = _split_planes(kv) if codec == Codec.LOSSLESS else _fp8_raw(kv)
     return Encoded(_compressor(level).compress(raw), len(raw), zlib.crc32(raw))
 
 
@@ -93,8 +119,10 @@ def decode(
 ) -> torch.Tensor:
     """Inverse of `encode`. Raises ValueError on any inconsistency, before allocating when it can.
 
-    `out`, a contiguous CPU tensor of this dtype and shape (say, a host-tier slot), receives the KV
-    once every check has passed; decoding into it saves an allocation and a copy."""
+    `out`, a contiguous CPU tensor of this dtype and held shape (say, a host-tier slot), receives the
+    KV once every check has passed; decoding into it saves an allocation and a copy."""
+    if not fits(codec, dtype):
+        raise ValueError(f"codec {codec.name.lower()} does not hold {dtype} KV")
     if raw_len != raw_size(codec, dtype, shape):
         raise ValueError(f"raw length {raw_len} does not fit shape {list(shape)} and dtype {dtype}")
     raw = _scratch("raw", raw_len)
@@ -116,11 +144,14 @@ def decode(
     # pass of crc32 over the raw bytes; frames written before it existed use the header's raw crc.
     if not frame.has_checksum and zlib.crc32(raw) != raw_crc:
         raise ValueError("raw checksum mismatch")
+    held = held_shape(dtype, shape)
     if out is None:
-        out = torch.empty(shape, dtype=dtype)
-    assert (out.dtype, tuple(out.shape)) == (dtype, shape), "the caller checks `out` against the header"
+        out = torch.empty(held, dtype=dtype)
+    assert (out.dtype, tuple(out.shape)) == (dtype, held), "the caller checks `out` against the header"
     assert out.is_contiguous() and out.device.type == "cpu", "the store checks `out` is host memory"
-    if codec == Codec.LOSSLESS:
+    if dtype == FP8:
+        _fp8_held_decode(raw, out)
+    elif codec == Codec.LOSSLESS:
         _merge_planes(raw, _as_uint(out))
     else:
         _fp8_decode(raw, out)
@@ -183,6 +214,24 @@ def _fp8_raw(kv: torch.Tensor) -> bytes:
     y = np.clip(x / scale[..., None, None], -FP8_MAX, FP8_MAX)
     q = np.take(_FP8_FROM_BF16, _round_to_bf16_bits(y))
     return scale.tobytes() + q.tobytes()
+
+
+def _fp8_held_raw(kv: torch.Tensor) -> bytes:
+    """fp8 KV as held -> the fp8 codec's raw bytes: its scales (the first 4 bytes of each block's
+    last row), then its e4m3 bytes, as they are."""
+    blocks = kv.view(torch.uint8).numpy().reshape(-1, kv.shape[-2], kv.shape[-1])
+    return blocks[:, -1, :4].tobytes() + blocks[:, :-1].tobytes()
+
+
+def _fp8_held_decode(raw: memoryview, out: torch.Tensor) -> None:
+    """The fp8 codec's raw bytes -> fp8 KV as held (inverse of `_fp8_held_raw`); the rest of each
+    scale row is zero."""
+    blocks = out.view(torch.uint8).numpy().reshape(-1, out.shape[-2], out.shape[-1])
+    n = blocks.shape[0]
+    src = np.frombuffer(raw, dtype=np.uint8)
+    blocks[:, -1] = 0
+    blocks[:, -1, :4] = src[: 4 * n].reshape(n, 4)
+    blocks[:, :-1] = src[4 * n :].reshape(n, blocks.shape[1] - 1, blocks.shape[2])
 
 
 def _fp8_decode(raw: memoryview, out: torch.Tensor) -> None:

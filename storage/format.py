@@ -28,7 +28,10 @@ from kvflash.storage.errors import (
 from kvflash.storage.names import MAX_FINGERPRINT, check_fingerprint
 
 MAGIC = b"KVFLCHNK"
-VERSION = 1
+VERSION = 2
+"""Version 2 adds KV dtype 4 (fp8 e4m3, stored in the fp8 codec as held); a version 1 file reads as
+before and never holds it."""
+VERSIONS = (1, 2)
 
 _PREFIX = struct.Struct("<8sH")
 _HEADER = struct.Struct(f"<8sHBB{MAX_FINGERPRINT}sQ32s32s5IIIQQIII")
@@ -96,7 +99,10 @@ class ChunkHeader:
 
 
 def encode_chunk(blob: ChunkBlob, codec_id: Codec, level: int) -> tuple[bytes, bytes, ChunkHeader]:
-    """(header + tokens + summary, payload, header): two buffers so the payload is never copied."""
+    """(header + tokens + summary, payload, header): two buffers so the payload is never copied.
+    fp8 KV takes the fp8 codec whatever `codec_id` says (`codec.fits`)."""
+    if not codec.fits(codec_id, blob.kv.dtype):
+        codec_id = Codec.FP8
     enc = codec.encode(blob.kv, codec_id, level)
     meta = token_bytes(blob.tokens) + blob.summary.detach().cpu().contiguous().numpy().astype("<f4").tobytes()
     h = ChunkHeader(
@@ -107,7 +113,7 @@ def encode_chunk(blob: ChunkBlob, codec_id: Codec, level: int) -> tuple[bytes, b
         index=blob.index,
         chain_hash=blob.chain_hash,
         parent_hash=blob.parent_hash,
-        shape=tuple(blob.kv.shape),
+        shape=codec.kv_shape(blob.kv),
         n_tokens=len(blob.tokens),
         summary_blocks=blob.summary.shape[2],
         raw_len=enc.raw_len,
@@ -148,14 +154,17 @@ def with_crc(body: bytes) -> bytes:
 
 def parse_header(buf: bytes | memoryview, file_len: int, chunk_hash: str) -> ChunkHeader:
     """Reads and validates a header against the file length; allocates nothing sized by the header."""
-    f = checked_fields(buf, _HEADER, MAGIC, VERSION, "chunk file", chunk_hash)
+    f = checked_fields(buf, _HEADER, MAGIC, VERSIONS, "chunk file", chunk_hash)
     codec_id, dtype_code = f[2], f[3]
     if codec_id not in Codec._value2member_map_ or dtype_code not in codec.DTYPES_BY_CODE:
         raise ChunkCorrupt(chunk_hash, f"unknown codec {codec_id} or dtype {dtype_code}")
+    dtype = codec.DTYPES_BY_CODE[dtype_code]
+    if not codec.fits(Codec(codec_id), dtype) or (dtype == codec.FP8 and f[1] < 2):
+        raise ChunkCorrupt(chunk_hash, f"codec {codec_id} with dtype {dtype_code} in a version {f[1]} file")
     h = ChunkHeader(
         version=f[1],
         codec=Codec(codec_id),
-        dtype=codec.DTYPES_BY_CODE[dtype_code],
+        dtype=dtype,
         fingerprint=fingerprint_field(f[4], chunk_hash),
         index=f[5],
         chain_hash=f[6].hex(),
@@ -174,17 +183,23 @@ def parse_header(buf: bytes | memoryview, file_len: int, chunk_hash: str) -> Chu
 
 
 def checked_fields(
-    buf: bytes | memoryview, fields: struct.Struct, magic: bytes, version: int, what: str, chunk_hash: str
+    buf: bytes | memoryview,
+    fields: struct.Struct,
+    magic: bytes,
+    versions: tuple[int, ...],
+    what: str,
+    chunk_hash: str,
 ) -> tuple:
     """The fields of a header laid out as `fields` (magic and version first) and followed by the
-    crc32 of its bytes, checked in that order: magic, version, length, checksum."""
+    crc32 of its bytes, checked in that order: magic, version (one of `versions`), length, checksum."""
     if len(buf) < _PREFIX.size:
         raise ChunkCorrupt(chunk_hash, f"truncated: {len(buf)} bytes")
     found, v = _PREFIX.unpack_from(buf)
     if found != magic:
         raise ChunkCorrupt(chunk_hash, f"not a kvflash {what} (bad magic)")
-    if v != version:
-        raise UnsupportedVersion(chunk_hash, f"{what} format version {v}; this kvflash reads {version}")
+    if v not in versions:
+        known = ", ".join(map(str, versions))
+        raise UnsupportedVersion(chunk_hash, f"{what} format version {v}; this kvflash reads {known}")
     size = fields.size + _HEADER_CRC.size
     if len(buf) < size:
         raise ChunkCorrupt(chunk_hash, f"truncated header: {len(buf)} of {size} bytes")
@@ -285,14 +300,14 @@ def decode_chunk(
     stored_crc: bool = True,
 ) -> ChunkBlob:
     """A whole chunk file -> ChunkBlob, after checking every checksum and the chain hash. The KV is
-    decoded into `out` when given (which then sets the expected shape and dtype).
+    decoded into `out` when given (which then sets the expected dtype, and shape: `codec.kv_shape`).
 
     `stored_crc=False` (restores) skips the crc32 over the stored payload when its zstd frame carries
     a content checksum: damage there then fails decompression or that checksum, so the chunk is still
     refused, for one pass over the payload less (about a tenth of a restore's decode CPU). `verify`
     checks both."""
     if out is not None:
-        expect_shape, expect_dtype = tuple(out.shape), out.dtype
+        expect_shape, expect_dtype = codec.kv_shape(out), out.dtype
     h = parse_header(buf, len(buf), chunk_hash)
     check_identity(h, chunk_hash, expect_fingerprint, expect_shape, expect_dtype)
     view = memoryview(buf)

@@ -101,7 +101,7 @@ def pack_head(
 def parse_summaries_header(buf: bytes | memoryview, file_len: int, name: str) -> SummariesHeader:
     """The header of the file named after chain `name`, checked against the file's size before any
     of the rest is read."""
-    f = checked_fields(buf, _HEADER, MAGIC, VERSION, "summaries file", name)
+    f = checked_fields(buf, _HEADER, MAGIC, (VERSION,), "summaries file", name)
     h = SummariesHeader(
         fingerprint=fingerprint_field(f[2], name),
         last_hash=f[3].hex(),

@@ -37,7 +37,7 @@ import torch
 from kvflash.storage import errors
 from kvflash.storage.backend import LocalDirBackend, ReadBuffer
 from kvflash.storage.chunk import ChunkBlob
-from kvflash.storage.codec import DTYPE_CODES, DTYPES_BY_CODE
+from kvflash.storage.codec import DTYPE_CODES, DTYPES_BY_CODE, held_shape, kv_shape
 from kvflash.storage.format import HEADER_SIZE, MAX_FILE_BYTES, decode_chunk, parse_header
 
 SEGMENT_BYTES = 32 << 20
@@ -294,12 +294,12 @@ class DecodeWorkers:
         out: torch.Tensor | None,
     ) -> ChunkBlob:
         if out is not None:
-            shape, dtype = tuple(out.shape), out.dtype
+            shape, dtype = kv_shape(out), out.dtype
         if (shape is not None and shape != d.shape) or (dtype is not None and dtype != d.dtype):
             raise errors.ChunkMismatch(
                 d.chain_hash, f"shape {list(d.shape)} {d.dtype}, expected {list(shape or d.shape)} {dtype}"
             )
-        kv = torch.empty(d.shape, dtype=d.dtype) if out is None else out
+        kv = torch.empty(held_shape(d.dtype, d.shape), dtype=d.dtype) if out is None else out
         size = kv.numel() * kv.element_size()
         # numpy copies without the GIL; torch's copy_ would start an OpenMP team from each thread
         np.copyto(kv.view(torch.uint8).numpy().reshape(-1), np.frombuffer(w.mem, np.uint8, size, d.kv_at))
@@ -355,13 +355,14 @@ def _decode_run(
         try:
             raw = backend.get(h, MAX_FILE_BYTES, buf, HEADER_SIZE, partial(parse_header, chunk_hash=h))
             head = parse_header(raw, len(raw), h)
-            kv_bytes = int(np.prod(head.shape)) * head.dtype.itemsize
+            held = held_shape(head.dtype, head.shape)
+            kv_bytes = int(np.prod(held)) * head.dtype.itemsize
             sum_at = at + kv_bytes
             end = sum_at + 4 * int(np.prod(head.summary_shape))
             if end > len(mem):
                 break
             n = kv_bytes // head.dtype.itemsize
-            out = torch.frombuffer(mem, dtype=head.dtype, count=n, offset=at).view(head.shape)
+            out = torch.frombuffer(mem, dtype=head.dtype, count=n, offset=at).view(held)
             blob = decode_chunk(raw, h, fp, out=out, stored_crc=False)
         except errors.ChunkError as e:
             error = {"type": type(e).__name__, "hash": e.chunk_hash, "reason": e.reason}

@@ -103,7 +103,7 @@ def test_bad_flags_give_one_line(tmp_path, capfd, monkeypatch, doc) -> None:
         ),
     }
     for command in (["ask", str(doc), "q?"], ["chat", str(doc)], ["serve"], ["niah"], ["bench"]):
-        cases[f"{command[0]} kv-dtype fp8"] = ([*command, "--kv-dtype", "fp8"], "--kv-dtype")
+        cases[f"{command[0]} kv-dtype fp4"] = ([*command, "--kv-dtype", "fp4"], "--kv-dtype")
     if not torch.cuda.is_available():
         cases["device cuda without CUDA"] = (["generate", "hi", "--device", "cuda"], "no CUDA device")
     for name, (argv, message) in cases.items():

@@ -12,6 +12,7 @@ unwritten fails.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import os
 import random
@@ -343,12 +344,15 @@ def _variants(kernel) -> int:
 
 
 @on_gpu
-def test_gpu_warm_leaves_no_prefill_or_scoring_variant_to_compile() -> None:
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_gpu_warm_leaves_no_prefill_or_scoring_variant_to_compile(kv: str) -> None:
     """After `kernels.warm`, prefill and scoring calls of any length, slot count and rotation (what
-    turns launch) compile nothing: none compiles on a turn's path."""
+    turns launch) compile nothing: none compiles on a turn's path (over bf16 KV, and fp8 KV)."""
     tp, ts = triton_impl("triton_prefill"), triton_impl("triton_scoring")
     hq, h_kv, c, d, n_slots = 9, 3, 64, 64, 96
     pool = torch.randn(n_slots, 2, 2, h_kv, c, d, device="cuda").to(torch.bfloat16)
+    if kv == "fp8":
+        pool = fp8_pool(pool)
     kernels.warm(pool, hq, torch.bfloat16)
     watched = (tp._prefill_kernel, tp._combine_kernel, ts._lse_kernel)
     before = [_variants(k) for k in watched]
@@ -565,10 +569,12 @@ def test_interp_gather_scatter(n, layers, h_kv, d, c, dtype) -> None:
 
 
 @interp
-def test_interp_sequence_decodes_through_the_kernels_as_through_the_reference() -> None:
+@pytest.mark.parametrize("kv_dtype", ["fp32", "fp8"])
+def test_interp_sequence_decodes_through_the_kernels_as_through_the_reference(kv_dtype: str) -> None:
     """A sequence larger than its budget decodes through the kernels (forced on, as on CUDA) to the
     reference path's logits: the decode buffers (slot table padded to the budget, the step's inputs
-    sent in one copy, turned keys), chunk boundaries and re-selections every 8 tokens."""
+    sent in one copy, turned keys), chunk boundaries and re-selections every 8 tokens; fp8 KV
+    written by the kernels (scales included) as by the twins."""
     from kvflash.config import EngineConfig, ResidencyConfig
     from kvflash.engine import Engine
     from kvflash.models.loader import LoadedModel
@@ -583,7 +589,7 @@ def test_interp_sequence_decodes_through_the_kernels_as_through_the_reference() 
     for forced in (False, True):
         force = mock.patch.object(kernels, "uses_triton", return_value=True)
         with force if forced else contextlib.nullcontext():
-            eng = Engine(lm, EngineConfig(pool_tokens=1024, residency=res, kv_dtype="fp32"))
+            eng = Engine(lm, EngineConfig(pool_tokens=1024, residency=res, kv_dtype=kv_dtype))
             kv = eng.new_sequence(6 * 16)
             logits, step, out = eng.prefill(kv, ids), eng.decode_step(kv), []
             for i, pos in enumerate(range(len(ids), len(ids) + 24)):
@@ -594,7 +600,9 @@ def test_interp_sequence_decodes_through_the_kernels_as_through_the_reference() 
             assert kv.uses_triton == forced
             assert not forced or kv.shifted  # chunks evicted between resident ones
         runs.append(torch.stack(out))
-    torch.testing.assert_close(runs[1], runs[0], **TOL[torch.float32])
+    torch.testing.assert_close(
+        runs[1], runs[0], **TOL[torch.float32 if kv_dtype == "fp32" else torch.bfloat16]
+    )
 
 
 @interp
@@ -703,6 +711,191 @@ def test_interp_layer_ops(case: Layer) -> None:
 )
 def test_gpu_layer_ops(case: Layer) -> None:
     check_layer_ops(case, "cuda")
+
+
+# -- fp8 pools ------------------------------------------------------------------------------------
+
+FP8 = torch.float8_e4m3fn
+
+
+def fp8_pool(pool: torch.Tensor) -> torch.Tensor:
+    """An fp8 pool of pool's values (NaN where they are NaN): each (slot, layer, K/V, kv-head) block
+    quantised with its own scale, its largest finite magnitude / 448, in the block's extra row."""
+    amax = pool.float().nan_to_num(0).abs().amax((-2, -1))
+    scale = torch.where(amax > 0, amax / 448, 1.0)
+    out = torch.zeros(*pool.shape[:-2], pool.shape[-2] + 1, pool.shape[-1], dtype=FP8, device=pool.device)
+    out[..., :-1, :] = ref.quantize_fp8(pool, scale[..., None, None])
+    kernels._common.fp8_scales(out).copy_(scale)
+    return out
+
+
+def with_fp8_pool(args: tuple) -> tuple:
+    return (args[0], fp8_pool(args[1]), *args[2:])
+
+
+def check_decode_fp8(case: Decode, device: str, fused: bool = True, shifted: bool = False) -> None:
+    """case.dtype is the queries' (bf16 as on CUDA, fp32 where the dots must be exact)."""
+    q, *rest = decode_inputs(dataclasses.replace(case, dtype=torch.float32), device)
+    args = with_fp8_pool((q.to(case.dtype), *rest))
+    rot = random_rot((case.batch, case.max_n), case.d, case.seed, device) if shifted else None
+    with poisoned_outputs():
+        out = triton_impl("triton_decode").paged_decode_attention(
+            *args, n_splits=case.splits, fused=fused, rot=rot
+        )
+    close(out, ref.paged_decode_attention(*args, rot=rot), torch.bfloat16)
+
+
+def check_prefill_fp8(case: Prefill, device: str, shifted: bool = False) -> None:
+    q, *rest = prefill_inputs(dataclasses.replace(case, dtype=torch.float32), device)
+    args = with_fp8_pool((q.to(case.dtype), *rest))
+    rot = random_rot((args[3].numel(),), case.d, case.seed, device) if shifted else None
+    with poisoned_outputs():
+        out = triton_impl("triton_prefill").prefill_attention(*args, rot=rot)
+    close(out, ref.prefill_attention(*args, rot=rot), torch.bfloat16)
+
+
+def check_scoring_fp8(case: Lse, device: str, blocks: int = 4) -> None:
+    q, pool, slots, rot = lse_inputs(dataclasses.replace(case, dtype=torch.float32), device)
+    pool = fp8_pool(pool)
+    scoring = triton_impl("triton_scoring")
+    with poisoned_outputs():
+        lse, summaries = scoring.chunk_lse(q, pool, slots, rot), scoring.chunk_summaries(pool, slots, blocks)
+    close(lse, ref.chunk_lse(q, pool, slots, rot), torch.float32)
+    close(summaries, ref.chunk_summaries(pool, slots, blocks), torch.float32)
+
+
+def check_write_fp8(runs: list[tuple[int, int, int]], h_kv: int, d: int, c: int, device: str) -> None:
+    """Writes of runs (slot, first offset, tokens), one launch for all, then one token more into the
+    first run's chunk (which has room for it): bit for bit what the twin writes, scales included."""
+    g = torch.Generator().manual_seed(len(runs))
+    pool = fp8_pool(torch.randn(8, 2, 2, h_kv, c, d, generator=g)).to(device)
+    slot = torch.tensor([s for s, o, n in runs for _ in range(n)], dtype=torch.int32, device=device)
+    offset = torch.tensor([o + i for s, o, n in runs for i in range(n)], dtype=torch.int32, device=device)
+    k, v = torch.randn(2, slot.numel(), h_kv, d, generator=g) * torch.tensor([1.0, 30.0])[:, None, None, None]
+    want = pool.clone()
+    s0, o0, n0 = runs[0]
+    assert o0 + n0 < c
+    more = (
+        torch.tensor([s0], dtype=torch.int32, device=device),
+        torch.tensor([o0 + n0], dtype=torch.int32, device=device),
+    )
+    for fn, p in ((ref.write_tokens, want), (triton_impl("triton_copy").write_tokens, pool)):
+        fn(p, 1, slot, offset, k.to(device), v.to(device))
+        fn(p, 1, *more, 8 * k[:1].to(device), v[:1].to(device))
+    assert torch.equal(pool.view(torch.uint8), want.view(torch.uint8))
+
+
+INTERP_DECODE_FP8 = [
+    Decode(2, 2, 3, 64, 16, 5, torch.float32, splits=3),
+    Decode(3, 1, 4, 128, 64, 3, torch.bfloat16),
+    Decode(2, 3, 3, 64, 16, 9, torch.bfloat16, splits=1, seed=1),
+]
+INTERP_PREFILL_FP8 = [
+    Prefill(37, 21, 2, 3, 64, 16, 2, torch.float32),
+    Prefill(19, 130, 1, 4, 128, 64, 1, torch.bfloat16),
+    Prefill(50, 97, 1, 3, 64, 16, 3, torch.bfloat16, seed=1),
+]
+GPU_DECODE_FP8 = [
+    Decode(16, 8, 4, 128, 64, 1024, torch.bfloat16),
+    Decode(16, 3, 3, 64, 64, 2048, torch.bfloat16, seed=1),
+    Decode(1, 8, 4, 128, 64, 4096, torch.bfloat16, seed=2),
+    Decode(33, 3, 3, 64, 64, 301, torch.bfloat16, seed=3),
+]
+GPU_PREFILL_FP8 = [
+    Prefill(4096, 0, 8, 4, 128, 64, 0, torch.bfloat16),
+    Prefill(1000, 3001, 3, 3, 64, 64, 20, torch.bfloat16, seed=1),
+    Prefill(512, 128000, 3, 3, 64, 64, 2000, torch.bfloat16, seed=6),
+]
+
+
+@interp
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "two-kernel"])
+@pytest.mark.parametrize("case", INTERP_DECODE_FP8, ids=str)
+def test_interp_decode_fp8(case: Decode, fused: bool) -> None:
+    check_decode_fp8(case, "cpu", fused)
+    check_decode_fp8(case, "cpu", fused, shifted=True)
+
+
+@interp
+@pytest.mark.parametrize("case", INTERP_PREFILL_FP8, ids=str)
+def test_interp_prefill_fp8(case: Prefill) -> None:
+    check_prefill_fp8(case, "cpu")
+    check_prefill_fp8(case, "cpu", shifted=True)
+
+
+@interp
+@pytest.mark.parametrize("case", INTERP_LSE[1:], ids=str)
+def test_interp_scoring_fp8(case: Lse) -> None:
+    check_scoring_fp8(case, "cpu")
+
+
+@interp
+@pytest.mark.parametrize(
+    "runs,h_kv,d,c",
+    [
+        ([(5, 9, 3), (1, 0, 16), (3, 0, 5)], 3, 64, 16),  # a chunk continued, one whole, one begun
+        ([(2, 0, 1), (4, 7, 1), (6, 0, 1)], 8, 128, 64),  # decode rows: one token per sequence
+        ([(1, 0, 30), (0, 0, 64), (7, 0, 64)], 1, 64, 64),
+    ],
+)
+def test_interp_write_tokens_fp8(runs, h_kv: int, d: int, c: int) -> None:
+    check_write_fp8(runs, h_kv, d, c, "cpu")
+
+
+def test_fp8_write_sets_scales_from_the_run_that_begins_a_chunk() -> None:
+    """A whole chunk written at once takes its exact largest magnitude / 448 (no value clamped); a
+    chunk begun by fewer tokens takes FP8_HEADROOM times theirs; later tokens use the stored scale
+    and are clamped at 448 x scale; every value within 2^-4 of its block's largest magnitude."""
+    from kvflash.kernels._common import FP8_HEADROOM, fp8_scales
+
+    c, h_kv, d = 16, 2, 16
+    g = torch.Generator().manual_seed(0)
+    pool = torch.zeros(3, 1, 2, h_kv, c + 1, d, dtype=FP8)
+    k, v = torch.randn(2, c + 2, h_kv, d, generator=g)
+    i32 = torch.int32
+    ref.write_tokens(
+        pool, 0, torch.tensor([0] * c + [1, 1], dtype=i32), torch.tensor([*range(c), 0, 1], dtype=i32), k, v
+    )
+    whole = torch.stack([k[:c], v[:c]]).abs().amax((1, 3))  # [2, Hkv]
+    begun = torch.stack([k[c:], v[c:]]).abs().amax((1, 3))
+    torch.testing.assert_close(fp8_scales(pool)[0, 0], whole / 448, rtol=1e-6, atol=0)
+    torch.testing.assert_close(fp8_scales(pool)[1, 0], begun * FP8_HEADROOM / 448, rtol=1e-6, atol=0)
+    got = ref.kv_values(pool[0, 0])  # [2, Hkv, C, D]
+    want = torch.stack([k[:c], v[:c]]).transpose(1, 2)
+    assert ((got - want).abs() <= whole[..., None, None] / 16).all()
+    big = torch.full((1, h_kv, d), 1e6)
+    ref.write_tokens(pool, 0, torch.tensor([1], dtype=i32), torch.tensor([2], dtype=i32), big, -big)
+    assert torch.equal(
+        ref.kv_values(pool[1, 0])[:, :, 2],
+        448 * fp8_scales(pool)[1, 0][..., None].expand(2, h_kv, d) * torch.tensor([1.0, -1.0])[:, None, None],
+    )
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "two-kernel"])
+@pytest.mark.parametrize("case", GPU_DECODE_FP8, ids=str)
+@on_gpu
+def test_gpu_decode_fp8(case: Decode, fused: bool) -> None:
+    check_decode_fp8(case, "cuda", fused)
+    check_decode_fp8(case, "cuda", fused, shifted=True)
+
+
+@pytest.mark.parametrize("case", GPU_PREFILL_FP8, ids=str)
+@on_gpu
+def test_gpu_prefill_fp8(case: Prefill) -> None:
+    check_prefill_fp8(case, "cuda")
+    check_prefill_fp8(case, "cuda", shifted=True)
+
+
+@pytest.mark.parametrize("case", GPU_LSE[:3], ids=str)
+@on_gpu
+def test_gpu_scoring_fp8(case: Lse) -> None:
+    check_scoring_fp8(case, "cuda")
+
+
+@on_gpu
+def test_gpu_write_tokens_fp8() -> None:
+    check_write_fp8([(5, 13, 40), (1, 0, 64), (3, 0, 64), (2, 0, 17)], 3, 64, 64, "cuda")
+    check_write_fp8([(s, o, 1) for s, o in ((0, 0), (1, 5), (2, 63), (3, 0), (4, 1))], 8, 128, 64, "cuda")
 
 
 # -- the twins against plain SDPA, and dispatch ---------------------------------------------------
