@@ -22,7 +22,7 @@ import schemathesis
 from schemathesis import GenerationMode
 
 from kvflash.paged_kv import PagedKV
-from kvflash.scheduler import Job, held
+from kvflash.scheduler import Job
 from kvflash.server import IDLE_TRIM_S, Server
 from kvflash.snapshots import StagedSnapshot
 from kvflash.storage import ChunkBlob
@@ -321,7 +321,8 @@ def test_waves_of_requests_leave_memory_where_the_first_wave_left_it(lm, tmp_pat
             assert stray(server) == (0, 0, 0)
             assert alive(Job, StagedSnapshot, ChunkBlob) == 0
             assert alive(PagedKV) == len(cache.idle) == len(cache._made)
-            assert all(held(kv).gpu + held(kv).host > 0 for kv in cache.idle)
+            for kv in cache.idle:  # each holds a slot, so their count is bounded
+                assert any(ch.gpu is not None or ch.host is not None for ch in kv.seq.chunks)
             time.sleep(2 * IDLE_TRIM_S)  # the server, idle, hands malloc's free memory back
             levels.append(rss())
         print("RSS after each wave (MB):", [round(v / (1 << 20)) for v in levels])
