@@ -124,7 +124,8 @@ def test_an_index_another_process_holds_delays_saves_not_answers(lm, cold, tmp_p
     with serving(lm, root, max_tokens=4) as (url, server):
         answer(url, ledger(0, 1))
         written(server)
-        sid, blobs = pinned_witness(root)
+    sid, blobs = pinned_witness(root)
+    with serving(lm, root, max_tokens=4) as (url, server):  # nothing live: turn 2 needs the store
         release = hold_index(root)
         try:
             with warnings.catch_warnings(record=True) as caught:
