@@ -133,8 +133,10 @@ class PrefixCache:
         def host_free() -> int:
             return host.max_slots - host.n_used
 
-        others = [kv for kv in self.idle if not any(kv is k for k in keep)]
-        for kv in others:
+        def others() -> list[PagedKV]:
+            return [kv for kv in self.idle if not any(kv is k for k in keep)]
+
+        for kv in others():
             if pool.n_free >= gpu_slots:
                 break
             parked = sum(ch.gpu is not None and ch.host is None for ch in kv.seq.chunks[: kv.seq.n_sealed])
@@ -143,7 +145,7 @@ class PrefixCache:
                 self.drop(kv)
             elif host_free() - parked >= host_slots:
                 kv.park()
-        for kv in [kv for kv in self.idle if kv is not keep]:
+        for kv in others():
             if pool.n_free >= gpu_slots and host_free() >= host_slots:
                 return
             self.idle.remove(kv)
