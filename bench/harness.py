@@ -172,6 +172,25 @@ def random_model(cfg):
     return LoadedModel(build_model(cfg, weights, bf16, dev), None, cfg, Path("random"), bf16, dev)
 
 
+def wait_until_serving(proc, url: str, timeout_s: float = 600) -> None:
+    """Waits for a `kvflash serve` process started with stderr=PIPE to answer /health on url;
+    SystemExit with its stderr if it exits first, or (killing it) if it is not up in timeout_s."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"kvflash serve failed: {proc.stderr.read()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise SystemExit("kvflash serve did not come up") from None
+            time.sleep(0.2)
+
+
 def fmt_length(n: int | str) -> str:
     """A token count as a label: 131072 -> "128K"; counts that are not whole K as they are."""
     return f"{int(n) // 1024}K" if int(n) % 1024 == 0 else str(n)

@@ -24,12 +24,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import openai
 from rich.console import Console
 from rich.table import Table
 
-from bench.harness import out_dir, progress_bar, pyplot, save_png, write_json
+from bench.harness import out_dir, progress_bar, pyplot, save_png, wait_until_serving, write_json
 from bench.sessions import make_document
 
 QUESTIONS = [
@@ -64,17 +63,7 @@ class Served:
             cmd += ["--device", args.device]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 600
-        while True:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"kvflash serve failed: {self.proc.stderr.read()[-2000:]}")
-            try:
-                if httpx.get(f"{self.url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                if time.monotonic() > deadline:
-                    raise SystemExit("kvflash serve did not come up") from None
-                time.sleep(0.2)
+        wait_until_serving(self.proc, self.url)
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=3600)
         self.model = self.client.models.list().data[0].id
 

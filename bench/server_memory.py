@@ -45,7 +45,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.document import reference_text
-from bench.harness import out_dir, progress_bar, pyplot, run_meta, save_png, write_json
+from bench.harness import out_dir, progress_bar, pyplot, run_meta, save_png, wait_until_serving, write_json
 from bench.serve import free_port
 
 MB = 1 << 20
@@ -96,18 +96,7 @@ class ServerProcess:
             cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
         )
         self.url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 600
-        while True:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"kvflash serve failed: {self.proc.stderr.read()[-2000:]}")
-            try:
-                if httpx.get(f"{self.url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                if time.monotonic() > deadline:
-                    self.proc.kill()
-                    raise SystemExit("kvflash serve did not come up") from None
-                time.sleep(0.2)
+        wait_until_serving(self.proc, self.url)
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=3600)
         self.model = self.client.models.list().data[0].id
 
