@@ -10,6 +10,12 @@ profiles the turn, and removes the snapshot the turn saved. Phases are timed by 
 functions a turn calls; `counts` are calls of the functions a turn repeats per chunk.
 
     python -m bench.turn2 --tokens 131072 --pool-tokens 8192 --out out/turn2
+    python -m bench.turn2 --shape llama-8b --hf --rounds 2 --out out/turn2-8b
+
+`--shape llama-8b` runs the same turn on a model of Llama-3-8B's shape with random weights (the
+default model's tokenizer: the prompt is the same text); `--hf` times, in the same run, the peer's
+cold prefill of turn 2's whole prompt (HF transformers, SDPA, the whole KV on the GPU), which is what
+a user without kvflash waits for before turn 2's first token.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import pstats
 import statistics
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -27,7 +34,8 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.document import reference_text
-from bench.harness import save
+from bench.harness import LLAMA_8B, random_model, save
+from bench.hf import hf_llama, hf_prefill_s
 from kvflash.config import EngineConfig, ResidencyConfig
 from kvflash.engine import Engine
 from kvflash.models.loader import load_model
@@ -124,6 +132,11 @@ def counts(prof: cProfile.Profile) -> dict[str, int]:
     return out
 
 
+def prompt_ids(tok, doc: Document, question: str) -> list[int]:
+    """Turn 2's whole prompt, as a session encodes it: the document as system message, the question."""
+    return encode_messages(tok, [system_message([doc]), {"role": "user", "content": question}])
+
+
 def turn2(engine: Engine, store: SnapshotStore, doc: Document, question: str, max_tokens: int) -> dict:
     """One turn 2 in a new session (as a new `kvflash ask` process has): phases, counts, stats."""
     sess = Session(engine, [doc], store, prefetch=False)  # as `kvflash ask` opens it
@@ -161,6 +174,9 @@ def table(rows: list[dict], title: str) -> Table:
     lines = [("TTFT s", lambda r: r["ttft_s"]), ("turn wall s", lambda r: r["wall_s"])]
     lines += [(f"{p} s", lambda r, p=p: r["phases_s"][p]) for p in PHASES]
     lines += [("disk MB", lambda r: r["disk_mb"]), ("chunk reads MB/s", read_rate)]
+    if "hf_prefill_s" in rows[0]:
+        lines += [("HF cold prefill s", lambda r: r["hf_prefill_s"]),
+                  ("TTFT / HF cold prefill", lambda r: r["ttft_s"] / r["hf_prefill_s"])]  # fmt: skip
     for name, get in lines:
         vals = [get(r) for r in rows]
         t.add_row(name, *(f"{v:.3f}" for v in vals), f"{statistics.median(vals):.3f}")
@@ -189,7 +205,10 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.invert_yaxis()
     ax.set_xlabel("seconds (median of rounds; chunk reads and scoring lie within the prefill)")
     ttft = statistics.median(r["ttft_s"] for r in rows)
-    ax.set_title(f"turn 2 at {rows[0]['restored_tokens']:,} restored tokens: TTFT {ttft:.2f} s")
+    title = f"turn 2 at {rows[0]['restored_tokens']:,} restored tokens: TTFT {ttft:.2f} s"
+    if "hf_prefill_s" in rows[0]:
+        title += f" (HF cold prefill {rows[0]['hf_prefill_s']:.2f} s)"
+    ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -203,6 +222,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtype", default="bf16", help="the model's and the KV's dtype")
     ap.add_argument("--model", default=None, help="GGUF or HF directory (default: the default model)")
+    ap.add_argument(
+        "--shape",
+        choices=["model", "llama-8b"],
+        default="model",
+        help="llama-8b: Llama-3-8B's shape, random weights, --model's tokenizer (CUDA, bf16)",
+    )
+    ap.add_argument("--hf", action="store_true", help="time HF transformers' cold prefill of the same prompt")
     ap.add_argument("--dir", default="out/turn2-store", help="where the store is made, once")
     ap.add_argument("--out", default="out/turn2")
     args = ap.parse_args()
@@ -210,9 +236,11 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     console = Console()
     lm = load_model(args.model, dtype=args.dtype)
+    if args.shape == "llama-8b":
+        lm = replace(random_model(LLAMA_8B), tokenizer=lm.tokenizer)
     engine = Engine(lm, EngineConfig(pool_tokens=args.pool_tokens, residency=ResidencyConfig()))
     doc = Document("reference.txt", reference_text(args.tokens, lm.tokenizer))
-    store_dir = Path(args.dir) / f"{args.tokens}-{args.dtype}"
+    store_dir = Path(args.dir) / f"{args.shape}-{args.tokens}-{args.dtype}"
     fresh = not store_dir.exists()
     with SnapshotStore(store_dir) as store:
         if fresh:
@@ -222,6 +250,15 @@ def main() -> None:
         for r in range(args.rounds):
             question = f"Question {r}: how does a for loop's else clause behave?"
             rows.append({"round": r, **turn2(engine, store, doc, question, args.max_tokens)})
+    if args.hf:
+        del engine
+        torch.cuda.empty_cache()
+        ids = prompt_ids(lm.tokenizer, doc, question)
+        model = hf_llama(lm)
+        hf_prefill_s(model, ids[:256])  # its first forward pays cuBLAS and kernel selection
+        hf_s = [hf_prefill_s(model, ids)[0] for _ in range(2)]
+        for r in rows:
+            r["hf_prefill_s"], r["hf_prompt_tokens"] = min(hf_s), len(ids)
     title = f"turn 2 of `kvflash ask` in-process, {lm.device}, {args.tokens:,}-token document"
     console.print(table(rows, title))
     save(console, out / "turn2", rows, plot, args)
