@@ -295,10 +295,16 @@ class Scheduler:
                 return
             if self._shares_busy_prefix(job):
                 self._deferred.append(job)
-            elif not self._make_room(job):
+                continue
+            try:  # parking or freeing idle sequences for it may fail: the job is in no list yet
+                fits = self._make_room(job)
+            except Exception as e:
+                self._fail(job, e)
+                continue
+            if not fits:
                 self._retry.appendleft(job)
                 return
-            elif self._start(job):
+            if self._start(job):
                 self._filling.append(job)
 
     def need(self, job: Job) -> Room:

@@ -226,6 +226,29 @@ def test_a_request_whose_sampler_cannot_start_fails_alone(lm) -> None:
     assert sched.engine.pool.n_free == sched.engine.pool.n_slots
 
 
+def test_a_request_whose_room_cannot_be_made_fails_alone(lm) -> None:
+    """Making room for a request (parking or freeing idle sequences) raises: that request fails with
+    the error, and the scheduler goes on serving the next one."""
+    sched = Scheduler(engine(lm), None, frozenset(), max_batch=2)
+    reclaim = sched.cache.reclaim
+
+    def broken(*args, **kwargs) -> None:
+        sched.cache.reclaim = reclaim
+        raise RuntimeError("the host tier could not take a parked chunk")
+
+    try:
+        run_jobs(sched, [prompt(60, 4)], 2)  # an idle sequence to make room from
+        sched.cache.reclaim = broken
+        results, done = {}, threading.Semaphore(0)
+        sched.submit(Job(prompt(50, 6), 4, Sampling(), lambda t: False, **outcome(0, results, done)))
+        assert done.acquire(timeout=30), "the request was never answered"
+        assert isinstance(results[0], RuntimeError) and "parked chunk" in str(results[0])
+        assert sched.healthy and run_jobs(sched, [prompt(30, 5)], 3)[0]
+    finally:
+        sched.close()
+    assert sched.engine.pool.n_free == sched.engine.pool.n_slots
+
+
 def test_a_request_that_fails_inside_a_batched_forward_fails_alone(lm) -> None:
     """Under policy `full` an answer that grows past its budget (256 tokens here) raises inside the
     batched forward; the request decoding beside it answers as it does alone."""
