@@ -114,7 +114,10 @@ class HostTier:
         start = b * BLOCK_SLOTS
         n = min(BLOCK_SLOTS, self.max_slots - start)
         shape = (n, *self.shape)
-        block = pinned_empty(shape, self.dtype) if self.cuda else torch.empty(shape, dtype=self.dtype)
+        # An ordinary tensor even when the caller is inside a forward (inference mode): page-outs
+        # from outside one (a sequence parked for a new request) write into the block too.
+        with torch.inference_mode(False):
+            block = pinned_empty(shape, self.dtype) if self.cuda else torch.empty(shape, dtype=self.dtype)
         with self._grown:
             self._blocks[b] = block
             self._n_slots += n

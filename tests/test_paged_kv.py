@@ -209,6 +209,22 @@ def test_tier_round_trips_are_bit_exact() -> None:
     assert torch.equal(pool.kv[slot].view(torch.int16), original.view(torch.int16))
 
 
+def test_host_memory_first_taken_inside_a_forward_takes_page_outs_outside_one() -> None:
+    """The host tier's first block is allocated by whichever thread first needs a slot, often inside
+    a forward (inference mode: an engine's warm-up paging out on CUDA). A sequence parked later for
+    a new request pages out outside one, into that block: it must be an ordinary tensor."""
+    cfg = tiny_config()
+    pool = ChunkPool(cfg, 3, 16, torch.bfloat16, CPU)
+    host = HostTier(pool, 1 << 24)
+    with torch.inference_mode():
+        host.release(host.page_out(0))
+    pool.kv[1].copy_(torch.randn(pool.kv[1].shape).to(torch.bfloat16))
+    h = host.page_out(1)
+    host.page_in(h, 2)
+    host.fence()
+    assert torch.equal(pool.kv[2].view(torch.int16), pool.kv[1].view(torch.int16))
+
+
 def test_scout_scores_from_exact_keys_find_one_sharp_key_that_block_means_miss() -> None:
     """Chunk 3 leans a little towards the query in every token, chunk 7 holds one key that matches it
     hard. Attention gives chunk 7 about 50x the mass of chunk 3, but their block means rate chunk 3
