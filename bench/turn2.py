@@ -29,7 +29,7 @@ from rich.table import Table
 from bench.document import reference_text
 from bench.harness import save
 from kvflash.config import EngineConfig, ResidencyConfig
-from kvflash.engine import Engine
+from kvflash.engine.engine import Engine
 from kvflash.models.loader import load_model
 from kvflash.prompt import content_start, encode_messages
 from kvflash.session import Document, Session, system_message
@@ -40,9 +40,9 @@ PHASES = {
     "summaries ahead": ("kvflash.session", "Session", "_stored_document_ids"),
     "lookup": ("kvflash.snapshots", "KVSnapshots", "lookup"),
     "restore": ("kvflash.snapshots", "KVSnapshots", "restore"),
-    "prefill": ("kvflash.engine", "Engine", "prefill"),
+    "prefill": ("kvflash.engine.engine", "Engine", "prefill"),
     "chunk reads": ("kvflash.storage.store", "SnapshotStore", "read_chunks_parallel"),
-    "scoring": ("kvflash.paged_kv", "PagedKV", "end"),
+    "scoring": ("kvflash.engine.paged_kv", "PagedKV", "end"),
     "save": ("kvflash.session", "Session", "save"),
 }
 """Phase name -> (module, class, method) whose calls it sums (nested: chunk reads and scoring run

@@ -111,7 +111,7 @@ def open_session(
     answers one question and exits, so it prefetches nothing for a next one (`Session`)."""
     from kvflash.cli.limits import check_pool_fits
     from kvflash.config import EngineConfig, ResidencyConfig
-    from kvflash.engine import Engine
+    from kvflash.engine.engine import Engine
     from kvflash.paths import snapshots_dir
     from kvflash.pins import parse_pin
     from kvflash.session import Session
@@ -177,7 +177,7 @@ def run_turn(sess: Session, question: str, max_tokens: int, stream: bool) -> tup
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from kvflash.generate import Sampling
+    from kvflash.engine.generate import Sampling
     from kvflash.models.tokenizer import StreamDecoder
 
     decoder = StreamDecoder(sess.tok)

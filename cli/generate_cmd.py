@@ -11,7 +11,7 @@ from rich.console import Console
 
 from kvflash import KVFlashError
 from kvflash.cli.options import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt
-from kvflash.generate import Sampler, Sampling, decode, eager_step, prefill
+from kvflash.engine.generate import Sampler, Sampling, decode, eager_step, prefill
 from kvflash.kvcache import ContiguousKV
 from kvflash.models.loader import load_model
 from kvflash.models.tokenizer import StreamDecoder

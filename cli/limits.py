@@ -8,7 +8,7 @@ import torch
 
 from kvflash import KVFlashError
 from kvflash.config import resolve_kv_dtype
-from kvflash.pool import chunk_bytes, slots_for
+from kvflash.engine.pool import chunk_bytes, slots_for
 
 
 def free_memory(device: torch.device) -> int:

@@ -23,7 +23,7 @@ from kvflash.cli.options import (
 )
 from kvflash.cli.snapshot_cmd import parse_size
 from kvflash.config import EngineConfig, ResidencyConfig
-from kvflash.engine import Engine
+from kvflash.engine.engine import Engine
 from kvflash.snapshots import KVSnapshots
 from kvflash.storage.tiered import TierConfig, open_tiers
 

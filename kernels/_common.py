@@ -72,5 +72,5 @@ def chunk_tokens(kv: torch.Tensor) -> int:
 
 def fp8_scales(kv: torch.Tensor) -> torch.Tensor:
     """The fp32 scales `[..., L, 2, Hkv]` of an fp8 pool, host block or chunk `[..., L, 2, Hkv, C + 1, D]`:
-    a view of the first 4 bytes of each block's last row (kvflash/pool.py: `slot_shape`)."""
+    a view of the first 4 bytes of each block's last row (kvflash/engine/pool.py: `slot_shape`)."""
     return kv[..., -1, :4].view(torch.float32)[..., 0]

@@ -19,8 +19,8 @@ import torch
 from rich.table import Table
 
 from kvflash.config import EngineConfig
-from kvflash.engine import Engine
-from kvflash.generate import Sampling
+from kvflash.engine.engine import Engine
+from kvflash.engine.generate import Sampling
 from kvflash.haystack import PASSCODE
 from kvflash.models.loader import LoadedModel
 from kvflash.niah import make_haystack

@@ -24,7 +24,7 @@ from rich.table import Table
 
 from kvflash import KVFlashError
 from kvflash.config import KV_DTYPES, POLICIES, EngineConfig, ResidencyConfig
-from kvflash.engine import Engine
+from kvflash.engine.engine import Engine
 from kvflash.haystack import TEMPLATES, Haystack, NeedleTemplate, build_haystack, filler_sentences
 from kvflash.models.loader import LoadedModel, load_model
 from kvflash.pins import Pin

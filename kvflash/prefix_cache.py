@@ -22,9 +22,9 @@ import warnings
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
-from kvflash.chunk_index import shared_run
-from kvflash.engine import Engine
-from kvflash.paged_kv import PagedKV
+from kvflash.engine.chunk_index import shared_run
+from kvflash.engine.engine import Engine
+from kvflash.engine.paged_kv import PagedKV
 from kvflash.snapshots import KVSnapshots, StoredSummaries
 from kvflash.storage import chain_hashes
 from kvflash.turn import TurnStats

@@ -43,12 +43,12 @@ from dataclasses import dataclass, field
 import torch
 
 from kvflash import KVFlashError
-from kvflash.engine import Engine
-from kvflash.generate import Sampler, Sampling
-from kvflash.paged_kv import PagedKV
+from kvflash.engine.engine import Engine
+from kvflash.engine.generate import Sampler, Sampling
+from kvflash.engine.paged_kv import PagedKV
+from kvflash.engine.step import Piece, Prefill
 from kvflash.prefix_cache import PrefixCache, common_prefix
 from kvflash.snapshots import KVSnapshots
-from kvflash.step import Piece, Prefill
 from kvflash.storage import ChunkError
 from kvflash.turn import Generation, TurnStats
 

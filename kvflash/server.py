@@ -38,11 +38,11 @@ from starlette.types import Message as Message_
 
 from kvflash import KVFlashError, heap
 from kvflash.content_ids import ContentIds
-from kvflash.engine import Engine
-from kvflash.generate import Sampling
+from kvflash.engine.engine import Engine
+from kvflash.engine.generate import Sampling
+from kvflash.engine.paged_kv import PagedKV
 from kvflash.metrics import ServerMetrics
 from kvflash.models.tokenizer import StreamDecoder, Tokenizer
-from kvflash.paged_kv import PagedKV
 from kvflash.prompt import encode_messages
 from kvflash.scheduler import Job, Scheduler, SchedulerDown
 from kvflash.snapshots import KVSnapshots, StagedSnapshot

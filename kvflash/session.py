@@ -17,11 +17,11 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
 from kvflash.documents import Document, system_message
-from kvflash.engine import Engine
-from kvflash.generate import Sampling
-from kvflash.paged_kv import PagedKV
+from kvflash.engine.engine import Engine
+from kvflash.engine.generate import Sampling
+from kvflash.engine.paged_kv import PagedKV
+from kvflash.engine.pool import summary_shape
 from kvflash.pins import Pin, char_tokens
-from kvflash.pool import summary_shape
 from kvflash.prefix_cache import PrefixCache
 from kvflash.prompt import content_start, encode_continuation, encode_messages
 from kvflash.snapshots import KVSnapshots, StoredSummaries

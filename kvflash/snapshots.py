@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvflash.paged_kv import PagedKV
-from kvflash.pool import chunk_shape
+from kvflash.engine.paged_kv import PagedKV
+from kvflash.engine.pool import chunk_shape
 from kvflash.storage import (
     ROOT_HASH,
     ChunkBlob,

@@ -9,9 +9,9 @@ from math import inf
 
 import torch
 
-from kvflash.engine import Engine
-from kvflash.generate import Sampler, Sampling
-from kvflash.paged_kv import PagedKV
+from kvflash.engine.engine import Engine
+from kvflash.engine.generate import Sampler, Sampling
+from kvflash.engine.paged_kv import PagedKV
 
 
 @dataclass

@@ -73,7 +73,7 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 
 def held_shape(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[int, ...]:
     """The tensor a chunk of KV shape `[L, 2, Hkv, C, D]` is held in: fp8 KV has one more row per
-    (layer, K/V, kv-head), whose first 4 bytes are that block's fp32 scale (kvflash/pool.py,
+    (layer, K/V, kv-head), whose first 4 bytes are that block's fp32 scale (kvflash/engine/pool.py,
     `slot_shape`)."""
     L, two, H, C, D = shape
     return (L, two, H, C + 1, D) if dtype == FP8 else tuple(shape)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kvflash.config import EngineConfig, ResidencyConfig
-from kvflash.engine import Engine
-from kvflash.generate import Sampler, Sampling
+from kvflash.engine.engine import Engine
+from kvflash.engine.generate import Sampler, Sampling
 from kvflash.haystack import build_haystack
 from kvflash.kvcache import ContiguousKV
 from kvflash.models.loader import load_model
@@ -149,7 +149,7 @@ def test_batched_decode_attends_in_one_call_as_each_sequence_alone(lm, monkeypat
     replayed from the batch's CUDA graphs, gives each sequence the logits of its own eager step
     (bf16: the batch's launch splits the KV differently, so close, not equal)."""
     from kvflash import kernels
-    from kvflash.generate import eager_step
+    from kvflash.engine.generate import eager_step
 
     prompts = [_prompt(lm, n)[0] for n in (500, 2500, 4000)]
     batches, real = [], kernels.paged_decode_attention

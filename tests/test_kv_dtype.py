@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvflash.config import DTYPES, EngineConfig, ResidencyConfig, resolve_kv_dtype
-from kvflash.engine import Engine
+from kvflash.engine.engine import Engine
 from kvflash.models.loader import LoadedModel
 from kvflash.pager import deserialize, serialize
 from kvflash.prefix_cache import PrefixCache

@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvflash import paged_kv, snapshots
+from kvflash import snapshots
 from kvflash.config import EngineConfig, ResidencyConfig
-from kvflash.engine import Engine
-from kvflash.generate import Sampling
+from kvflash.engine import paged_kv
+from kvflash.engine.engine import Engine
+from kvflash.engine.generate import Sampling
+from kvflash.engine.pool import chunk_bytes
 from kvflash.models.loader import LoadedModel
-from kvflash.pool import chunk_bytes
 from kvflash.prefix_cache import PrefixCache
 from kvflash.scheduler import Job, Scheduler
 from kvflash.snapshots import KVSnapshots

@@ -11,8 +11,8 @@ import torch
 
 from kvflash import KVFlashError
 from kvflash.config import EngineConfig, ResidencyConfig
-from kvflash.engine import Engine
-from kvflash.generate import Sampling
+from kvflash.engine.engine import Engine
+from kvflash.engine.generate import Sampling
 from kvflash.models.loader import LoadedModel
 from kvflash.scheduler import Job, Scheduler
 from kvflash.turn import TurnStats, answer

@@ -21,7 +21,7 @@ import pytest
 import uvicorn
 
 from kvflash.config import EngineConfig
-from kvflash.engine import Engine
+from kvflash.engine.engine import Engine
 from kvflash.models.loader import load_model
 from kvflash.server import ChatRequest, Server, StopText, create_app
 from kvflash.snapshots import KVSnapshots
@@ -451,7 +451,7 @@ def test_a_streamed_client_that_leaves_mid_prefill_ends_it_before_its_first_toke
 def test_health_and_new_requests_say_503_once_the_scheduler_has_stopped(lm) -> None:
     """The scheduler's thread stopped by a callback that raises past every handler (SystemExit):
     /health turns unhealthy, and requests are refused with 503 instead of hanging."""
-    from kvflash.generate import Sampling
+    from kvflash.engine.generate import Sampling
     from kvflash.scheduler import Job
 
     def die(tok: int) -> bool:

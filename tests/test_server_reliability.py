@@ -21,7 +21,7 @@ import pytest
 import schemathesis
 from schemathesis import GenerationMode
 
-from kvflash.paged_kv import PagedKV
+from kvflash.engine.paged_kv import PagedKV
 from kvflash.scheduler import Job
 from kvflash.server import IDLE_TRIM_S, Server
 from kvflash.snapshots import StagedSnapshot

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvflash.config import EngineConfig, ResidencyConfig
-from kvflash.engine import Engine
+from kvflash.engine.engine import Engine
 from kvflash.haystack import filler_sentences
 from kvflash.models.loader import load_model
 from kvflash.prompt import content_start, encode_messages

@@ -14,10 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvflash.config import EngineConfig, ResidencyConfig
-from kvflash.engine import Engine
-from kvflash.generate import Sampler, Sampling
+from kvflash.engine.engine import Engine
+from kvflash.engine.generate import Sampler, Sampling
+from kvflash.engine.paged_kv import PagedKV
 from kvflash.models.loader import LoadedModel
-from kvflash.paged_kv import PagedKV
 from kvflash.prefix_cache import PrefixCache
 from kvflash.scheduler import Job, Scheduler
 from kvflash.storage import chain_hashes

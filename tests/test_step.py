@@ -1,4 +1,4 @@
-"""Mixed steps (kvflash/step.py), on a tiny random-weight model: decode tokens and prefill pieces of
+"""Mixed steps (kvflash/engine/step.py), on a tiny random-weight model: decode tokens and prefill pieces of
 several sequences in one forward compute what each computes alone, and the scheduler puts the
 prompts of many waiting requests into one step."""
 

@@ -13,8 +13,8 @@ import os
 import torch
 
 from kvflash import KVFlashError
-from kvflash.chunk_index import ChunkIndex
 from kvflash.config import ModelConfig
+from kvflash.engine.chunk_index import ChunkIndex
 
 
 class PoolFull(KVFlashError):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from kvflash import kernels
-from kvflash.paged_kv import DECODE_FIELDS, PagedKV, Staged
+from kvflash.engine.paged_kv import DECODE_FIELDS, PagedKV, Staged
 
 PAD_FIELDS = (0, 0, None, 0, 1, 1)
 """A pad row's decode inputs: token 0 at position 0, written to the pool's pad slot, which it lists

@@ -13,15 +13,15 @@ from functools import cached_property
 import torch
 
 from kvflash import kernels
-from kvflash.batch_kv import BatchKV, padded_size
 from kvflash.config import KV_DTYPE_NAMES, EngineConfig, resolve_kv_dtype
-from kvflash.decode_graph import BatchGraphs
-from kvflash.generate import Sampler, Sampling, Step, decode, eager_step
-from kvflash.host_tier import HostTier
+from kvflash.engine.batch_kv import BatchKV, padded_size
+from kvflash.engine.decode_graph import BatchGraphs
+from kvflash.engine.generate import Sampler, Sampling, Step, decode, eager_step
+from kvflash.engine.host_tier import HostTier
+from kvflash.engine.paged_kv import PagedKV
+from kvflash.engine.pool import ChunkPool, slots_for
+from kvflash.engine.step import MixedKV, Piece, Prefill
 from kvflash.models.loader import LoadedModel
-from kvflash.paged_kv import PagedKV
-from kvflash.pool import ChunkPool, slots_for
-from kvflash.step import MixedKV, Piece, Prefill
 
 WARM_PIECES = (24, 48, 100)
 """Prefill pieces the warm-up runs after a whole step: one of each query-tile size the prefill

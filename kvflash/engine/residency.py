@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from kvflash import KVFlashError
 from kvflash.config import ResidencyConfig
-from kvflash.sequence import Chunk, Sequence
+from kvflash.engine.sequence import Chunk, Sequence
 
 
 def required_chunks(seq: Sequence, cfg: ResidencyConfig, first_touched: int, last_touched: int) -> set[int]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvflash.batch_kv import BatchKV
+from kvflash.engine.batch_kv import BatchKV
 from kvflash.models.llama import LlamaForCausalLM
 
 

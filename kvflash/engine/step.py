@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvflash.batch_kv import BatchKV
-from kvflash.paged_kv import PagedKV
+from kvflash.engine.batch_kv import BatchKV
+from kvflash.engine.paged_kv import PagedKV
 
 
 @dataclass

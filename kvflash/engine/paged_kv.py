@@ -17,14 +17,14 @@ from collections.abc import Callable, Iterator
 import torch
 
 from kvflash import KVFlashError, kernels
-from kvflash.chunk_index import shared_run
 from kvflash.config import ResidencyConfig
-from kvflash.host_tier import BLOCK_SLOTS, HostTier
+from kvflash.engine.chunk_index import shared_run
+from kvflash.engine.host_tier import BLOCK_SLOTS, HostTier
+from kvflash.engine.pool import ChunkPool, summary_shape
+from kvflash.engine.residency import required_chunks, select_resident
+from kvflash.engine.sequence import Chunk, Sequence
 from kvflash.kvcache import sdpa
 from kvflash.models.rope import inv_frequencies
-from kvflash.pool import ChunkPool, summary_shape
-from kvflash.residency import required_chunks, select_resident
-from kvflash.sequence import Chunk, Sequence
 from kvflash.storage import ROOT_HASH, chain_hashes
 
 SCORE_BYTES = 64 << 20

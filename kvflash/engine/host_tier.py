@@ -23,8 +23,8 @@ from collections.abc import Iterator
 import torch
 
 from kvflash import KVFlashError
-from kvflash.chunk_index import ChunkIndex
-from kvflash.pool import ChunkPool, chunk_bytes
+from kvflash.engine.chunk_index import ChunkIndex
+from kvflash.engine.pool import ChunkPool, chunk_bytes
 
 BLOCK_SLOTS = 64
 """Host memory grows in blocks of this many chunks, so a large budget costs nothing until used."""
