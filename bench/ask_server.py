@@ -41,7 +41,7 @@ CLIENT = """
 import time
 marks = {"started": time.monotonic()}
 import json, sys
-from kvflash import client
+from kvflash.serve import client
 from kvflash.cli.app import main
 chat = client.Server.chat
 def timed_chat(self, messages, max_tokens, on_text):

@@ -27,13 +27,13 @@ from kvflash.cli.options import (
     StoreOpt,
     with_engine_options,
 )
-from kvflash.documents import Document
 from kvflash.policies import POLICIES
+from kvflash.serve.documents import Document
 
 if TYPE_CHECKING:
-    from kvflash.client import Conversation, Server
-    from kvflash.session import Session
-    from kvflash.turn import TurnStats
+    from kvflash.serve.client import Conversation, Server
+    from kvflash.serve.session import Session
+    from kvflash.serve.turn import TurnStats
 
 DocsArg = typer.Argument(..., help="Document files (UTF-8 text).", show_default=False)
 SessionOpt = typer.Option(None, "--session", "-s", help="Name a conversation to resume it later.")
@@ -113,8 +113,8 @@ def open_session(
     from kvflash.config import EngineConfig, ResidencyConfig
     from kvflash.engine.engine import Engine
     from kvflash.paths import snapshots_dir
-    from kvflash.pins import parse_pin
-    from kvflash.session import Session
+    from kvflash.serve.pins import parse_pin
+    from kvflash.serve.session import Session
     from kvflash.storage import SnapshotStore, StoreError
 
     pinned = [parse_pin(p) for p in pins or ()]  # a bad --pin fails before the model loads
@@ -229,7 +229,7 @@ class Remote:
     """The conversation a thin client keeps, and the server that answers it."""
 
     def __init__(self, url: str, docs: list[Path], session: str | None):
-        from kvflash.client import Conversation, Server
+        from kvflash.serve.client import Conversation, Server
 
         self.conv: Conversation = Conversation(read_documents(docs), session)
         self.server: Server = Server(url)
@@ -279,7 +279,7 @@ def ask(
     as_json: bool = JsonOpt,
 ) -> None:
     """Ask QUESTION about DOCS; restores what an earlier turn stored and prints a stats line."""
-    from kvflash.client import server_url
+    from kvflash.serve.client import server_url
 
     if url := server_url(server):
         refuse_local_options(model=model, dtype=dtype, kv_dtype=kv_dtype, device=device, pool=pool,
@@ -326,7 +326,7 @@ def chat(
     """Interactive multi-turn chat about DOCS. Commands: /stats, /reset, /save, /quit."""
     from rich.console import Console
 
-    from kvflash.client import server_url
+    from kvflash.serve.client import server_url
 
     console = Console(highlight=False)
     if url := server_url(server):

@@ -1,4 +1,4 @@
-"""`kvflash serve`: the OpenAI-compatible server (kvflash.server) on uvicorn."""
+"""`kvflash serve`: the OpenAI-compatible server (kvflash.serve.server) on uvicorn."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from kvflash.cli.options import (
 from kvflash.cli.snapshot_cmd import parse_size
 from kvflash.config import EngineConfig, ResidencyConfig
 from kvflash.engine.engine import Engine
-from kvflash.snapshots import KVSnapshots
+from kvflash.serve.snapshots import KVSnapshots
 from kvflash.storage.tiered import TierConfig, open_tiers
 
 SHUTDOWN_GRACE_S = 5
@@ -89,7 +89,7 @@ def serve(
     its next turn reaches; with --store as well, that directory is a local cache in front of it."""
     import uvicorn
 
-    from kvflash.server import Server, create_app  # FastAPI loads only for `serve`
+    from kvflash.serve.server import Server, create_app  # FastAPI loads only for `serve`
 
     tiers = TierConfig(cache_bytes=parse_size(cache_bytes) if cache_bytes else None)  # before the load
     lm = load_with_progress(model, dtype, device)

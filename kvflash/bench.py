@@ -24,7 +24,7 @@ from kvflash.engine.generate import Sampling
 from kvflash.haystack import PASSCODE
 from kvflash.models.loader import LoadedModel
 from kvflash.niah import make_haystack
-from kvflash.session import Document, Session
+from kvflash.serve.session import Document, Session
 from kvflash.storage import SnapshotStore
 
 TURNS = ("cold", "restored")

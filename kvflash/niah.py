@@ -27,12 +27,12 @@ from kvflash.config import KV_DTYPES, POLICIES, EngineConfig, ResidencyConfig
 from kvflash.engine.engine import Engine
 from kvflash.haystack import TEMPLATES, Haystack, NeedleTemplate, build_haystack, filler_sentences
 from kvflash.models.loader import LoadedModel, load_model
-from kvflash.pins import Pin
-from kvflash.prompt import encode_messages
-from kvflash.session import Document, Session, system_message
+from kvflash.serve.pins import Pin
+from kvflash.serve.prompt import encode_messages
+from kvflash.serve.session import Document, Session, system_message
+from kvflash.serve.turn import TurnStats
 from kvflash.storage import SnapshotStore
 from kvflash.storage.codec import CODEC_NAMES
-from kvflash.turn import TurnStats
 
 MODES = ("cold", "restore", "lazy")
 NEUTRAL_QUESTION = "Summarise the document in one sentence."

@@ -64,7 +64,7 @@ class _Job:
 
 
 class TieredStore:
-    """The store methods that sessions and the server call (kvflash/snapshots.py), over two tiers."""
+    """The store methods that sessions and the server call (kvflash/serve/snapshots.py), over two tiers."""
 
     def __init__(self, local: SnapshotStore, shared: RedisStore, cfg: TierConfig = TierConfig()):
         self.local, self.shared, self.cfg = local, shared, cfg

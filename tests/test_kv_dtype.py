@@ -14,10 +14,10 @@ from kvflash.config import DTYPES, EngineConfig, ResidencyConfig, resolve_kv_dty
 from kvflash.engine.engine import Engine
 from kvflash.models.loader import LoadedModel
 from kvflash.pager import deserialize, serialize
-from kvflash.prefix_cache import PrefixCache
-from kvflash.snapshots import KVSnapshots
+from kvflash.serve.prefix_cache import PrefixCache
+from kvflash.serve.snapshots import KVSnapshots
+from kvflash.serve.turn import TurnStats
 from kvflash.storage import SnapshotStore
-from kvflash.turn import TurnStats
 from tests.tiny import tiny_config, tiny_model
 
 CFG = tiny_config()

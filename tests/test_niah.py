@@ -17,7 +17,7 @@ from kvflash import KVFlashError
 from kvflash.cli.niah_cmd import parse_depths, parse_lengths
 from kvflash.haystack import PASSCODE, RULER, needle_value
 from kvflash.niah import Answer, Grid, NiahConfig, make_haystack, run_grid, trial_seed
-from kvflash.session import TurnStats
+from kvflash.serve.session import TurnStats
 
 
 def count_tokens(text: str) -> int:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvflash.models.loader import LoadedModel
-from kvflash.scheduler import Scheduler
+from kvflash.serve.scheduler import Scheduler
 from tests.test_scheduler import CFG, engine, prompt, run_jobs
 from tests.tiny import tiny_model
 

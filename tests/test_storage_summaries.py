@@ -13,14 +13,14 @@ from collections import Counter
 import pytest
 import torch
 
-from kvflash.prefix_cache import PrefixCache
-from kvflash.snapshots import KVSnapshots
+from kvflash.serve.prefix_cache import PrefixCache
+from kvflash.serve.snapshots import KVSnapshots
+from kvflash.serve.turn import TurnStats
 from kvflash.storage import SnapshotStore
 from kvflash.storage.backend import LocalDirBackend
 from kvflash.storage.redis_store import RedisStore
 from kvflash.storage.summaries import SUMMARIES_HEADER_SIZE
 from kvflash.storage.tiered import TieredStore
-from kvflash.turn import TurnStats
 from tests.test_restore import FP as MODEL_FP
 from tests.test_restore import engine as tiny_engine
 from tests.test_restore import lm, prompt, saved  # noqa: F401 (lm: the tiny model's fixture)

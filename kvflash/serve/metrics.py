@@ -7,7 +7,7 @@ import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
-from kvflash.turn import TurnStats
+from kvflash.serve.turn import TurnStats
 
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 """Upper bounds (seconds) of the time-to-first-token histogram."""

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from kvflash.engine.chunk_index import shared_run
 from kvflash.engine.engine import Engine
 from kvflash.engine.paged_kv import PagedKV
-from kvflash.snapshots import KVSnapshots, StoredSummaries
+from kvflash.serve.snapshots import KVSnapshots, StoredSummaries
+from kvflash.serve.turn import TurnStats
 from kvflash.storage import chain_hashes
-from kvflash.turn import TurnStats
 
 
 @dataclass

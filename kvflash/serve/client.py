@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvflash import KVFlashError
-from kvflash.documents import Document, system_message
 from kvflash.paths import kvflash_home, write_whole
+from kvflash.serve.documents import Document, system_message
 
 CHAT = "/v1/chat/completions"
 SERVER_ENV = "KVFLASH_SERVER"

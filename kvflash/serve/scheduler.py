@@ -47,10 +47,10 @@ from kvflash.engine.engine import Engine
 from kvflash.engine.generate import Sampler, Sampling
 from kvflash.engine.paged_kv import PagedKV
 from kvflash.engine.step import Piece, Prefill
-from kvflash.prefix_cache import PrefixCache, common_prefix
-from kvflash.snapshots import KVSnapshots
+from kvflash.serve.prefix_cache import PrefixCache, common_prefix
+from kvflash.serve.snapshots import KVSnapshots
+from kvflash.serve.turn import Generation, TurnStats
 from kvflash.storage import ChunkError
-from kvflash.turn import Generation, TurnStats
 
 RECOVERIES = 2
 """Re-prefills a request gets after damaged lazy chunks: the first from the valid stored prefix (the

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvflash import KVFlashError
-from kvflash.documents import Document, document_spans
 from kvflash.models.tokenizer import Tokenizer
+from kvflash.serve.documents import Document, document_spans
 
 
 @dataclass(frozen=True)

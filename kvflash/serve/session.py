@@ -16,17 +16,17 @@ import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
-from kvflash.documents import Document, system_message
 from kvflash.engine.engine import Engine
 from kvflash.engine.generate import Sampling
 from kvflash.engine.paged_kv import PagedKV
 from kvflash.engine.pool import summary_shape
-from kvflash.pins import Pin, char_tokens
-from kvflash.prefix_cache import PrefixCache
-from kvflash.prompt import content_start, encode_continuation, encode_messages
-from kvflash.snapshots import KVSnapshots, StoredSummaries
+from kvflash.serve.documents import Document, system_message
+from kvflash.serve.pins import Pin, char_tokens
+from kvflash.serve.prefix_cache import PrefixCache
+from kvflash.serve.prompt import content_start, encode_continuation, encode_messages
+from kvflash.serve.snapshots import KVSnapshots, StoredSummaries
+from kvflash.serve.turn import TurnStats, answer
 from kvflash.storage import ChunkError, SnapshotInfo, SnapshotStore, StoreError
-from kvflash.turn import TurnStats, answer
 
 CHARS_PER_TOKEN = 4
 """About the most characters a token of prose covers: a document's length over it underestimates its

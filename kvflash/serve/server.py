@@ -8,7 +8,7 @@ question), else the longest prefix stored on disk; after the answer the sealed p
 so a conversation's next turn, in this process or after a restart, restores instead of prefilling.
 `usage.prompt_tokens_details.cached_tokens` says how many prompt tokens were reused.
 
-Requests go to the scheduler (`kvflash/scheduler.py`), whose thread decodes up to `max_batch` of them
+Requests go to the scheduler (`kvflash/serve/scheduler.py`), whose thread decodes up to `max_batch` of them
 together; the event loop only renders prompts and relays text, and a client that goes away
 mid-stream ends its answer at the next step.
 """
@@ -37,16 +37,16 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.types import Message as Message_
 
 from kvflash import KVFlashError, heap
-from kvflash.content_ids import ContentIds
 from kvflash.engine.engine import Engine
 from kvflash.engine.generate import Sampling
 from kvflash.engine.paged_kv import PagedKV
-from kvflash.metrics import ServerMetrics
 from kvflash.models.tokenizer import StreamDecoder, Tokenizer
-from kvflash.prompt import encode_messages
-from kvflash.scheduler import Job, Scheduler, SchedulerDown
-from kvflash.snapshots import KVSnapshots, StagedSnapshot
-from kvflash.turn import TurnStats
+from kvflash.serve.content_ids import ContentIds
+from kvflash.serve.metrics import ServerMetrics
+from kvflash.serve.prompt import encode_messages
+from kvflash.serve.scheduler import Job, Scheduler, SchedulerDown
+from kvflash.serve.snapshots import KVSnapshots, StagedSnapshot
+from kvflash.serve.turn import TurnStats
 
 
 def _utf8(text: str) -> str:
