@@ -31,7 +31,7 @@ import urllib.request
 from pathlib import Path
 
 from bench.harness import out_dir, write_json
-from kvflash.haystack import filler_sentences
+from kvflash.eval.haystack import filler_sentences
 from kvflash.models.fetch import default_model_path
 from kvflash.models.loader import load_model
 

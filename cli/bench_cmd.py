@@ -12,12 +12,12 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from kvflash import KVFlashError
-from kvflash.bench import BenchConfig, plot, run, table
 from kvflash.cli.ask_cmd import PoolOpt, pool_tokens
 from kvflash.cli.limits import check_pool_fits
 from kvflash.cli.niah_cmd import parse_lengths
 from kvflash.cli.options import DeviceOpt, DtypeOpt, JsonOpt, KvDtypeOpt, ModelOpt
 from kvflash.config import ResidencyConfig, resolve_kv_dtype
+from kvflash.eval.bench import BenchConfig, plot, run, table
 from kvflash.models.loader import load_model
 
 

@@ -12,9 +12,9 @@ from kvflash import KVFlashError
 from kvflash.cli.limits import check_pool_fits
 from kvflash.cli.options import DeviceOpt, DtypeOpt, JsonOpt, KvDtypeOpt, ModelOpt
 from kvflash.config import POLICIES, ResidencyConfig
-from kvflash.haystack import TEMPLATES
+from kvflash.eval.haystack import TEMPLATES
+from kvflash.eval.niah import MODES, NiahConfig, run, table
 from kvflash.models.loader import load_model
-from kvflash.niah import MODES, NiahConfig, run, table
 
 
 def parse_lengths(value: str) -> tuple[int, ...]:

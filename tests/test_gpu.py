@@ -10,7 +10,7 @@ import torch
 from kvflash.config import EngineConfig, ResidencyConfig
 from kvflash.engine.engine import Engine
 from kvflash.engine.generate import Sampler, Sampling
-from kvflash.haystack import build_haystack
+from kvflash.eval.haystack import build_haystack
 from kvflash.kvcache import ContiguousKV
 from kvflash.models.loader import load_model
 from kvflash.serve.prompt import encode_messages

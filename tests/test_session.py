@@ -15,7 +15,7 @@ import pytest
 
 from kvflash.config import EngineConfig, ResidencyConfig
 from kvflash.engine.engine import Engine
-from kvflash.haystack import filler_sentences
+from kvflash.eval.haystack import filler_sentences
 from kvflash.models.loader import load_model
 from kvflash.serve.prompt import content_start, encode_messages
 from kvflash.serve.session import Document, Session, system_message

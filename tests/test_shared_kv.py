@@ -326,7 +326,7 @@ def smollm_cuda(smollm_path):
 
 def haystack_prompts(lm, n_tokens: int) -> list[list[int]]:
     """Two questions over one generated document, as chat prompts."""
-    from kvflash.haystack import build_haystack
+    from kvflash.eval.haystack import build_haystack
     from kvflash.serve.prompt import encode_messages
 
     tok = lm.tokenizer

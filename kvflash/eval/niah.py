@@ -25,7 +25,7 @@ from rich.table import Table
 from kvflash import KVFlashError
 from kvflash.config import KV_DTYPES, POLICIES, EngineConfig, ResidencyConfig
 from kvflash.engine.engine import Engine
-from kvflash.haystack import TEMPLATES, Haystack, NeedleTemplate, build_haystack, filler_sentences
+from kvflash.eval.haystack import TEMPLATES, Haystack, NeedleTemplate, build_haystack, filler_sentences
 from kvflash.models.loader import LoadedModel, load_model
 from kvflash.serve.pins import Pin
 from kvflash.serve.prompt import encode_messages

@@ -21,9 +21,9 @@ from rich.table import Table
 from kvflash.config import EngineConfig
 from kvflash.engine.engine import Engine
 from kvflash.engine.generate import Sampling
-from kvflash.haystack import PASSCODE
+from kvflash.eval.haystack import PASSCODE
+from kvflash.eval.niah import make_haystack
 from kvflash.models.loader import LoadedModel
-from kvflash.niah import make_haystack
 from kvflash.serve.session import Document, Session
 from kvflash.storage import SnapshotStore
 
