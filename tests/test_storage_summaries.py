@@ -1,9 +1,10 @@
-"""Summaries files (storage/summaries.py): a lazy restore reads a snapshot's token ids and summaries
-from one file in one read, and so does a turn-2 prompt for the prefix it shares with a snapshot; a
-file that is damaged, truncated, missing or another chain's costs only the fallback to the chunk
-files (same result, nothing marked damaged, `verify` names it and writes it again); removals take
-it with the last snapshot of its chain; a store written without them restores as before. Reads are
-counted by a real backend subclass over real files; the shared tier runs on a real redis-server."""
+"""Summaries files (kvflash/storage/summaries.py): a lazy restore reads a snapshot's token ids and
+summaries from one file in one read, and so does a turn-2 prompt for the prefix it shares with a
+snapshot; a file that is damaged, truncated, missing or another chain's costs only the fallback to
+the chunk files (same result, nothing marked damaged, `verify` names it and writes it again);
+removals take it with the last snapshot of its chain; a store written without them restores as
+before. Reads are counted by a real backend subclass over real files; the shared tier runs on a real
+redis-server."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """Where chunk files live, behind the small interface a shared backend (S3, Redis) would implement.
 
 A backend holds two kinds of objects, both named by a chain hash: chunk files, and the summaries
-files of snapshots (storage/summaries.py, named by their chain's last hash). The local backend keeps
-`<root>/chunks/<2 hex>/<hash>.kvc` and `<hash>.kvs` beside it. A put is atomic and durable before it
-returns (temp file in the same directory, fsync, rename, fsync of the directory), so the index row
-written after it never names a missing or partial file.
+files of snapshots (kvflash/storage/summaries.py, named by their chain's last hash). The local
+backend keeps `<root>/chunks/<2 hex>/<hash>.kvc` and `<hash>.kvs` beside it. A put is atomic and
+durable before it returns (temp file in the same directory, fsync, rename, fsync of the directory),
+so the index row written after it never names a missing or partial file.
 
 Nothing it does reaches outside `chunks/`: a fan-out directory is opened with O_NOFOLLOW and every
 file is opened, created, renamed or unlinked relative to that descriptor, again without following a

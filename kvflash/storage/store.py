@@ -6,17 +6,18 @@ Ordering rules that keep the invariants (docs/DESIGN.md: Disk store):
   which saves hold shared from their existence checks to their commit;
 - chunks leased by a restore in flight and pinned snapshots are never removed.
 
-Each snapshot's chain also has a summaries file (storage/summaries.py): its chunks' token ids and key
-summaries in one file, which a lazy restore reads instead of one section of every chunk file. It is
-written with the chunk files, before the index commit, and swept with the orphans once no snapshot
-has its chain. It only ever spares reads: a snapshot without one (written before summaries files,
-or whose file is damaged) restores through its chunk files, and `verify` writes it again.
+Each snapshot's chain also has a summaries file (kvflash/storage/summaries.py): its chunks' token
+ids and key summaries in one file, which a lazy restore reads instead of one section of every chunk
+file. It is written with the chunk files, before the index commit, and swept with the orphans once
+no snapshot has its chain. It only ever spares reads: a snapshot without one (written before
+summaries files, or whose file is damaged) restores through its chunk files, and `verify` writes it
+again.
 
 Damage to the store never stops an answer: a damaged index is set aside and rebuilt from the chunk
-files (storage/rebuild.py), a read-only store opens read-only (listing, verifying and restoring
-work; saving says why it cannot), bookkeeping a restore can do without (its hit, damage marks) is
-best effort, and a removal on a full disk frees the store's reserve file to make room for its own
-index transaction.
+files (kvflash/storage/rebuild.py), a read-only store opens read-only (listing, verifying and
+restoring work; saving says why it cannot), bookkeeping a restore can do without (its hit, damage
+marks) is best effort, and a removal on a full disk frees the store's reserve file to make room for
+its own index transaction.
 """
 
 from __future__ import annotations
@@ -181,8 +182,8 @@ class SnapshotStore:
         processes: int = 0,
     ):
         """`workers` threads save and restore; with `processes` > 0 (a local directory only), batch
-        restores decode in that many worker processes instead (storage/workers.py: threads stop
-        scaling at ~8 on the GIL). `workers.default_processes()` picks by the core count."""
+        restores decode in that many worker processes instead (kvflash/storage/workers.py: threads
+        stop scaling at ~8 on the GIL). `workers.default_processes()` picks by the core count."""
         _check_codec(codec, level)
         self.root = Path(root)
         self.where = str(self.root)
@@ -216,7 +217,8 @@ class SnapshotStore:
         """Sees the hash and size of every chunk read and verified (a tier in front copies them to
         itself)."""
 
-    # what a store on a local directory does its own way (storage/redis_store.py does it otherwise)
+    # what a store on a local directory does its own way (kvflash/storage/redis_store.py does it
+    # otherwise)
 
     def _saving(self) -> AbstractContextManager:
         """Held by a save from its "is this chunk stored?" checks to its index commit."""

@@ -1,5 +1,5 @@
 """The snapshot index of a shared tier, in Redis: the same records as the SQLite index
-(storage/index.py), kept so that several servers can write them at once.
+(kvflash/storage/index.py), kept so that several servers can write them at once.
 
 Every change is one Lua script: Redis runs a script whole or not at all, before or after any other
 client's command, and its append-only file keeps it as one transaction. So two servers saving the
@@ -212,7 +212,7 @@ _SNAP_FIELDS = ("label", "fingerprint", "n_tokens", "n_chunks", "created", "last
 
 
 class RedisIndex:
-    """The methods of storage/index.py's `Index` that a store calls, over Redis."""
+    """The methods of kvflash/storage/index.py's `Index` that a store calls, over Redis."""
 
     read_only = False
 

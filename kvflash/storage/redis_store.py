@@ -3,7 +3,8 @@
 It is a `SnapshotStore` (the same saving, reading, checking, leasing and removal code) over a
 `RedisBackend` and a `RedisIndex`; what a local store does with files and flocks it does so:
 - a save needs no lock: its blobs are written with a TTL and its index commit is one script that
-  checks they are all still there (storage/redis_backend.py, storage/redis_index.py);
+  checks they are all still there (kvflash/storage/redis_backend.py,
+  kvflash/storage/redis_index.py);
 - a removal needs no lock: its script keeps whatever became pinned, leased or listed since it
   decided, and only committed blobs that no row names are deleted;
 - a lease lives while its heartbeat does (`LEASE_TTL_S` on Redis's clock): its owner may be on
