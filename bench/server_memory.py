@@ -45,8 +45,16 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.document import reference_text
-from bench.harness import out_dir, progress_bar, pyplot, run_meta, save_png, wait_until_serving, write_json
-from bench.serve import free_port
+from bench.harness import (
+    free_port,
+    out_dir,
+    progress_bar,
+    pyplot,
+    run_meta,
+    save_png,
+    wait_until_serving,
+    write_json,
+)
 
 MB = 1 << 20
 
