@@ -33,8 +33,8 @@ from bench.harness import out_dir, pyplot, require_cuda, save, save_png
 from bench.hf import hf_llama, hf_prefill_s
 from kvflash.models.fetch import default_model_path
 from kvflash.models.loader import load_model
-from kvflash.prompt import encode_messages
-from kvflash.session import Document, system_message
+from kvflash.serve.prompt import encode_messages
+from kvflash.serve.session import Document, system_message
 
 QUESTIONS = (
     "What does the nonlocal statement do?",

@@ -21,7 +21,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,8 +29,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench.harness import out_dir, write_json
-from kvflash.haystack import filler_sentences
+from bench.harness import free_port, out_dir, write_json
+from kvflash.eval.haystack import filler_sentences
 from kvflash.models.fetch import default_model_path
 from kvflash.models.loader import load_model
 
@@ -41,7 +40,7 @@ CLIENT = """
 import time
 marks = {"started": time.monotonic()}
 import json, sys
-from kvflash import client
+from kvflash.serve import client
 from kvflash.cli.app import main
 chat = client.Server.chat
 def timed_chat(self, messages, max_tokens, on_text):
@@ -60,12 +59,6 @@ finally:
 """
 """`kvflash` with `Server.chat` timed; its last line on stderr is the marks, in seconds of the
 monotonic clock, which the processes of one host share."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_document(path: Path, tokens: int, model: Path) -> int:

@@ -29,10 +29,10 @@ from rich.table import Table
 
 from bench.harness import out_dir, progress_bar, pyplot, save_png, write_json
 from kvflash.config import EngineConfig
-from kvflash.engine import Engine
-from kvflash.generate import Sampling, eager_step
+from kvflash.engine.engine import Engine
+from kvflash.engine.generate import Sampling, eager_step
 from kvflash.models.loader import load_model
-from kvflash.scheduler import Job, Scheduler
+from kvflash.serve.scheduler import Job, Scheduler
 
 MODES = {
     "alone": "one at a time",

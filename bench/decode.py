@@ -34,8 +34,8 @@ from bench.harness import (
     save,
 )
 from kvflash.config import EngineConfig
-from kvflash.engine import Engine
-from kvflash.generate import Sampler, Sampling, Step, decode, eager_step
+from kvflash.engine.engine import Engine
+from kvflash.engine.generate import Sampler, Sampling, Step, decode, eager_step
 from kvflash.models.llama import LlamaForCausalLM
 from kvflash.models.loader import LoadedModel, load_model
 

@@ -1,12 +1,12 @@
 """Sweeps the paged decode kernel's launch settings at long context; prints the best per shape.
 
-The default heuristics in kernels/triton_decode.py come from this sweep (docs/BENCHMARKS.md). Each
-setting is timed as bench/kernel_speed.py times decode (CUDA graph replay over enough distinct KV to
-defeat L2) and reported as a share of the device copy bandwidth measured in the same run. A setting
-is (merge, block tokens, warps, stages, waves): merge `fused` has the last split to finish merge the
-partials in the same launch, `2k` runs a second combine kernel; waves sets the split count through
-`decode_splits`. Each shape also times both merges at their own defaults, and the JSON is rewritten
-after every shape, so a run cut short keeps what it measured.
+The default heuristics in kvflash/kernels/triton_decode.py come from this sweep
+(docs/BENCHMARKS.md). Each setting is timed as bench/kernel_speed.py times decode (CUDA graph replay
+over enough distinct KV to defeat L2) and reported as a share of the device copy bandwidth measured
+in the same run. A setting is (merge, block tokens, warps, stages, waves): merge `fused` has the
+last split to finish merge the partials in the same launch, `2k` runs a second combine kernel; waves
+sets the split count through `decode_splits`. Each shape also times both merges at their own
+defaults, and the JSON is rewritten after every shape, so a run cut short keeps what it measured.
 
     python -m bench.decode_tune --out out/decode_tune.json
     # fused against two-kernel at the rule's tiles, batch 1-16, 8K-256K:

@@ -1,7 +1,7 @@
 """Dumps real model KV, chunk by chunk, for `bench/storage.py --kv-file`.
 
 Loads a model (default: SmolLM2-135M-Instruct) in bf16, the KV dtype on the GPU, prefills seeded
-English prose (`kvflash.haystack.filler_sentences`) through the dense reference cache, and writes
+English prose (`kvflash.eval.haystack.filler_sentences`) through the dense reference cache, and writes
 each full chunk's post-RoPE KV `[L, 2, Hkv, C, D]` as tensor `chunk_00000`, `chunk_00001`, ... of a
 safetensors file. The partial tail chunk is dropped: only full chunks are ever stored.
 
@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from bench.harness import out_dir
-from kvflash.haystack import filler_sentences
+from kvflash.eval.haystack import filler_sentences
 from kvflash.kvcache import ContiguousKV
 from kvflash.models.loader import load_model
 
@@ -76,7 +76,7 @@ def main() -> None:
             "chunk_tokens": str(c),
             "seed": str(args.seed),
             "dtype": str(lm.dtype).removeprefix("torch."),
-            "text": "kvflash.haystack.filler_sentences",
+            "text": "kvflash.eval.haystack.filler_sentences",
         },
     )
     shape = list(tensors["chunk_00000"].shape)

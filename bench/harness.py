@@ -1,6 +1,6 @@
 """What the benchmark scripts share: the output folder and its JSON and PNG files, the CUDA check,
 the progress display, the device copy bandwidth (the memory yardstick), random-weight models of
-real shapes, and label formats.
+real shapes, a free port for a `kvflash serve` and the wait until it answers, and label formats.
 
 torch, triton and matplotlib are imported by the functions that need them, so a script that needs
 none of them (`python -m bench.niah_table`) starts without them.
@@ -12,6 +12,7 @@ import functools
 import json
 import os
 import platform
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -170,6 +171,13 @@ def random_model(cfg):
     dev, bf16 = torch.device("cuda"), torch.bfloat16
     weights = {k: torch.empty(s, dtype=bf16, device=dev).normal_(0.0, 0.02) for k, s in shapes.items()}
     return LoadedModel(build_model(cfg, weights, bf16, dev), None, cfg, Path("random"), bf16, dev)
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that nothing listens on now, for a `kvflash serve` to take."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def wait_until_serving(proc, url: str, timeout_s: float = 600) -> None:

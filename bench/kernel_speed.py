@@ -172,7 +172,7 @@ def paged_pool(batch: int, n: int, h_kv: int, d: int) -> tuple[torch.Tensor, tor
 
 
 def to_fp8(pool: torch.Tensor, step: int = 4096) -> torch.Tensor:
-    """The pool's KV in an fp8 pool (a scale row per block, as kvflash/pool.py lays it out), each
+    """The pool's KV in an fp8 pool (a scale row per block, as kvflash/engine/pool.py lays it out), each
     block scaled by its largest magnitude / 448, as a prefill writes whole chunks; a few thousand
     slots at a time."""
     out = torch.zeros(*pool.shape[:4], CHUNK + 1, pool.shape[5], dtype=FP8, device=pool.device)

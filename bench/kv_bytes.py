@@ -26,10 +26,10 @@ from rich.table import Table
 from bench.document import reference_text
 from bench.harness import save
 from kvflash.config import DTYPES, KV_DTYPE_NAMES, EngineConfig, ResidencyConfig
-from kvflash.engine import Engine
+from kvflash.engine.engine import Engine
+from kvflash.engine.pool import chunk_shape, summary_shape
 from kvflash.models.loader import LoadedModel, load_model
-from kvflash.pool import chunk_shape, summary_shape
-from kvflash.snapshots import KVSnapshots
+from kvflash.serve.snapshots import KVSnapshots
 from kvflash.storage import SnapshotStore
 from kvflash.storage.codec import CODEC_NAMES, DEFAULT_LEVEL
 from kvflash.storage.format import HEADER_SIZE

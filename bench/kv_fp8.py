@@ -37,7 +37,7 @@ from bench.dump_kv import prose_tokens
 from bench.harness import out_dir, run_meta, write_json
 from kvflash import kernels
 from kvflash.config import EngineConfig, ResidencyConfig
-from kvflash.engine import Engine
+from kvflash.engine.engine import Engine
 from kvflash.kernels import reference
 from kvflash.kernels._common import FP8_HEADROOM, FP8_MAX, fp8_scales
 from kvflash.kvcache import ContiguousKV

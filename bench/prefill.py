@@ -32,7 +32,7 @@ from rich.table import Table
 from bench.harness import LLAMA_8B, SMOLLM2, bars, out_dir, progress_bar, random_model, require_cuda, save
 from bench.hf import hf_llama, hf_prefill_s
 from kvflash.config import EngineConfig, ResidencyConfig
-from kvflash.engine import Engine
+from kvflash.engine.engine import Engine
 from kvflash.models.loader import LoadedModel
 
 MODELS = {"smollm2": SMOLLM2, "llama-8b": LLAMA_8B}

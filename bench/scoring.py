@@ -29,9 +29,9 @@ from triton.testing import do_bench
 
 from bench.harness import copy_bandwidth, out_dir, pyplot, save_png, write_json
 from bench.kernel_speed import CHUNK, DTYPE
+from kvflash.engine.paged_kv import SCORE_BYTES
 from kvflash.kernels import reference
 from kvflash.kernels.triton_scoring import chunk_lse
-from kvflash.paged_kv import SCORE_BYTES
 
 MODELS = {"SmolLM2": (30, 64, 9, 3), "Llama-8B": (32, 128, 32, 8)}
 """name -> (layers, head_dim, q heads, kv heads)."""

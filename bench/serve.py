@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,7 +27,7 @@ import openai
 from rich.console import Console
 from rich.table import Table
 
-from bench.harness import out_dir, progress_bar, pyplot, save_png, wait_until_serving, write_json
+from bench.harness import free_port, out_dir, progress_bar, pyplot, save_png, wait_until_serving, write_json
 from bench.sessions import make_document
 
 QUESTIONS = [
@@ -38,12 +37,6 @@ QUESTIONS = [
     "Which place comes up last?",
     "What would you ask the author?",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Served:

@@ -40,7 +40,7 @@ from bench.document import reference_text
 from bench.harness import out_dir, progress_bar, pyplot, save_png, write_json
 from bench.serve import QUESTIONS, Served
 from kvflash.models.loader import load_model
-from kvflash.prompt import encode_messages
+from kvflash.serve.prompt import encode_messages
 
 
 @dataclass

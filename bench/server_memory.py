@@ -10,8 +10,8 @@ VmHWM (/proc/PID/status), the pool, host tier, live sequences and staged snapsho
 store's leases and bytes on disk; RSS is sampled every --interval s meanwhile, for the PNG.
 
 The server hands malloc's free memory back once it has been idle a second (`Server` in
-kvflash/server.py): a row is taken --settle-s seconds after the wave has ended, so it shows what the
-server holds, not what a burst left free. --inspect runs the server under bench/memory_report.py:
+kvflash/serve/server.py): a row is taken --settle-s seconds after the wave has ended, so it shows what
+the server holds, not what a burst left free. --inspect runs the server under bench/memory_report.py:
 each wave's row then also has glibc malloc's figures, the bytes of live tensors by shape, object
 counts by type and the thread count, and (with --tracemalloc) the Python allocations that grew since
 the last wave.
@@ -45,8 +45,16 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.document import reference_text
-from bench.harness import out_dir, progress_bar, pyplot, run_meta, save_png, wait_until_serving, write_json
-from bench.serve import free_port
+from bench.harness import (
+    free_port,
+    out_dir,
+    progress_bar,
+    pyplot,
+    run_meta,
+    save_png,
+    wait_until_serving,
+    write_json,
+)
 
 MB = 1 << 20
 

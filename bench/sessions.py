@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.harness import out_dir, pyplot, save_png, write_json
-from kvflash.haystack import filler_sentences
+from kvflash.eval.haystack import filler_sentences
 
 
 def make_document(n_tokens: int, count, seed: int = 0) -> str:

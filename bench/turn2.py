@@ -40,21 +40,21 @@ from bench.document import reference_text
 from bench.harness import LLAMA_8B, random_model, save
 from bench.hf import hf_llama, hf_prefill_s
 from kvflash.config import EngineConfig, ResidencyConfig
-from kvflash.engine import Engine
+from kvflash.engine.engine import Engine
 from kvflash.models.loader import load_model
-from kvflash.prompt import content_start, encode_messages
-from kvflash.session import Document, Session, system_message
-from kvflash.snapshots import APPROX_SUFFIX
+from kvflash.serve.prompt import content_start, encode_messages
+from kvflash.serve.session import Document, Session, system_message
+from kvflash.serve.snapshots import APPROX_SUFFIX
 from kvflash.storage import ROOT_HASH, ChunkBlob, SnapshotStore
 
 PHASES = {
-    "summaries ahead": ("kvflash.session", "Session", "_stored_document_ids"),
-    "lookup": ("kvflash.snapshots", "KVSnapshots", "lookup"),
-    "restore": ("kvflash.snapshots", "KVSnapshots", "restore"),
-    "prefill": ("kvflash.engine", "Engine", "prefill"),
+    "summaries ahead": ("kvflash.serve.session", "Session", "_stored_document_ids"),
+    "lookup": ("kvflash.serve.snapshots", "KVSnapshots", "lookup"),
+    "restore": ("kvflash.serve.snapshots", "KVSnapshots", "restore"),
+    "prefill": ("kvflash.engine.engine", "Engine", "prefill"),
     "chunk reads": ("kvflash.storage.store", "SnapshotStore", "read_chunks_parallel"),
-    "scoring": ("kvflash.paged_kv", "PagedKV", "end"),
-    "save": ("kvflash.session", "Session", "save"),
+    "scoring": ("kvflash.engine.paged_kv", "PagedKV", "end"),
+    "save": ("kvflash.serve.session", "Session", "save"),
 }
 """Phase name -> (module, class, method) whose calls it sums (nested: chunk reads and scoring run
 inside the prefill)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from kvflash.haystack import filler_sentences
+from kvflash.eval.haystack import filler_sentences
 
 FACTS = [
     "The lighthouse of Port Elden was built in 1843 by an engineer named Mara Quill.",

@@ -14,7 +14,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """Compute dtypes (`--dtype`), each also a KV dtype."""
 KV_DTYPE_NAMES = {**DTYPES, "fp8": torch.float8_e4m3fn}
 """KV dtypes by `--kv-dtype` name: fp8 is e4m3 with one fp32 scale per (chunk, layer, K/V, kv-head)
-(kvflash/pool.py: `slot_shape`)."""
+(kvflash/engine/pool.py: `slot_shape`)."""
 KV_DTYPES = ("auto", *KV_DTYPE_NAMES)
 """`EngineConfig.kv_dtype` choices: `auto` or a name of KV_DTYPE_NAMES."""
 

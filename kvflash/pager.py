@@ -17,8 +17,8 @@ import zlib
 import torch
 
 from kvflash import KVFlashError
-from kvflash.paged_kv import PagedKV
-from kvflash.pool import chunk_bytes
+from kvflash.engine.paged_kv import PagedKV
+from kvflash.engine.pool import chunk_bytes
 
 MAGIC = b"KVFPAGE1"
 VERSION = 1

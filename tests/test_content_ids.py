@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvflash.content_ids import MIN_CHARS, ContentIds
 from kvflash.models.loader import load_model
-from kvflash.prompt import encode_messages
+from kvflash.serve.content_ids import MIN_CHARS, ContentIds
+from kvflash.serve.prompt import encode_messages
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import torch
 from rich.console import Console
 
 from kvflash.config import ModelConfig
-from kvflash.pool import chunk_bytes, slots_for
+from kvflash.engine.pool import chunk_bytes, slots_for
 
 ROOT = Path(__file__).resolve().parents[1]
 

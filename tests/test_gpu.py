@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from kvflash.config import EngineConfig, ResidencyConfig
-from kvflash.engine import Engine
-from kvflash.generate import Sampler, Sampling
-from kvflash.haystack import build_haystack
+from kvflash.engine.engine import Engine
+from kvflash.engine.generate import Sampler, Sampling
+from kvflash.eval.haystack import build_haystack
 from kvflash.kvcache import ContiguousKV
 from kvflash.models.loader import load_model
-from kvflash.prompt import encode_messages
+from kvflash.serve.prompt import encode_messages
 
 pytestmark = [
     pytest.mark.gpu,
@@ -149,7 +149,7 @@ def test_batched_decode_attends_in_one_call_as_each_sequence_alone(lm, monkeypat
     replayed from the batch's CUDA graphs, gives each sequence the logits of its own eager step
     (bf16: the batch's launch splits the KV differently, so close, not equal)."""
     from kvflash import kernels
-    from kvflash.generate import eager_step
+    from kvflash.engine.generate import eager_step
 
     prompts = [_prompt(lm, n)[0] for n in (500, 2500, 4000)]
     batches, real = [], kernels.paged_decode_attention
@@ -232,8 +232,8 @@ def test_a_parked_conversation_continues_from_the_host_tier_on_cuda(lm) -> None:
     """Chats kept live, then a long prompt that needs the pool: the older chats are parked in the
     host tier with their summaries cut to a row per chunk (on the device), a chat shorter than a
     chunk is freed, and the next turn of a parked chat pages it back and answers from memory."""
-    from kvflash.scheduler import Job, Scheduler
-    from kvflash.turn import TurnStats
+    from kvflash.serve.scheduler import Job, Scheduler
+    from kvflash.serve.turn import TurnStats
 
     tok = lm.tokenizer
     eng = Engine(lm, EngineConfig(pool_tokens=1024, residency=ResidencyConfig()))

@@ -491,7 +491,7 @@ def test_gpu_chunk_lse(case: Lse) -> None:
 def test_gpu_chunk_lse_reads_pinned_host_memory_in_place(case: Lse) -> None:
     """The host tier's exact scoring: the kernel over a page-locked host block (registered as the
     host tier registers its blocks) equals the kernel over the same chunks on the device."""
-    from kvflash.host_tier import pinned_empty
+    from kvflash.engine.host_tier import pinned_empty
 
     q, pool, slots, rot = lse_inputs(case, "cuda")
     host = pinned_empty(tuple(pool.shape), pool.dtype)
@@ -576,7 +576,7 @@ def test_interp_sequence_decodes_through_the_kernels_as_through_the_reference(kv
     sent in one copy, turned keys), chunk boundaries and re-selections every 8 tokens; fp8 KV
     written by the kernels (scales included) as by the twins."""
     from kvflash.config import EngineConfig, ResidencyConfig
-    from kvflash.engine import Engine
+    from kvflash.engine.engine import Engine
     from kvflash.models.loader import LoadedModel
     from tests.tiny import tiny_config, tiny_model
 

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from kvflash.config import DTYPES, EngineConfig, ResidencyConfig, resolve_kv_dtype
-from kvflash.engine import Engine
+from kvflash.engine.engine import Engine
 from kvflash.models.loader import LoadedModel
 from kvflash.pager import deserialize, serialize
-from kvflash.prefix_cache import PrefixCache
-from kvflash.snapshots import KVSnapshots
+from kvflash.serve.prefix_cache import PrefixCache
+from kvflash.serve.snapshots import KVSnapshots
+from kvflash.serve.turn import TurnStats
 from kvflash.storage import SnapshotStore
-from kvflash.turn import TurnStats
 from tests.tiny import tiny_config, tiny_model
 
 CFG = tiny_config()

@@ -17,7 +17,7 @@ from kvflash.config import resolve_kv_dtype
 from kvflash.kernels._common import chunk_tokens, fp8_scales
 from kvflash.models.loader import LoadedModel
 from kvflash.pager import deserialize, serialize
-from kvflash.snapshots import KVSnapshots
+from kvflash.serve.snapshots import KVSnapshots
 from kvflash.storage import SnapshotStore, codec, format
 from kvflash.storage.errors import ChunkCorrupt
 from tests.test_kv_dtype import CFG, C, bits, engine, prompt, turn

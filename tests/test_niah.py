@@ -15,9 +15,9 @@ import pytest
 
 from kvflash import KVFlashError
 from kvflash.cli.niah_cmd import parse_depths, parse_lengths
-from kvflash.haystack import PASSCODE, RULER, needle_value
-from kvflash.niah import Answer, Grid, NiahConfig, make_haystack, run_grid, trial_seed
-from kvflash.session import TurnStats
+from kvflash.eval.haystack import PASSCODE, RULER, needle_value
+from kvflash.eval.niah import Answer, Grid, NiahConfig, make_haystack, run_grid, trial_seed
+from kvflash.serve.session import TurnStats
 
 
 def count_tokens(text: str) -> int:
@@ -190,8 +190,8 @@ def test_cli_bad_flags_fail_before_loading_a_model(tmp_path, args: list[str], me
 
 @pytest.mark.slow
 def test_smollm_small_grid_restore_answers_as_cold(smollm_path, tmp_path) -> None:
+    from kvflash.eval.niah import run
     from kvflash.models.loader import load_model
-    from kvflash.niah import run
 
     lm = load_model(smollm_path, dtype="fp32", device="cpu")
     arm = dict(lengths=(1024,), depths=(0.0, 0.5, 1.0), trials=1, policy="qk", budget_frac=0.5)
@@ -218,8 +218,8 @@ def test_smollm_qk_at_an_eighth_finds_needles_far_from_the_question(smollm_path,
     0.1-0.4: at absolute positions qk finds none at these depths on the 2K-8K grid (0/48); with
     positions within the cache, scored where they would sit, 46/48 (docs/BENCHMARKS.md: NIAH).
     Here: at least three of four."""
+    from kvflash.eval.niah import run
     from kvflash.models.loader import load_model
-    from kvflash.niah import run
 
     lm = load_model(smollm_path, dtype="fp32", device="cpu")
     arm = dict(lengths=(2048,), depths=(0.1, 0.2, 0.3, 0.4), trials=1, policy="qk", budget_frac=0.125)

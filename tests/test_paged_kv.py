@@ -9,14 +9,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvflash import KVFlashError, paged_kv
+from kvflash import KVFlashError
 from kvflash.config import ResidencyConfig
-from kvflash.host_tier import HostTier
+from kvflash.engine import paged_kv
+from kvflash.engine.host_tier import HostTier
+from kvflash.engine.paged_kv import PagedKV
+from kvflash.engine.pool import ChunkPool
+from kvflash.engine.residency import required_chunks
 from kvflash.kvcache import ContiguousKV
 from kvflash.models.rope import Rotary, apply_rotary, inv_frequencies
-from kvflash.paged_kv import PagedKV
-from kvflash.pool import ChunkPool
-from kvflash.residency import required_chunks
 from tests.tiny import tiny_config, tiny_model
 
 CPU = torch.device("cpu")

@@ -10,10 +10,10 @@ import torch
 
 from kvflash import KVFlashError
 from kvflash.config import ResidencyConfig
-from kvflash.host_tier import HostTier
-from kvflash.paged_kv import PagedKV
+from kvflash.engine.host_tier import HostTier
+from kvflash.engine.paged_kv import PagedKV
+from kvflash.engine.pool import ChunkPool
 from kvflash.pager import HEADER, BlobError, deserialize, floor_to_chunk, serialize
-from kvflash.pool import ChunkPool
 from tests.tiny import tiny_config, tiny_model
 
 FP = "f" * 32

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from kvflash import KVFlashError
-from kvflash.documents import Document, document_spans, system_message
 from kvflash.models.loader import load_model
-from kvflash.pins import Pin, char_tokens, parse_pin
-from kvflash.session import Session
+from kvflash.serve.documents import Document, document_spans, system_message
+from kvflash.serve.pins import Pin, char_tokens, parse_pin
+from kvflash.serve.session import Session
 from tests.test_session import FACT, Q1, document, engine
 
 

@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvflash.config import EngineConfig, ResidencyConfig
-from kvflash.engine import Engine
+from kvflash.engine.engine import Engine
+from kvflash.engine.residency import required_chunks, select_resident
+from kvflash.engine.sequence import Sequence
 from kvflash.models.loader import LoadedModel
-from kvflash.residency import required_chunks, select_resident
-from kvflash.sequence import Sequence
 from tests.test_paged_kv import _forward_random, make_kv
 from tests.tiny import tiny_config, tiny_model
 

@@ -10,10 +10,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvflash.config import EngineConfig, ResidencyConfig
-from kvflash.engine import Engine
+from kvflash.engine.engine import Engine
 from kvflash.models.loader import LoadedModel
-from kvflash.prefix_cache import PrefixCache, common_prefix
-from kvflash.turn import TurnStats
+from kvflash.serve.prefix_cache import PrefixCache, common_prefix
+from kvflash.serve.turn import TurnStats
 from tests.tiny import tiny_config, tiny_model
 
 C = 16

@@ -11,17 +11,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvflash import paged_kv, snapshots
 from kvflash.config import EngineConfig, ResidencyConfig
-from kvflash.engine import Engine
-from kvflash.generate import Sampling
+from kvflash.engine import paged_kv
+from kvflash.engine.engine import Engine
+from kvflash.engine.generate import Sampling
+from kvflash.engine.pool import chunk_bytes
 from kvflash.models.loader import LoadedModel
-from kvflash.pool import chunk_bytes
-from kvflash.prefix_cache import PrefixCache
-from kvflash.scheduler import Job, Scheduler
-from kvflash.snapshots import KVSnapshots
+from kvflash.serve import snapshots
+from kvflash.serve.prefix_cache import PrefixCache
+from kvflash.serve.scheduler import Job, Scheduler
+from kvflash.serve.snapshots import KVSnapshots
+from kvflash.serve.turn import TurnStats
 from kvflash.storage import SnapshotStore, chain_hashes
-from kvflash.turn import TurnStats
 from tests.tiny import tiny_config, tiny_model
 
 CFG = tiny_config()

@@ -11,11 +11,11 @@ import torch
 
 from kvflash import KVFlashError
 from kvflash.config import EngineConfig, ResidencyConfig
-from kvflash.engine import Engine
-from kvflash.generate import Sampling
+from kvflash.engine.engine import Engine
+from kvflash.engine.generate import Sampling
 from kvflash.models.loader import LoadedModel
-from kvflash.scheduler import Job, Scheduler
-from kvflash.turn import TurnStats, answer
+from kvflash.serve.scheduler import Job, Scheduler
+from kvflash.serve.turn import TurnStats, answer
 from tests.tiny import tiny_config, tiny_model
 
 CFG = tiny_config()

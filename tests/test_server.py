@@ -21,10 +21,10 @@ import pytest
 import uvicorn
 
 from kvflash.config import EngineConfig
-from kvflash.engine import Engine
+from kvflash.engine.engine import Engine
 from kvflash.models.loader import load_model
-from kvflash.server import ChatRequest, Server, StopText, create_app
-from kvflash.snapshots import KVSnapshots
+from kvflash.serve.server import ChatRequest, Server, StopText, create_app
+from kvflash.serve.snapshots import KVSnapshots
 from kvflash.storage import SnapshotStore
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -144,7 +144,7 @@ def test_the_next_request_does_not_wait_for_the_last_ones_snapshot(lm, tmp_path,
 def test_snapshots_waiting_for_the_disk_are_bounded(lm, tmp_path, monkeypatch) -> None:
     """Each staged snapshot holds a copy of its KV: with the store's writes held back, seven answers
     stage at most MAX_UNSAVED snapshots (the rest are not saved) and are all answered."""
-    from kvflash.server import MAX_UNSAVED
+    from kvflash.serve.server import MAX_UNSAVED
 
     release, real = threading.Event(), SnapshotStore.put_snapshot
 
@@ -451,8 +451,8 @@ def test_a_streamed_client_that_leaves_mid_prefill_ends_it_before_its_first_toke
 def test_health_and_new_requests_say_503_once_the_scheduler_has_stopped(lm) -> None:
     """The scheduler's thread stopped by a callback that raises past every handler (SystemExit):
     /health turns unhealthy, and requests are refused with 503 instead of hanging."""
-    from kvflash.generate import Sampling
-    from kvflash.scheduler import Job
+    from kvflash.engine.generate import Sampling
+    from kvflash.serve.scheduler import Job
 
     def die(tok: int) -> bool:
         raise SystemExit("stopped")

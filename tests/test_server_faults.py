@@ -16,7 +16,7 @@ import httpx
 import pytest
 import torch
 
-from kvflash.server import Server
+from kvflash.serve.server import Server
 from kvflash.storage import SnapshotStore
 from tests.test_server import MODEL, serving, settled
 from tests.test_server_reliability import stray

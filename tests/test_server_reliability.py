@@ -21,10 +21,10 @@ import pytest
 import schemathesis
 from schemathesis import GenerationMode
 
-from kvflash.paged_kv import PagedKV
-from kvflash.scheduler import Job
-from kvflash.server import IDLE_TRIM_S, Server
-from kvflash.snapshots import StagedSnapshot
+from kvflash.engine.paged_kv import PagedKV
+from kvflash.serve.scheduler import Job
+from kvflash.serve.server import IDLE_TRIM_S, Server
+from kvflash.serve.snapshots import StagedSnapshot
 from kvflash.storage import ChunkBlob
 from tests.test_server import DOC, JSON, MODEL, STORY, TURN1, _metric, client, serving, settled
 

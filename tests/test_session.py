@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 
 from kvflash.config import EngineConfig, ResidencyConfig
-from kvflash.engine import Engine
-from kvflash.haystack import filler_sentences
+from kvflash.engine.engine import Engine
+from kvflash.eval.haystack import filler_sentences
 from kvflash.models.loader import load_model
-from kvflash.prompt import content_start, encode_messages
-from kvflash.session import Document, Session, system_message
-from kvflash.snapshots import APPROX_SUFFIX, KVSnapshots
+from kvflash.serve.prompt import content_start, encode_messages
+from kvflash.serve.session import Document, Session, system_message
+from kvflash.serve.snapshots import APPROX_SUFFIX, KVSnapshots
 from kvflash.storage import SnapshotStore
 
 FACT = "The lighthouse of Port Elden was built in 1843 by an engineer named Mara Quill."

@@ -14,14 +14,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvflash.config import EngineConfig, ResidencyConfig
-from kvflash.engine import Engine
-from kvflash.generate import Sampler, Sampling
+from kvflash.engine.engine import Engine
+from kvflash.engine.generate import Sampler, Sampling
+from kvflash.engine.paged_kv import PagedKV
 from kvflash.models.loader import LoadedModel
-from kvflash.paged_kv import PagedKV
-from kvflash.prefix_cache import PrefixCache
-from kvflash.scheduler import Job, Scheduler
+from kvflash.serve.prefix_cache import PrefixCache
+from kvflash.serve.scheduler import Job, Scheduler
+from kvflash.serve.turn import TurnStats
 from kvflash.storage import chain_hashes
-from kvflash.turn import TurnStats
 from tests.tiny import tiny_config, tiny_model
 
 C = 16
@@ -326,8 +326,8 @@ def smollm_cuda(smollm_path):
 
 def haystack_prompts(lm, n_tokens: int) -> list[list[int]]:
     """Two questions over one generated document, as chat prompts."""
-    from kvflash.haystack import build_haystack
-    from kvflash.prompt import encode_messages
+    from kvflash.eval.haystack import build_haystack
+    from kvflash.serve.prompt import encode_messages
 
     tok = lm.tokenizer
     hs = build_haystack(n_tokens, 0.4, seed=5, count_tokens=lambda s: len(tok.encode_plain(s)))

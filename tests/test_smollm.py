@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from kvflash.generate import Sampler, Sampling, decode, eager_step, prefill
+from kvflash.engine.generate import Sampler, Sampling, decode, eager_step, prefill
 from kvflash.kvcache import ContiguousKV
 from kvflash.models.loader import load_model
 

@@ -1,4 +1,4 @@
-"""Mixed steps (kvflash/step.py), on a tiny random-weight model: decode tokens and prefill pieces of
+"""Mixed steps (kvflash/engine/step.py), on a tiny random-weight model: decode tokens and prefill pieces of
 several sequences in one forward compute what each computes alone, and the scheduler puts the
 prompts of many waiting requests into one step."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvflash.models.loader import LoadedModel
-from kvflash.scheduler import Scheduler
+from kvflash.serve.scheduler import Scheduler
 from tests.test_scheduler import CFG, engine, prompt, run_jobs
 from tests.tiny import tiny_model
 

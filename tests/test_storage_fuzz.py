@@ -1,11 +1,11 @@
-"""Fuzzing the chunk-file parsers (storage/format.py, storage/codec.py): every mutation of a valid
-file, each of whose bytes lies in a checksummed region, is refused with a ChunkError by `verify`'s
-full check; a restore, which leaves the payload to the zstd frame's own checksum, refuses it or
-decodes exactly the original chunk (a flip of a frame-header bit zstd ignores changes nothing it
-reads). The same for summaries files (storage/summaries.py), whose every byte is checked both by
-`verify`'s full check and by a restore's read of all its entries. Nothing a file holds makes a
-parser crash, hang or allocate past a bound. Each property runs a few hundred examples in `make
-test` and many thousands under `make test-reliability`."""
+"""Fuzzing the chunk-file parsers (kvflash/storage/format.py, kvflash/storage/codec.py): every
+mutation of a valid file, each of whose bytes lies in a checksummed region, is refused with a
+ChunkError by `verify`'s full check; a restore, which leaves the payload to the zstd frame's own
+checksum, refuses it or decodes exactly the original chunk (a flip of a frame-header bit zstd
+ignores changes nothing it reads). The same for summaries files (kvflash/storage/summaries.py),
+whose every byte is checked both by `verify`'s full check and by a restore's read of all its
+entries. Nothing a file holds makes a parser crash, hang or allocate past a bound. Each property
+runs a few hundred examples in `make test` and many thousands under `make test-reliability`."""
 
 from __future__ import annotations
 

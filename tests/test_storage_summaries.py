@@ -1,9 +1,10 @@
-"""Summaries files (storage/summaries.py): a lazy restore reads a snapshot's token ids and summaries
-from one file in one read, and so does a turn-2 prompt for the prefix it shares with a snapshot; a
-file that is damaged, truncated, missing or another chain's costs only the fallback to the chunk
-files (same result, nothing marked damaged, `verify` names it and writes it again); removals take
-it with the last snapshot of its chain; a store written without them restores as before. Reads are
-counted by a real backend subclass over real files; the shared tier runs on a real redis-server."""
+"""Summaries files (kvflash/storage/summaries.py): a lazy restore reads a snapshot's token ids and
+summaries from one file in one read, and so does a turn-2 prompt for the prefix it shares with a
+snapshot; a file that is damaged, truncated, missing or another chain's costs only the fallback to
+the chunk files (same result, nothing marked damaged, `verify` names it and writes it again);
+removals take it with the last snapshot of its chain; a store written without them restores as
+before. Reads are counted by a real backend subclass over real files; the shared tier runs on a real
+redis-server."""
 
 from __future__ import annotations
 
@@ -13,14 +14,14 @@ from collections import Counter
 import pytest
 import torch
 
-from kvflash.prefix_cache import PrefixCache
-from kvflash.snapshots import KVSnapshots
+from kvflash.serve.prefix_cache import PrefixCache
+from kvflash.serve.snapshots import KVSnapshots
+from kvflash.serve.turn import TurnStats
 from kvflash.storage import SnapshotStore
 from kvflash.storage.backend import LocalDirBackend
 from kvflash.storage.redis_store import RedisStore
 from kvflash.storage.summaries import SUMMARIES_HEADER_SIZE
 from kvflash.storage.tiered import TieredStore
-from kvflash.turn import TurnStats
 from tests.test_restore import FP as MODEL_FP
 from tests.test_restore import engine as tiny_engine
 from tests.test_restore import lm, prompt, saved  # noqa: F401 (lm: the tiny model's fixture)

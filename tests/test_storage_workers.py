@@ -1,5 +1,5 @@
-"""Restores through decode worker processes (storage/workers.py): the same blobs as the threads give,
-the same refusals of damaged chunks, and a restore that survives a worker's death."""
+"""Restores through decode worker processes (kvflash/storage/workers.py): the same blobs as the
+threads give, the same refusals of damaged chunks, and a restore that survives a worker's death."""
 
 from __future__ import annotations
 

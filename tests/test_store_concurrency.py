@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvflash.snapshots import KVSnapshots
+from kvflash.serve.snapshots import KVSnapshots
 from kvflash.storage import SnapshotStore
 from tests.test_ask_damaged_store import DOC, QUESTION
 from tests.test_server import MODEL, serve_process
@@ -116,7 +116,7 @@ def test_a_prune_never_removes_what_a_lazy_restore_still_reads(lm, tmp_path) -> 
     leased) and `kvflash snapshot rm` removes it: the chunks the lease covers stay on disk, the
     sequence reads every one of them afterwards (its turns and its prefetch) with no fallback, and
     once it is freed a prune removes them."""
-    from kvflash.session import Session
+    from kvflash.serve.session import Session
 
     doc = document(n_sentences=60)
     root = tmp_path / "store"

@@ -1,0 +1,385 @@
+"""`kvflash ask` and `kvflash chat`: long-document sessions from the terminal, run here or, with
+--server, on a running `kvflash serve` (then nothing heavy is imported: torch and the engine load
+inside the functions that run a local session, and rich inside those that draw progress bars or
+read the terminal)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import typer
+
+from kvflash import KVFlashError
+from kvflash.cli.files import read_text
+from kvflash.cli.messages import warn
+from kvflash.cli.options import (
+    DeviceOpt,
+    DtypeOpt,
+    HostBytesOpt,
+    JsonOpt,
+    KvDtypeOpt,
+    ModelOpt,
+    StoreOpt,
+    with_engine_options,
+)
+from kvflash.policies import POLICIES
+from kvflash.serve.documents import Document
+
+if TYPE_CHECKING:
+    from kvflash.serve.client import Conversation, Server
+    from kvflash.serve.session import Session
+    from kvflash.serve.turn import TurnStats
+
+DocsArg = typer.Argument(..., help="Document files (UTF-8 text).", show_default=False)
+SessionOpt = typer.Option(None, "--session", "-s", help="Name a conversation to resume it later.")
+PoolOpt = typer.Option(
+    None, "--pool-tokens",
+    help="KV budget in tokens (default: 16384; 'auto': free GPU memory, on a CPU half the free host memory).",
+)  # fmt: skip
+PolicyOpt = typer.Option("qk", "--policy", help=f"Residency policy: {', '.join(POLICIES)}.")
+AbsolutePositionsOpt = typer.Option(
+    False, "--absolute-positions", help="Attend at absolute positions, not positions within the cache."
+)
+LazyOpt = typer.Option(None, "--lazy/--eager", help="Restore lazily (default: when KV exceeds the budget).")
+MaxTokOpt = typer.Option(256, "--max-tokens", "-n", min=1, help="Most tokens per answer.")
+PinOpt = typer.Option(
+    None,
+    "--pin",
+    help="Keep resident: system, last-turn, or [DOC:]START:END characters of a document (repeatable).",
+)
+NoStoreOpt = typer.Option(False, "--no-store", help="Neither restore from nor save to the snapshot store.")
+GraphsOpt = typer.Option(
+    True, "--cuda-graphs/--no-cuda-graphs", help="Replay each decode step from a CUDA graph (on CUDA)."
+)
+ServerOpt = typer.Option(
+    None, "--server", envvar="KVFLASH_SERVER",
+    help="URL of a running `kvflash serve`: run the turn there, loading no model here.",
+)  # fmt: skip
+ProcsOpt = typer.Option(
+    0, "--decode-processes", min=0,
+    help="Decode restores in N worker processes (0: the store's threads); paid off from 12 on 16 cores.",
+)  # fmt: skip
+
+
+def read_documents(paths: list[Path]) -> list[Document]:
+    return [Document(p.name, read_text(p)) for p in paths]
+
+
+def pool_tokens(value: str | None) -> int | str:
+    if value is None:
+        return 16384
+    if value == "auto":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        raise KVFlashError(f"--pool-tokens takes a number of tokens or 'auto', not {value!r}") from None
+    if n < 1:
+        raise KVFlashError("--pool-tokens must be positive")
+    return n
+
+
+def load_with_progress(model: Path | None, dtype: str | None, device: str | None):
+    """load_model with a progress bar on stderr over the GGUF's tensor bytes (gone once loaded)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from kvflash.models.loader import load_model
+
+    with Progress(
+        TextColumn("load model"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+        console=Console(stderr=True), transient=True, redirect_stdout=False, redirect_stderr=False,
+    ) as bar:  # fmt: skip
+        task = bar.add_task("load", total=None)
+        return load_model(model, dtype=dtype, device=device, on_progress=lambda done, total: bar.update(
+            task, completed=done, total=total))  # fmt: skip
+
+
+def open_session(
+    docs: list[Path], *, session: str | None, pool: str | None, policy: str, lazy: bool | None,
+    model: Path | None, dtype: str | None, device: str | None, store: Path | None, no_store: bool,
+    absolute_positions: bool = False, decode_processes: int = 0, cuda_graphs: bool = True,
+    host_bytes: int | None = None, pins: list[str] | None = None, prefetch: bool = True,
+    kv_dtype: str | None = None,
+) -> Session:  # fmt: skip
+    """The session `ask` and `chat` run, from their options (keywords: a dozen of them). `ask`
+    answers one question and exits, so it prefetches nothing for a next one (`Session`)."""
+    from kvflash.cli.limits import check_pool_fits
+    from kvflash.config import EngineConfig, ResidencyConfig
+    from kvflash.engine.engine import Engine
+    from kvflash.paths import snapshots_dir
+    from kvflash.serve.pins import parse_pin
+    from kvflash.serve.session import Session
+    from kvflash.storage import SnapshotStore, StoreError
+
+    pinned = [parse_pin(p) for p in pins or ()]  # a bad --pin fails before the model loads
+    documents = read_documents(docs)
+    lm = load_with_progress(model, dtype, device)
+    budget = pool_tokens(pool)
+    res = ResidencyConfig(policy=policy, cache_positions=not absolute_positions)
+    cfg = with_engine_options(
+        EngineConfig(pool_tokens=budget, residency=res, cuda_graphs=cuda_graphs), host_bytes, kv_dtype
+    )
+    check_pool_fits(lm, budget, res.chunk_tokens, cfg.kv_dtype)
+    engine = Engine(lm, cfg, warm=False)
+    st = None
+    if not no_store:
+        try:
+            st = SnapshotStore(store or snapshots_dir(), processes=decode_processes)
+        except StoreError as e:  # the store only saves time: answer without it
+            warn(f"snapshot store unusable, answering without it: {e}")
+    try:
+        sess = Session(engine, documents, st, name=session, lazy=lazy, pins=pinned, prefetch=prefetch)
+        engine.warm_up()  # while the session reads its stored documents' ids and summaries
+        return sess
+    except BaseException:
+        if st is not None:  # its threads and decode workers: close_session never sees this one
+            st.close()
+        raise
+
+
+def close_session(sess: Session) -> None:
+    """The session, then the store open_session made for it (its threads and decode workers)."""
+    sess.close()
+    if sess.snapshots is not None:
+        sess.snapshots.store.close()
+
+
+def stats_line(s: dict) -> str:
+    """One line from a turn's stats (TurnStats.to_dict(), or a server response's `kvflash` field)."""
+    if not s:
+        return "no stats: the server sent no kvflash field"
+    mib = {k: v / 2**20 for k, v in s.get("bytes_moved", {}).items()}
+    return (
+        f"TTFT {s['ttft_s']:.2f}s ({s['source']}) | restored {s['restored_tokens']} tok, prefilled "
+        f"{s['prefilled_tokens']} tok | read disk {mib.get('disk', 0):.1f} MiB, host->gpu "
+        f"{mib.get('host_to_gpu', 0):.1f} MiB | decode {s['decode_tok_s']:.1f} tok/s, "
+        f"{s['generated_tokens']} tok"
+        + (f" | pinned {s['pinned_chunks']} chunks" if s.get("pinned_chunks") else "")
+    )
+
+
+def print_stats(stats: dict) -> None:
+    """The stats line on stdout, dim on a terminal: written without rich, which `ask --server` would
+    import for this line alone."""
+    line = stats_line(stats)
+    styled = sys.stdout.isatty() and os.environ.get("TERM") != "dumb"
+    print(f"\x1b[2m{line}\x1b[0m" if styled else line)
+
+
+def run_turn(sess: Session, question: str, max_tokens: int, stream: bool) -> tuple[str, TurnStats]:
+    """One turn with a prefill progress bar and, when stream is set, tokens printed as they come."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from kvflash.engine.generate import Sampling
+    from kvflash.models.tokenizer import StreamDecoder
+
+    decoder = StreamDecoder(sess.tok)
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+        console=Console(stderr=True), transient=True, redirect_stdout=False, redirect_stderr=False,
+    ) as bar:  # fmt: skip
+        restore = bar.add_task("restore", total=None, visible=False)
+        task = bar.add_task("prefill", total=None)
+
+        def on_restore(done: int, total: int) -> None:
+            bar.update(restore, completed=done, total=total, visible=True)
+
+        def on_prefill(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        def on_text(tok: int) -> None:
+            if bar.live.is_started:
+                bar.stop()
+            if stream:
+                sys.stdout.write(decoder.push(tok))
+                sys.stdout.flush()
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            text, stats = sess.ask(question, max_tokens, Sampling(), on_text, on_prefill, on_restore)
+    for w in caught:
+        warn(w.message)
+    if stream:
+        print(decoder.flush())
+    return text, stats
+
+
+LOCAL_ONLY = (
+    "model", "dtype", "kv_dtype", "device", "pool", "store", "lazy", "decode_processes", "no_store", "pin",
+)  # fmt: skip
+"""Options that configure a local engine: a server has its own, so --server refuses them."""
+
+
+def refuse_local_options(**given: object) -> None:
+    """One line naming the first local-engine option given alongside --server."""
+    for name, value in given.items():
+        if value not in (None, False, 0, [], ()):
+            flag = "--" + ("pool-tokens" if name == "pool" else name.replace("_", "-"))
+            raise KVFlashError(f"{flag} configures a local engine; the server at --server has its own")
+
+
+class Remote:
+    """The conversation a thin client keeps, and the server that answers it."""
+
+    def __init__(self, url: str, docs: list[Path], session: str | None):
+        from kvflash.serve.client import Conversation, Server
+
+        self.conv: Conversation = Conversation(read_documents(docs), session)
+        self.server: Server = Server(url)
+
+    def turn(self, question: str, max_tokens: int, stream: bool) -> tuple[str, dict]:
+        def on_text(piece: str) -> None:
+            if stream:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+
+        reply = self.server.chat(self.conv.messages(question), max_tokens, on_text)
+        if stream:
+            print()
+        self.conv.add(question, reply.text)
+        return reply.text, reply.stats
+
+
+def remote(url: str, docs: list[Path], session: str | None) -> Remote:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        r = Remote(url, docs, session)
+    for w in caught:
+        warn(w.message)
+    return r
+
+
+def ask(
+    docs: list[Path] = DocsArg,
+    question: str = typer.Argument(..., help="The question (after the documents).", show_default=False),
+    session: str = SessionOpt,
+    server: str = ServerOpt,
+    pool: str = PoolOpt,
+    host_bytes: int | None = HostBytesOpt,
+    policy: str = PolicyOpt,
+    absolute_positions: bool = AbsolutePositionsOpt,
+    lazy: bool = LazyOpt,
+    max_tokens: int = MaxTokOpt,
+    pin: list[str] = PinOpt,
+    model: Path = ModelOpt,
+    dtype: str = DtypeOpt,
+    kv_dtype: str = KvDtypeOpt,
+    device: str = DeviceOpt,
+    store: Path = StoreOpt,
+    no_store: bool = NoStoreOpt,
+    decode_processes: int = ProcsOpt,
+    cuda_graphs: bool = GraphsOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Ask QUESTION about DOCS; restores what an earlier turn stored and prints a stats line."""
+    from kvflash.serve.client import server_url
+
+    if url := server_url(server):
+        refuse_local_options(model=model, dtype=dtype, kv_dtype=kv_dtype, device=device, pool=pool,
+                             store=store, lazy=lazy, decode_processes=decode_processes, no_store=no_store,
+                             pin=pin)  # fmt: skip
+        text, stats = remote(url, docs, session).turn(question, max_tokens, stream=not as_json)
+    else:
+        sess = open_session(
+            docs, session=session, pool=pool, policy=policy, lazy=lazy, model=model, dtype=dtype,
+            device=device, store=store, no_store=no_store, absolute_positions=absolute_positions,
+            decode_processes=decode_processes, cuda_graphs=cuda_graphs, host_bytes=host_bytes, pins=pin,
+            prefetch=False, kv_dtype=kv_dtype,
+        )  # fmt: skip
+        try:
+            text, turn_stats = run_turn(sess, question, max_tokens, stream=not as_json)
+        finally:
+            close_session(sess)
+        stats = turn_stats.to_dict()
+    if as_json:
+        print(json.dumps({"answer": text, **stats}))
+    else:
+        print_stats(stats)
+
+
+def chat(
+    docs: list[Path] = DocsArg,
+    session: str = SessionOpt,
+    server: str = ServerOpt,
+    pool: str = PoolOpt,
+    host_bytes: int | None = HostBytesOpt,
+    policy: str = PolicyOpt,
+    absolute_positions: bool = AbsolutePositionsOpt,
+    lazy: bool = LazyOpt,
+    max_tokens: int = MaxTokOpt,
+    pin: list[str] = PinOpt,
+    model: Path = ModelOpt,
+    dtype: str = DtypeOpt,
+    kv_dtype: str = KvDtypeOpt,
+    device: str = DeviceOpt,
+    store: Path = StoreOpt,
+    decode_processes: int = ProcsOpt,
+    cuda_graphs: bool = GraphsOpt,
+) -> None:
+    """Interactive multi-turn chat about DOCS. Commands: /stats, /reset, /save, /quit."""
+    from rich.console import Console
+
+    from kvflash.serve.client import server_url
+
+    console = Console(highlight=False)
+    if url := server_url(server):
+        refuse_local_options(model=model, dtype=dtype, kv_dtype=kv_dtype, device=device, pool=pool,
+                             store=store, lazy=lazy, decode_processes=decode_processes, pin=pin)  # fmt: skip
+        r = remote(url, docs, session)
+        turns, sess = len(r.conv.turns) // 2, None
+    else:
+        sess = open_session(
+            docs, session=session, pool=pool, policy=policy, lazy=lazy, model=model, dtype=dtype,
+            device=device, store=store, no_store=False, absolute_positions=absolute_positions,
+            decode_processes=decode_processes, cuda_graphs=cuda_graphs, host_bytes=host_bytes, pins=pin,
+            kv_dtype=kv_dtype,
+        )  # fmt: skip
+        turns = len(sess.messages) // 2
+    last: dict | None = None
+    console.print(
+        f"[dim]{turns} earlier turns resumed[/]"
+        if turns
+        else "[dim]new conversation; /stats /reset /save /quit[/]"
+    )
+    try:
+        while True:
+            try:
+                line = console.input("[bold]> [/]").strip()
+            except EOFError:
+                break
+            if not line:
+                continue
+            if line in ("/quit", "/exit"):
+                break
+            if line == "/stats":
+                console.print(stats_line(last) if last else "no turn yet")
+            elif line == "/reset":
+                if sess is None:
+                    r.conv.reset()
+                else:
+                    sess.reset()
+                console.print("[dim]conversation reset[/]")
+            elif line == "/save" and sess is None:
+                console.print("[dim]the server snapshots every turn[/]")
+            elif line == "/save":
+                sid = sess.save() if sess.kv is not None else None
+                console.print(f"[dim]saved snapshot {sid}[/]" if sid else "[dim]nothing to save[/]")
+            elif line.startswith("/"):
+                console.print(f"unknown command {line}; try /stats /reset /save /quit", markup=False)
+            else:
+                if sess is None:
+                    _, last = r.turn(line, max_tokens, stream=True)
+                else:
+                    _, stats = run_turn(sess, line, max_tokens, stream=True)
+                    last = stats.to_dict()
+                console.print(f"[dim]{stats_line(last)}[/]", soft_wrap=True)
+    finally:
+        if sess is not None:
+            close_session(sess)

@@ -1,0 +1,73 @@
+"""`kvflash generate`: plain generation from a prompt, streamed to the terminal."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from kvflash import KVFlashError
+from kvflash.cli.options import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt
+from kvflash.engine.generate import Sampler, Sampling, decode, eager_step, prefill
+from kvflash.kvcache import ContiguousKV
+from kvflash.models.loader import load_model
+from kvflash.models.tokenizer import StreamDecoder
+
+
+def generate(
+    prompt: str = typer.Argument(..., help="The prompt text."),
+    max_tokens: int = typer.Option(128, "--max-tokens", "-n", min=1, help="Most tokens to generate."),
+    model: Path = ModelOpt,
+    chat: bool = typer.Option(True, "--chat/--raw", help="Wrap the prompt in the model's chat template."),
+    temperature: float = typer.Option(0.0, min=0.0, help="0 is greedy."),
+    top_p: float = typer.Option(1.0, "--top-p", max=1.0, help="Nucleus mass kept, in (0, 1]."),
+    seed: int = typer.Option(None, min=0, max=2**64 - 1, help="Seed for sampling (0 to 2**64 - 1)."),
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Generate a reply to PROMPT, greedy by default."""
+    if not top_p > 0:
+        raise typer.BadParameter(
+            f"{top_p} is not in (0, 1]: a nucleus keeps some mass", param_hint="'--top-p'"
+        )
+    lm = load_model(model, dtype=dtype, device=device)
+    tok = lm.tokenizer
+    text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+    ids = tok.encode(text)
+    if not ids:
+        raise KVFlashError("the prompt is empty")
+    kv = ContiguousKV(lm.config, len(ids) + max_tokens, lm.dtype, lm.device)
+    console = Console(highlight=False)
+
+    t0 = time.perf_counter()
+    logits = prefill(lm.model, ids, kv)
+    sampler = Sampler(Sampling(temperature, top_p, seed), lm.device)
+    stream = StreamDecoder(tok)
+    out: list[int] = []
+    ttft = None
+    for t in decode(eager_step(lm.model, kv), logits, len(ids), max_tokens, sampler, tok.eos_ids):
+        ttft = ttft or time.perf_counter() - t0
+        out.append(t)
+        piece = stream.push(t)
+        if not as_json and piece:
+            console.out(piece, end="")
+    elapsed = time.perf_counter() - t0
+    if as_json:
+        tok_s = (len(out) - 1) / (elapsed - ttft) if ttft and len(out) > 1 else None
+        print(
+            json.dumps(
+                {
+                    "text": tok.decode(out),
+                    "prompt_tokens": len(ids),
+                    "completion_tokens": len(out),
+                    "ttft_s": ttft,
+                    "decode_tok_s": tok_s,
+                }
+            )
+        )
+    else:
+        console.out(stream.flush())

@@ -1,0 +1,129 @@
+"""`kvflash serve`: the OpenAI-compatible server (kvflash.serve.server) on uvicorn."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+
+import typer
+
+from kvflash.cli.ask_cmd import GraphsOpt, PolicyOpt, PoolOpt, ProcsOpt, load_with_progress, pool_tokens
+from kvflash.cli.limits import check_pool_fits
+from kvflash.cli.messages import warn
+from kvflash.cli.options import (
+    DeviceOpt,
+    DtypeOpt,
+    HostBytesOpt,
+    KvDtypeOpt,
+    ModelOpt,
+    SharedStoreOpt,
+    StoreOpt,
+    with_engine_options,
+)
+from kvflash.cli.snapshot_cmd import parse_size
+from kvflash.config import EngineConfig, ResidencyConfig
+from kvflash.engine.engine import Engine
+from kvflash.serve.snapshots import KVSnapshots
+from kvflash.storage.tiered import TierConfig, open_tiers
+
+SHUTDOWN_GRACE_S = 5
+"""How long a stopping server lets open requests finish before it ends them."""
+
+
+def serve(
+    model: Path = ModelOpt,
+    dtype: str = DtypeOpt,
+    kv_dtype: str = KvDtypeOpt,
+    device: str = DeviceOpt,
+    pool: str = PoolOpt,
+    host_bytes: int | None = HostBytesOpt,
+    policy: str = PolicyOpt,
+    store: Path = StoreOpt,
+    shared_store: str = SharedStoreOpt,
+    cache_bytes: str = typer.Option(
+        None,
+        "--store-max-bytes",
+        metavar="SIZE",
+        help="With both stores: the local one's budget (e.g. 20G); least recently used snapshots "
+        "leave it once copied to the shared store.",
+    ),
+    no_store: bool = typer.Option(False, "--no-store", help="Keep no KV across requests on disk."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
+    port: int = typer.Option(8000, "--port", min=1, max=65535, help="TCP port."),
+    name: str = typer.Option(None, "--served-model-name", help="Model id in requests (default: file stem)."),
+    max_tokens: int = typer.Option(512, "--max-tokens", min=1, help="Answer length if a request sets none."),
+    max_batch: int = typer.Option(
+        32,
+        "--max-batch",
+        min=1,
+        help="Most requests run together; each is admitted when the pool has room for its prompt and answer.",
+    ),
+    sequence_tokens: int = typer.Option(
+        None,
+        "--sequence-tokens",
+        min=1,
+        help="Most pool tokens one request holds; a longer context evicts (default: the pool, to 262,144).",
+    ),
+    max_waiting: int = typer.Option(
+        256,
+        "--max-waiting",
+        min=0,
+        help="Requests that may wait for admission; more get 429 with Retry-After.",
+    ),
+    max_prompt_tokens: int = typer.Option(
+        None,
+        "--max-prompt-tokens",
+        min=1,
+        help="Longest prompt; longer ones get 400 (default: what one sequence can hold).",
+    ),
+    api_key: str = typer.Option(
+        None, "--api-key", envvar="KVFLASH_API_KEY", help="Require `Authorization: Bearer KEY` (not /health)."
+    ),
+    decode_processes: int = ProcsOpt,
+    cuda_graphs: bool = GraphsOpt,
+) -> None:
+    """Serve /v1/chat/completions and /v1/models; a conversation's next turn reuses its KV.
+
+    With --shared-store, snapshots go to Redis too, so a conversation restores on whichever server
+    its next turn reaches; with --store as well, that directory is a local cache in front of it."""
+    import uvicorn
+
+    from kvflash.serve.server import Server, create_app  # FastAPI loads only for `serve`
+
+    tiers = TierConfig(cache_bytes=parse_size(cache_bytes) if cache_bytes else None)  # before the load
+    lm = load_with_progress(model, dtype, device)
+    res = ResidencyConfig(policy=policy)
+    budget = pool_tokens(pool)
+    cfg = with_engine_options(
+        EngineConfig(pool_tokens=budget, residency=res, cuda_graphs=cuda_graphs), host_bytes, kv_dtype
+    )
+    check_pool_fits(lm, budget, res.chunk_tokens, cfg.kv_dtype)
+    engine = Engine(lm, cfg)
+    st = None if no_store else open_tiers(store, shared_store, decode_processes, tiers)
+    snapshots = KVSnapshots(st, engine.fingerprint, other_kv=engine.other_kv_fingerprints()) if st else None
+    for stored, n in (snapshots.other_kv_counts() if snapshots else {}).items():
+        warn(f"the store holds {n} snapshots of this model with {stored} KV; this server keeps "
+             f"{engine.kv_dtype_name} KV (--kv-dtype) and restores none of them")  # fmt: skip
+    model_name = name or lm.path.name.split(".")[0]
+    server = Server(
+        engine,
+        lm.tokenizer,
+        model_name,
+        snapshots,
+        max_tokens,
+        max_batch,
+        max_prompt_tokens,
+        max_waiting,
+        sequence_tokens,
+    )
+    # uvicorn stops on SIGTERM, then raises it again: the default action would end the process
+    # before the answers in flight are ended and their snapshots written (Server.close, below).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:  # on SIGTERM or Ctrl-C, requests still open after the grace period are ended (Server.close)
+        uvicorn.run(create_app(server, api_key=api_key), host=host, port=port, log_level="info",
+                    timeout_graceful_shutdown=SHUTDOWN_GRACE_S)  # fmt: skip
+    finally:
+        server.close()
+        if st is not None:
+            st.close()

@@ -1,0 +1,257 @@
+"""The engine: a model plus the shared chunk pool and host tier, and the prefill/decode loops over them.
+
+Prefill of a prompt longer than a sequence's budget runs in whole-chunk steps; under `qk` the last
+step is first run as scouts whose queries score the chunks, so that the question at the end of a
+prompt chooses which chunks of the document it attends to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from functools import cached_property
+
+import torch
+
+from kvflash import kernels
+from kvflash.config import KV_DTYPE_NAMES, EngineConfig, resolve_kv_dtype
+from kvflash.engine.batch_kv import BatchKV, padded_size
+from kvflash.engine.decode_graph import BatchGraphs
+from kvflash.engine.generate import Sampler, Sampling, Step, decode, eager_step
+from kvflash.engine.host_tier import HostTier
+from kvflash.engine.paged_kv import PagedKV
+from kvflash.engine.pool import ChunkPool, slots_for
+from kvflash.engine.step import MixedKV, Piece, Prefill
+from kvflash.models.loader import LoadedModel
+
+WARM_PIECES = (24, 48, 100)
+"""Prefill pieces the warm-up runs after a whole step: one of each query-tile size the prefill
+kernel picks for short pieces (32, 64 and 128 rows), the shapes of a conversation's next turns."""
+
+
+class Engine:
+    def __init__(self, lm: LoadedModel, cfg: EngineConfig, warm: bool = True):
+        """`warm`: run `warm_up` now where it applies (CUDA); a caller with other start-up work to
+        overlap with it passes False and calls `warm_up` itself."""
+        self.lm, self.cfg = lm, cfg
+        self.kv_dtype = resolve_kv_dtype(cfg.kv_dtype, lm.dtype, lm.device)
+        c = cfg.residency.chunk_tokens
+        blocks, dt = cfg.residency.summary_blocks, self.kv_dtype
+        n = slots_for(lm.config, cfg.pool_tokens, c, dt, lm.device, summary_blocks=blocks)
+        self.pool = ChunkPool(lm.config, n, c, dt, lm.device)
+        self.host = HostTier(self.pool, cfg.host_bytes)
+        self.batch_graphs = BatchGraphs(lm.model)
+        self._batches: dict[tuple[int, int], BatchKV] = {}
+        self._no_logits = torch.empty(0, lm.config.vocab_size, device=lm.device)
+        if warm:
+            self.warm_up()
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """The model fingerprint of this engine's KV (its dtype and chunk size included): what its
+        snapshots are stored and looked up under."""
+        return self.lm.fingerprint(self.cfg.residency.chunk_tokens, self.kv_dtype)
+
+    @property
+    def kv_dtype_name(self) -> str:
+        """The KV dtype as `--kv-dtype` names it (fp32, bf16, fp16, fp8)."""
+        return next(name for name, dt in KV_DTYPE_NAMES.items() if dt == self.kv_dtype)
+
+    def other_kv_fingerprints(self) -> dict[str, str]:
+        """The fingerprints of this model's KV in each other dtype (this chunk size), to the dtype's
+        name: snapshots under them are this model's, with KV this engine does not restore."""
+        c = self.cfg.residency.chunk_tokens
+        return {
+            self.lm.fingerprint(c, dt): name for name, dt in KV_DTYPE_NAMES.items() if dt != self.kv_dtype
+        }
+
+    def warm_up(self) -> None:
+        """A prefill and decode steps on scratch sequences: one of the pool's budget, whose prefill
+        runs a whole step (`step_tokens`, the shape long prompts use) and then short ones, and
+        under an evicting policy one over a small budget, whose steps page chunks out and in, score
+        them and scout. A process's first CUDA calls (cuBLAS handles and its choice per matrix shape,
+        Triton kernels compiled or loaded from the cache, pinned host memory) are slow; warmed here,
+        they are part of starting the engine instead of the first turn's time to first token; every
+        variant of the prefill and scoring kernels is compiled or loaded first (`kernels.warm`), as
+        the steps below reach only the variants of their own shapes."""
+        if self.lm.device.type != "cuda":  # the first calls cost little there
+            return
+        c = self.cfg.residency.chunk_tokens
+        kernels.warm(self.pool.kv, self.lm.config.n_heads, self.lm.dtype)
+        kv = self.new_sequence()
+        try:
+            whole = min(self.step_tokens, (self.pool.n_slots - 1) * c)
+            logits = self.prefill(kv, [0] * (max(whole, 2 * c) + 1))
+            for n in WARM_PIECES:  # the query tiles of short pieces over a long context (turn 2)
+                if len(kv.seq) + n < kv.budget * c:
+                    logits = self.prefill(kv, [0] * n)
+            # captures the graph a lone sequence of the pool's budget replays (the first capture in a
+            # process is the slow one)
+            sampler = Sampler(Sampling(), self.lm.device)
+            list(decode(self.decode_step(kv), logits, len(kv.seq), 2, sampler))
+        finally:
+            kv.free()
+        if self.cfg.residency.policy != "full":
+            kv = self.new_sequence((self.cfg.residency.floor_chunks() + 3) * c)
+            try:
+                self.prefill(kv, [0] * ((kv.budget + 4) * c + 1))
+            finally:
+                kv.free()
+
+    def warm_batches(self, max_batch: int, budget_tokens: int) -> None:
+        """Captures the decode graphs a scheduler of up to `max_batch` sequences of this budget
+        replays (one per padded batch size), on scratch sequences of one token each, so that no
+        request waits for a capture."""
+        seqs = [self.new_sequence(budget_tokens) for _ in range(max_batch)]
+        try:
+            if not all(map(self.replays, seqs)):
+                return
+            for kv in seqs:
+                self.prefill(kv, [0])
+            sizes = sorted({padded_size(n) for n in range(1, max_batch + 1)})
+            for n in sizes:
+                self.decode_batch(seqs[:n], [0] * n)
+        finally:
+            for kv in seqs:
+                kv.free()
+
+    def expect(self, tokens: int) -> None:
+        """Starts pinning host memory for the chunks beyond the pool of a prompt of about `tokens`
+        tokens, before its ids exist (while a document is tokenised): its prefill's page-outs then
+        find the memory pinned instead of waiting for it. The prefill reserves what is still short."""
+        leaving = -(-tokens // self.cfg.residency.chunk_tokens) - self.pool.n_slots
+        if leaving > 0:
+            self.host.reserve(self.host.n_used + leaving)
+
+    def new_sequence(self, budget_tokens: int | None = None) -> PagedKV:
+        c = self.cfg.residency.chunk_tokens
+        budget = self.pool.n_slots if budget_tokens is None else -(-budget_tokens // c)
+        kv = PagedKV(self.pool, self.host, self.cfg.residency, min(budget, self.pool.n_slots))
+        kv.fingerprint = self.fingerprint
+        return kv
+
+    @property
+    def step_tokens(self) -> int:
+        """The most tokens one prefill step computes: `prefill_step_tokens`, else 8,192 where the
+        Triton kernels run (a step's launches cost more than its work below that) and 512 elsewhere
+        (the reference attention holds a step's [tokens, keys] scores per head in memory)."""
+        if self.cfg.prefill_step_tokens is not None:
+            return self.cfg.prefill_step_tokens
+        return 8192 if self.lm.device.type == "cuda" else 512
+
+    def step_chunks(self, kv: PagedKV, remaining: int) -> int:
+        """Chunks the next prefill step may write, `remaining` tokens still to go.
+
+        Launches and re-selection are paid per step, so steps are as large as the pool allows (up to
+        `prefill_step_tokens`): a sequence that fits its budget takes the room it has; one that evicts
+        gives a step half the room above the floor, so the other half holds the chunks its queries
+        select (sinks, tail and pins are the floor)."""
+        c = kv.cfg.chunk_tokens
+        cap = max(1, self.step_tokens // c)
+        if -(-(len(kv.seq) + remaining) // c) <= kv.budget:
+            return cap
+        pins = sum(ch.pinned for ch in kv.seq.chunks)
+        room = kv.budget - kv.cfg.floor_chunks(pins) + 1
+        return max(1, min(cap, room // 2 + 1))
+
+    def prefill(
+        self, kv: PagedKV, ids: list[int], on_progress: Callable[[int], None] | None = None
+    ) -> torch.Tensor:
+        """Appends ids to the sequence; returns the logits [V] after the last one."""
+        prefill = self.plan_prefill(kv, ids, on_progress)
+        while True:
+            piece = prefill.next()
+            logits = self.forward([], [], [piece])[1][0]
+            prefill.ran(piece)
+            if piece.final:
+                return logits
+
+    def plan_prefill(
+        self, kv: PagedKV, ids: list[int], on_progress: Callable[[int], None] | None = None
+    ) -> Prefill:
+        """The prefill of ids into kv, a piece at a time (`Prefill`), for `forward` to run: alone, or
+        in one step with other sequences' pieces and decode tokens. Host memory for the chunks it
+        will page out starts pinning now, while its first pieces run."""
+        leaving = -(-(len(kv.seq) + len(ids)) // kv.cfg.chunk_tokens) - kv.budget
+        if leaving > 0:
+            self.host.reserve(self.host.n_used + leaving)
+        return Prefill(self.step_chunks, self._scout, kv, ids, on_progress)
+
+    def _scout(self, piece: Piece) -> None:
+        """Runs a prompt's last piece as scouts: their queries score the chunks (nothing is written)."""
+        ids, positions = self._inputs(piece)
+        piece.kv.scout = True
+        try:
+            for _ in range(piece.kv.cfg.scout_rounds):
+                self.lm.model(ids, positions, piece.kv)
+        finally:
+            piece.kv.scout = False
+
+    def _inputs(self, piece: Piece) -> tuple[torch.Tensor, torch.Tensor]:
+        """A lone piece's ids and positions [T] on the device."""
+        dev = self.lm.device
+        return torch.tensor(piece.ids, device=dev), torch.arange(
+            piece.start, piece.start + len(piece.ids), device=dev
+        )
+
+    def forward(
+        self, seqs: list[PagedKV], tokens: list[int], pieces: list[Piece]
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """One step: tokens[i] goes next in seqs[i] and each piece's ids into its sequence, in one
+        forward (`MixedKV`). Returns the decode logits [B, V] (None without seqs) and the logits
+        after each piece's last id [P, V]. A lone piece runs as a prefill step, a step of decode
+        tokens alone as `decode_batch`."""
+        if not pieces:
+            return self.decode_batch(seqs, tokens), self._no_logits
+        if not seqs and len(pieces) == 1:
+            return None, self.lm.model(*self._inputs(pieces[0]), pieces[0].kv)
+        with torch.inference_mode():
+            mixed = MixedKV(self._batch(seqs) if seqs else None, pieces)
+            ids, positions, rows = mixed.begin(tokens)
+            logits = self.lm.model.compute(ids, positions, mixed, rows=rows)
+            mixed.end()
+        b = len(seqs)
+        return (logits[:b] if seqs else None), logits[b:]
+
+    def replays(self, kv: PagedKV) -> bool:
+        """Whether this sequence's decode steps replay CUDA graphs: where the Triton kernels run."""
+        return self.cfg.cuda_graphs and kv.uses_triton and kv.pool.kv.is_cuda
+
+    def decode_step(self, kv: PagedKV) -> Step:
+        """Replayed from the CUDA graphs of a batch of one where `replays` (its logits valid until the
+        next step), else the eager forward."""
+        if not self.replays(kv):
+            return eager_step(self.lm.model, kv)
+        return lambda token, position: self.batch_graphs(self._batch([kv]), [token], [position])[0]
+
+    def decode_batch(self, seqs: list[PagedKV], tokens: list[int]) -> torch.Tensor:
+        """One decode step of each sequence in one forward: tokens[i] goes next in seqs[i]; returns
+        the logits [B, V] after each (valid until the next step). Replayed from a CUDA graph of the
+        batch where every sequence `replays` and all have one budget."""
+        positions = [len(kv.seq) for kv in seqs]
+        if all(map(self.replays, seqs)) and len({kv.budget for kv in seqs}) == 1:
+            return self.batch_graphs(self._batch(seqs, padded_size(len(seqs))), tokens, positions)
+        if len(seqs) == 1:
+            return self.decode_step(seqs[0])(tokens[0], positions[0])[None]
+        return self.decode_batch_eager(seqs, tokens)
+
+    @torch.inference_mode()
+    def decode_batch_eager(self, seqs: list[PagedKV], tokens: list[int]) -> torch.Tensor:
+        """`decode_batch` without graphs: the forward launched from Python."""
+        batch = self._batch(seqs)
+        batch.begin_decode(tokens, [len(kv.seq) for kv in seqs])
+        logits = self.lm.model.compute(*batch.inputs(), batch, all_logits=True)
+        batch.end()
+        return logits
+
+    def _batch(self, seqs: list[PagedKV], rows: int | None = None) -> BatchKV:
+        """The BatchKV of this many rows (`seqs`, then pad rows) and budget, whose buffers (and the
+        graphs reading them) serve every step of that shape, now over `seqs`."""
+        shape = rows or len(seqs), seqs[0].budget
+        batch = self._batches.get(shape) or self._batches.setdefault(shape, BatchKV(seqs, shape[0]))
+        batch.seqs = seqs
+        return batch
+
+    def generate(
+        self, kv: PagedKV, first_logits: torch.Tensor, max_tokens: int, sampler: Sampler, stop: frozenset[int]
+    ) -> Iterator[int]:
+        return decode(self.decode_step(kv), first_logits, len(kv.seq), max_tokens, sampler, stop)

@@ -1,0 +1,107 @@
+"""One forward over several sequences: the decode tokens of running ones and prefill pieces of others.
+
+The dense layers (projections, MLP, head) run once over every row of the step, so each weight is read
+once for all of them and one set of launches serves every sequence; attention runs per part: the
+decode rows as one batched call (BatchKV), each prefill piece over its own sequence (PagedKV). This is
+chunked prefill mixed with decode, as vLLM and SGLang schedule it: a long prompt goes in pieces that
+ride along with the others' decode tokens, and many short prompts (the next turns of conversations
+whose KV is live) prefill in one forward instead of one each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvflash.engine.batch_kv import BatchKV
+from kvflash.engine.paged_kv import PagedKV
+
+
+@dataclass
+class Piece:
+    """Prompt ids a step appends to one sequence, from position `start`."""
+
+    kv: PagedKV
+    ids: list[int]
+    start: int
+    final: bool
+    """The prompt's last piece: the logits after its last id choose the first answer token."""
+
+
+class Prefill:
+    """A prompt's prefill, a piece at a time: `next` plans a piece, the caller runs it (alone or in a
+    mixed step) and reports it with `ran`, and only then may the next be planned (its size and
+    residency follow what the sequence holds after the last)."""
+
+    def __init__(
+        self,
+        plan: Callable[[PagedKV, int], int],
+        scout: Callable[[Piece], None],
+        kv: PagedKV,
+        ids: list[int],
+        on_progress: Callable[[int], None] | None = None,
+    ):
+        assert ids, "a prefill needs at least one token"
+        self._plan, self._scout, self.kv, self.ids, self.on_progress = plan, scout, kv, ids, on_progress
+        self.done = 0
+
+    def next(self, limit: int | None = None) -> Piece:
+        """The next piece: up to the chunk boundary the engine plans (`Engine.step_chunks`), and at
+        most `limit` tokens (at least one) where given. Under `qk`, the last piece of a prompt longer
+        than the budget is first run as scouts, whose queries (the question's) select the chunks the
+        last piece attends to."""
+        kv, remaining = self.kv, len(self.ids) - self.done
+        pos, c = len(kv.seq), kv.cfg.chunk_tokens
+        boundary = (pos // c + self._plan(kv, remaining)) * c
+        n = min(remaining, boundary - pos, remaining if limit is None else max(1, limit))
+        piece = Piece(kv, self.ids[self.done : self.done + n], pos, self.done + n == len(self.ids))
+        if piece.final and kv.cfg.policy == "qk" and len(kv.seq.chunks) + 1 > kv.budget:
+            self._scout(piece)
+        return piece
+
+    def ran(self, piece: Piece) -> None:
+        self.done += len(piece.ids)
+        if self.on_progress:
+            self.on_progress(len(piece.ids))
+
+
+class MixedKV:
+    """The KVCache of a mixed step: rows 0..B-1 are the decode tokens of `batch`'s sequences, then
+    each piece's ids in order."""
+
+    def __init__(self, batch: BatchKV | None, pieces: list[Piece]):
+        self.batch, self.pieces = batch, pieces
+        self._parts: list[tuple[BatchKV | PagedKV, int, int]] = []
+
+    def begin(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Starts every part's step; returns the step's ids and positions [T] and the rows whose
+        logits are wanted [B + P] (each decode row, each piece's last), all on the device."""
+        dev = self.pieces[0].kv.pool.kv.device
+        ids, pos, rows, lo = [], [], [], 0
+        if self.batch is not None:
+            self.batch.begin_decode(tokens, [len(kv.seq) for kv in self.batch.seqs])
+            lo = len(tokens)
+            self._parts.append((self.batch, 0, lo))
+            rows.extend(range(lo))
+        for p in self.pieces:
+            p.kv.begin_ids(p.ids, p.start)
+            ids += p.ids
+            pos += range(p.start, p.start + len(p.ids))
+            self._parts.append((p.kv, lo, lo + len(p.ids)))
+            lo += len(p.ids)
+            rows.append(lo - 1)
+        host = torch.tensor([ids, pos], dtype=torch.long).to(dev, non_blocking=True)
+        rows_d = torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=True)
+        if self.batch is None:
+            return host[0], host[1], rows_d
+        b_ids, b_pos = self.batch.inputs()
+        return torch.cat([b_ids.long(), host[0]]), torch.cat([b_pos.long(), host[1]]), rows_d
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part.attend(layer, q[lo:hi], k[lo:hi], v[lo:hi]) for part, lo, hi in self._parts])
+
+    def end(self) -> None:
+        for part, _, _ in self._parts:
+            part.end()

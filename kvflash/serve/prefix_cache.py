@@ -1,0 +1,273 @@
+"""The KV of earlier turns, reused for a new prompt: a live sequence that the prompt extends, else the
+longest chunk-aligned prefix whose chunks live sequences hold (shared, in the pool or the host tier)
+or the disk store holds, whichever is longer, else nothing (a cold prefill).
+
+A session keeps its one conversation live between turns; the server keeps as many as it runs at
+once, so a client that resends a conversation with one more question reuses it from the GPU, a new
+conversation over a document another one holds shares that document's chunks (the pool holds it
+once), and any other conversation it has seen (in this process or an earlier one) comes from disk.
+
+Taking a stored prefix is a transaction (docs/DESIGN.md: Scheduler): whatever fails on the way (a damaged or
+missing chunk, a full host tier, a full disk, an index error) frees the sequence and its leases
+before `take` returns an empty one, with a warning, and the prompt is prefilled cold. The store
+counts a hit only for a validated restore: an eager one once its chunks are read, a lazy one (whose
+chunks are validated as they are read) when its turn completes (`keep`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+
+from kvflash.engine.chunk_index import shared_run
+from kvflash.engine.engine import Engine
+from kvflash.engine.paged_kv import PagedKV
+from kvflash.serve.snapshots import KVSnapshots, StoredSummaries
+from kvflash.serve.turn import TurnStats
+from kvflash.storage import chain_hashes
+
+
+@dataclass
+class Made:
+    """A sequence this cache made, the lease on the stored chunks it came from (held while a lazy
+    one may read them; an eager one's is released once it has read them all), and the chunks whose
+    hit it records once its restore is validated."""
+
+    kv: PagedKV
+    leases: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+    unrecorded: list[str] = field(default_factory=list)
+
+
+class PrefixCache:
+    """Sequences are taken for a turn and kept (idle, live) after it. With a `capacity`, at most that
+    many sequences, idle and busy together, hold pool slots (with budgets of pool/capacity the pool
+    never runs out); without one, the owner frees idle sequences when it needs their room (`reclaim`)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        snapshots: KVSnapshots | None,
+        budget_tokens: int | None = None,
+        lazy: bool | None = None,
+        capacity: int | None = 1,
+    ):
+        self.engine, self.snapshots = engine, snapshots
+        self.budget_tokens, self.lazy, self.capacity = budget_tokens, lazy, capacity
+        self.idle: list[PagedKV] = []
+        """Sequences kept live after their turn, oldest first."""
+        self._made: dict[int, Made] = {}
+        """Every sequence this cache made and has not freed."""
+
+    @property
+    def latest(self) -> PagedKV | None:
+        return self.idle[-1] if self.idle else None
+
+    def take(
+        self,
+        ids: list[int],
+        stats: TurnStats,
+        on_restore: Callable[[int, int], None] | None = None,
+        ahead: StoredSummaries | None = None,
+        reuse: bool = True,
+    ) -> PagedKV:
+        """A sequence holding the longest prefix of ids that is live, shared or stored, leaving at
+        least one token to prefill; it is the caller's until `keep` or `drop`. A stored prefix that
+        cannot be restored warns and gives an empty sequence (a cold prefill); so does `reuse` False."""
+        stats.source, stats.restored_tokens, stats.restore_s = "cold", 0, 0.0
+        stats.shared_host_tokens = 0
+        live, n = self._live(ids) if reuse else (None, 0)
+        if live is not None:
+            self.idle.remove(live)
+            if n < len(live.seq):
+                live.truncate(n // self.engine.cfg.residency.chunk_tokens)
+            stats.source, stats.restored_tokens = "memory", len(live.seq)
+            return live
+        kv = self._new()
+        try:
+            if reuse and kv.share(ids, self._keys(ids)):
+                stats.source, stats.restored_tokens = "shared", len(kv.seq)
+                stats.shared_host_tokens = sum(ch.gpu is None for ch in kv.seq.chunks) * kv.cfg.chunk_tokens
+        except BaseException:
+            self.drop(kv)  # the references it took, released
+            raise
+        while self.idle and self.capacity is not None and len(self._made) > self.capacity:
+            self.drop(self.idle.pop(0))  # after sharing: the chunks it shares outlive it
+        whole = (len(ids) - 1) // kv.cfg.chunk_tokens * kv.cfg.chunk_tokens
+        if not (reuse and self.snapshots) or len(kv.seq) == whole:
+            return kv
+        try:
+            self._restore(self._made[id(kv)], ids, stats, on_restore, ahead)
+        except Exception as e:
+            warnings.warn(f"snapshot unusable ({type(e).__name__}: {e}); prefilling cold", stacklevel=2)
+            self.drop(kv)
+            stats.source, stats.restored_tokens, stats.shared_host_tokens = "cold", 0, 0
+            return self._new()
+        return kv
+
+    def continued(self, ids: list[int]) -> PagedKV | None:
+        """The idle sequence `take` would continue for ids (left as it is)."""
+        return self._live(ids)[0]
+
+    def lendable(self, ids: list[int]) -> tuple[list[int], list[int]]:
+        """The pool slots and host slots a new sequence for ids would share (`PagedKV.share`): per
+        chunk its pool slot where it is resident, else its host copy."""
+        eng, keys = self.engine, self._keys(ids)
+        gpu, host = [], []
+        for key in keys[: shared_run(keys, eng.pool.index.find, eng.host.find)]:
+            g = eng.pool.index.find(key)
+            gpu.append(g) if g is not None else host.append(eng.host.find(key))
+        return gpu, host
+
+    def reclaim(self, gpu_slots: int, host_slots: int, keep: Collection[PagedKV] = ()) -> None:
+        """Makes room for a new turn: until the pool has `gpu_slots` free slots and the host tier
+        `host_slots`, idle sequences not in `keep`, oldest first, are parked in the host tier
+        where it has room beyond `host_slots` (they stay live, a continuation pages them back), then
+        freed (or no other idle sequence is left). One without a whole chunk is freed rather than
+        parked: it would keep nothing to reuse and hold no slot, so no later `reclaim` would ever
+        free it, and idle sequences would pile up with every short chat."""
+        pool, host = self.engine.pool, self.engine.host
+
+        def host_free() -> int:
+            return host.max_slots - host.n_used
+
+        def others() -> list[PagedKV]:
+            return [kv for kv in self.idle if not any(kv is k for k in keep)]
+
+        for kv in others():
+            if pool.n_free >= gpu_slots:
+                break
+            parked = sum(ch.gpu is not None and ch.host is None for ch in kv.seq.chunks[: kv.seq.n_sealed])
+            if not kv.seq.n_sealed:
+                self.idle.remove(kv)
+                self.drop(kv)
+            elif host_free() - parked >= host_slots:
+                kv.park()
+        for kv in others():
+            if pool.n_free >= gpu_slots and host_free() >= host_slots:
+                return
+            self.idle.remove(kv)
+            self.drop(kv)
+
+    def _live(self, ids: list[int]) -> tuple[PagedKV | None, int]:
+        """The idle sequence `take` continues for ids, with the tokens of it that ids reuse: one
+        that ids extend; else one whose whole chunks before the first difference (a client resent
+        the conversation with the answer re-encoded from text, whose ids may differ from the ones
+        generated) are more than the named chunks a new sequence would share (approximate KV is
+        not named). None otherwise: the idle sequence stays as it is, for its own conversation
+        (another conversation over its document, or a resent one), and lends its named chunks."""
+        best, n = self._match(ids)
+        if best is None or n == len(best.seq):
+            return best, n
+        eng, c = self.engine, self.engine.cfg.residency.chunk_tokens
+        named = shared_run(self._keys(ids)[: n // c], eng.pool.index.find, eng.host.find)
+        return (best, n) if n > named * c else (None, 0)
+
+    def _keys(self, ids: list[int]) -> list[str]:
+        """The chain hashes of ids' whole chunks before its last token (which is always computed)."""
+        c = self.engine.cfg.residency.chunk_tokens
+        return chain_hashes(self.engine.fingerprint, ids[: (len(ids) - 1) // c * c], c)
+
+    def _match(self, ids: list[int]) -> tuple[PagedKV | None, int]:
+        """The idle sequence sharing the longest reusable prefix with ids, and its length."""
+        c = self.engine.cfg.residency.chunk_tokens
+        best, best_n = None, 0
+        for kv in reversed(self.idle):
+            k = min(c, len(kv.seq))
+            if kv.seq.tokens[:k] != ids[:k]:  # shares no whole chunk: reuses nothing (skip the scan)
+                continue
+            n = common_prefix(kv.seq.tokens, ids[: len(ids) - 1])
+            if n < len(kv.seq):
+                n = min(n // c, kv.seq.n_sealed) * c
+            if n > best_n:
+                best, best_n = kv, n
+        return best, best_n
+
+    def _restore(
+        self,
+        made: Made,
+        ids: list[int],
+        stats: TurnStats,
+        on_restore: Callable[[int, int], None] | None,
+        ahead: StoredSummaries | None,
+    ) -> None:
+        kv = made.kv
+        c = self.engine.cfg.residency.chunk_tokens
+        evicts = -(-len(ids) // c) > kv.budget
+        fp, hashes = self.snapshots.lookup(ids, c, approximate=evicts)
+        if len(hashes) * c <= len(kv.seq):  # the shared prefix is as long
+            return
+        kv.truncate(0)  # the store holds more than the pool shares: restore from it instead
+        lazy = len(hashes) > kv.budget if self.lazy is None else self.lazy
+        t0 = time.perf_counter()
+        r = self.snapshots.restore(kv, fp, hashes, lazy, made.leases, on_restore, ahead=ahead)
+        stats.restore_s = time.perf_counter() - t0
+        stats.source = "lazy" if lazy else "disk"
+        stats.restored_tokens = r.tokens
+        made.unrecorded = list(hashes)
+        stats.shared_host_tokens = 0
+        kv.name_restored()
+        if not lazy:  # every chunk read and validated: the restore has committed, and needs no lease
+            self._record_hit(made)
+            self._release(made)
+
+    def _record_hit(self, made: Made) -> None:
+        """Counts the hit; an index that cannot take it only warns (the answer does not need it)."""
+        hashes, made.unrecorded = made.unrecorded, []
+        try:
+            self.snapshots.store.record_hit(hashes)
+        except Exception as e:
+            warnings.warn(f"could not record the snapshot's hit: {e}", stacklevel=3)
+
+    def keep(self, kv: PagedKV) -> None:
+        """Keeps a sequence live after its turn, for a prompt that extends it. A lazy restore's
+        chunks were validated as the turn read them: its hit counts now."""
+        made = self._made[id(kv)]
+        self.idle.append(kv)
+        if made.unrecorded:
+            self._record_hit(made)
+
+    def drop(self, kv: PagedKV) -> None:
+        """Frees a sequence (its slots and leases); a lease the index cannot release only warns (it
+        expires when its heartbeat stops)."""
+        made = self._made.pop(id(kv))
+        try:
+            kv.free()
+        finally:
+            self._release(made)
+
+    @staticmethod
+    def _release(made: Made) -> None:
+        try:
+            made.leases.close()
+        except Exception as e:
+            warnings.warn(f"could not release a snapshot lease: {e}", stacklevel=3)
+
+    def close(self) -> None:
+        """Frees every sequence this cache made, idle or not."""
+        for made in list(self._made.values()):
+            self.drop(made.kv)
+        self.idle.clear()
+
+    def _new(self) -> PagedKV:
+        kv = self.engine.new_sequence(self.budget_tokens)
+        self._made[id(kv)] = Made(kv)
+        return kv
+
+
+def common_prefix(a: list[int], b: list[int], block: int = 64) -> int:
+    """Length of the longest common prefix of a and b: compared a block at a time, then token by
+    token inside the first block that differs (a list slice compares in C; one scan, no copies of
+    whole prompts)."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i : i + block] == b[i : i + block]:
+        i += block
+    if i >= n:
+        return n
+    end = min(i + block, n)
+    while i < end and a[i] == b[i]:
+        i += 1
+    return i

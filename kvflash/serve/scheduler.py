@@ -1,0 +1,552 @@
+"""Continuous batching: the requests of a server advance together, a step at a time, in one forward.
+
+One thread owns the engine. It admits waiting requests in the order they came while the pool has
+room for them and fewer than `max_batch` run: each takes a sequence from the prefix cache (live,
+sharing another's chunks, restored from disk, or empty) and prefills the rest of its prompt in
+pieces. A step is a token budget (`Engine.step_tokens`): one decode token of every running request,
+then the next pieces of the prefilling ones in the order they came, as many as fit, all in one
+forward (`Engine.forward`, chunked prefill mixed with decode): a long prompt never stalls the
+others' answers, and the short next turns of many conversations prefill in one step. A request whose
+prompt has whole chunks in common with a prefilling one's (one document, several conversations)
+waits until that prefill has sealed them, then shares them in the pool (`PrefixCache`): the pool
+holds them once. A step of decode tokens alone replays CUDA graphs. A request ends at a stop id, at
+max_tokens or when its consumer says so; its sequence goes back to the prefix cache, live.
+
+Admission by room: every sequence has one budget (`sequence_tokens`, at most the pool), and a
+request reserves the pool slots its prompt and answer can fill, up to that budget (and, when it will
+evict, host-tier slots for its chunks). It is admitted when its reservation fits beside the
+reservations of the requests running, once idle live sequences (oldest first, never the one it
+continues or shares chunks from) are parked in the host tier or freed for it; else it waits at the
+head of the queue, so a long prompt is not overtaken forever by short ones. Thirty short chats thus
+run together in a pool that one long document fills alone, and the pool never runs out under a
+running request.
+
+Isolation: whatever a request's admission, prefill piece, sampling or callbacks raise fails that
+request alone. A step that raises is run again part by part (the decode tokens together, then each
+alone; each piece alone), so only the requests that fail alone fail. A lazily restored chunk found
+damaged when it is read sends its request back to prefill what it has (prompt and answer so far)
+from the valid stored prefix, then cold, instead of failing it. Should the loop itself ever fail,
+every request it holds and every later one gets `SchedulerDown` at once: nothing waits on a thread
+that is gone.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from kvflash import KVFlashError
+from kvflash.engine.engine import Engine
+from kvflash.engine.generate import Sampler, Sampling
+from kvflash.engine.paged_kv import PagedKV
+from kvflash.engine.step import Piece, Prefill
+from kvflash.serve.prefix_cache import PrefixCache, common_prefix
+from kvflash.serve.snapshots import KVSnapshots
+from kvflash.serve.turn import Generation, TurnStats
+from kvflash.storage import ChunkError
+
+RECOVERIES = 2
+"""Re-prefills a request gets after damaged lazy chunks: the first from the valid stored prefix (the
+store marks a damaged chunk when it reads one), the second into a new sequence, reading nothing."""
+
+
+class SchedulerDown(KVFlashError):
+    """The scheduler's thread has stopped: the server cannot answer."""
+
+
+class Cancelled(KVFlashError):
+    """The request ended before its first token: its client left, or the server is stopping."""
+
+
+MAX_SEQUENCE_TOKENS = 262_144
+"""The default budget of a sequence when the pool is larger: a sequence's decode buffers and every
+batch's stacked slot tables are as wide as its budget, so the budget of a whole large pool would cost
+device memory per batch row that no sequence uses."""
+
+
+@dataclass(frozen=True)
+class Room:
+    """Slots of the pool and of the host tier."""
+
+    gpu: int
+    host: int
+
+    def __sub__(self, other: Room) -> Room:
+        return Room(self.gpu - other.gpu, self.host - other.host)
+
+    def __add__(self, other: Room) -> Room:
+        return Room(self.gpu + other.gpu, self.host + other.host)
+
+    def covers(self, other: Room) -> bool:
+        return self.gpu >= other.gpu and self.host >= other.host
+
+
+@dataclass
+class Holdings:
+    """The slots some sequences hold, a slot several of them read counted once: slots that more than
+    one sequence reads are kept in sets, the others just counted."""
+
+    sole: Room = Room(0, 0)
+    """Slots no other sequence reads."""
+    gpu: set[int] = field(default_factory=set)
+    host: set[int] = field(default_factory=set)
+
+    def add(self, kv: PagedKV | None) -> None:
+        if kv is not None:
+            g = [ch.gpu for ch in kv.seq.chunks if ch.gpu is not None]
+            h = [ch.host for ch in kv.seq.chunks if ch.host is not None]
+            shared_g, shared_h = [s for s in g if kv.pool.refs(s) > 1], [s for s in h if kv.host.refs(s) > 1]
+            self.sole += Room(len(g) - len(shared_g), len(h) - len(shared_h))
+            self.gpu.update(shared_g)
+            self.host.update(shared_h)
+
+    def beyond(self, *others: Holdings) -> Room:
+        """The slots held here and in none of `others`: what freeing these sequences frees."""
+        gpu, host = set(self.gpu), set(self.host)
+        for o in others:
+            gpu -= o.gpu
+            host -= o.host
+        return self.sole + Room(len(gpu), len(host))
+
+
+def owed(need: Room, kv: PagedKV | None, lent: tuple[list[int], list[int]] = ([], [])) -> Room:
+    """The most slots a job may still take from the free ones: its reservation less the slots it
+    holds (and those it is about to share, `lent`). A job that evicts may also give up a pool slot it
+    shares, which its other readers keep, and page the chunk back into a new one: one more each."""
+    g = [ch.gpu for ch in kv.seq.chunks if ch.gpu is not None] if kv is not None else []
+    h = sum(ch.host is not None for ch in kv.seq.chunks) if kv is not None else 0
+    shared = len(lent[0]) + (sum(kv.pool.refs(s) > 1 for s in g) if kv is not None else 0)
+    has = Room(len(g) + len(lent[0]), h + len(lent[1]))
+    evicts = need.host > 0
+    return Room(max(0, need.gpu - has.gpu) + (shared if evicts else 0), max(0, need.host - has.host))
+
+
+def _holds_any(kv: PagedKV, gpu: set[int], host: set[int]) -> bool:
+    """Whether a sequence holds any of these slots."""
+    return any(ch.gpu in gpu or ch.host in host for ch in kv.seq.chunks)
+
+
+@dataclass
+class Job:
+    """One request: its prompt ids and how to answer; the callbacks run on the scheduler's thread."""
+
+    ids: list[int]
+    max_tokens: int
+    sampling: Sampling
+    on_token: Callable[[int], bool]
+    """Each generated id as it comes; True ends the answer (a stop string)."""
+    on_done: Callable[[list[int], TurnStats, PagedKV], None]
+    """The answer's ids and stats, with its sequence (kept live by then, to snapshot)."""
+    on_error: Callable[[BaseException], None]
+    gone: threading.Event = field(default_factory=threading.Event)
+    """Set when the client has left: the request ends at its next prefill piece or token."""
+    stats: TurnStats = field(default_factory=TurnStats)
+    t0: float = field(default_factory=time.perf_counter)
+    kv: PagedKV | None = None
+    prefill: Prefill | None = None
+    """Its prefill, a piece per step."""
+    gen: Generation | None = None
+    next: int = 0
+    """The token to feed at the next step."""
+    recoveries: int = 0
+    min_tokens: int = 0
+    """Stop ids are not sampled before this many tokens."""
+    need: Room | None = None
+    """The slots it reserved when it was admitted."""
+
+    @property
+    def context(self) -> list[int]:
+        """The ids its sequence must hold before its next step: the prompt and the answer so far."""
+        return self.ids + (self.gen.out if self.gen else [])
+
+
+class Scheduler:
+    def __init__(
+        self,
+        engine: Engine,
+        snapshots: KVSnapshots | None,
+        stop_ids: frozenset[int],
+        max_batch: int = 32,
+        sequence_tokens: int | None = None,
+    ):
+        self.engine, self.stop_ids, self.max_batch = engine, stop_ids, max_batch
+        res = engine.cfg.residency
+        c = res.chunk_tokens
+        self.budget = min(engine.pool.n_slots, -(-(sequence_tokens or MAX_SEQUENCE_TOKENS) // c))
+        """Every sequence's budget in chunks: the most pool slots one request holds."""
+        if self.budget < res.floor_chunks():
+            raise KVFlashError(
+                f"a sequence budget of {self.budget} chunks ({self.budget * c} tokens) is below the "
+                f"floor of {res.floor_chunks()} chunks: a larger pool or --sequence-tokens"
+            )
+        budget = self.budget * c
+        engine.warm_batches(max_batch, budget)
+        self.cache = PrefixCache(engine, snapshots, budget_tokens=budget, capacity=None)
+        host = engine.host.max_slots * res.chunk_tokens
+        self.max_context_tokens = budget if res.policy == "full" else max(budget, host)
+        """The most tokens one sequence is sure to hold: its budget, or under an evicting policy the
+        host tier (a chunk paged back in keeps its host copy, so sealed chunks all end up there)."""
+        self.steps = 0
+        """Batched forwards run."""
+        self.batched = 0
+        """Tokens they decoded: batched / steps is the mean batch."""
+        self.prefill_steps = 0
+        """Forwards that ran prefill pieces."""
+        self.pieces = 0
+        """Prefill pieces they ran: pieces / prefill_steps is the mean number of prompts per step."""
+        self.failure: BaseException | None = None
+        """What stopped the loop, if anything did."""
+        self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._retry: collections.deque[Job] = collections.deque()
+        """Requests admitted before the queue: those sent back to prefill (damaged lazy chunks), and
+        at its head the one the pool has no room for yet."""
+        self._deferred: list[Job] = []
+        """Requests whose prompt begins as a busy request's does, waiting for it to end (`_admit`)."""
+        self._running: list[Job] = []
+        self._filling: list[Job] = []
+        """Admitted requests still prefilling, in the order they came."""
+        self._closed = False
+        """The queue has been closed (`close`): the loop ends once nothing is left to answer."""
+        self._cancel = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name="kvflash-scheduler", daemon=True)
+        self._thread.start()
+
+    @property
+    def healthy(self) -> bool:
+        return self.failure is None and self._thread.is_alive()
+
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted and not yet answered (a snapshot: the loop moves on meanwhile)."""
+        return self.waiting + len(self._filling) + len(self._running)
+
+    @property
+    def waiting(self) -> int:
+        """Requests submitted and not yet admitted (a snapshot)."""
+        return self._queue.qsize() + len(self._retry) + len(self._deferred)
+
+    def submit(self, job: Job) -> None:
+        """Queues a job; SchedulerDown if the loop has stopped (it would never be answered)."""
+        with self._lock:
+            if not self.healthy:
+                raise SchedulerDown(f"the scheduler has stopped ({self.failure or 'closed'})")
+            self._queue.put(job)
+
+    def close(self, cancel: bool = False, timeout: float | None = None) -> None:
+        """Answers what was submitted (with `cancel`, ends every request at its next piece or token
+        instead), then stops and frees every sequence."""
+        if cancel:
+            self._cancel.set()
+        self._queue.put(None)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            warnings.warn(f"the scheduler did not stop within {timeout} s", stacklevel=2)
+
+    def _loop(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # a fault of the loop itself: answer everyone, never hang them
+            with self._lock:
+                self.failure = e
+            down = SchedulerDown(f"the scheduler stopped: {type(e).__name__}: {e}")
+            for job in self._held():
+                self._fail(job, down)
+        finally:
+            try:
+                self.cache.close()
+            except Exception as e:
+                warnings.warn(f"freeing the scheduler's sequences failed: {e}", stacklevel=2)
+
+    def _held(self) -> list[Job]:
+        """Every job not yet answered: running, filling, sent back and queued."""
+        jobs = [*self._running, *self._filling, *self._retry, *self._deferred]
+        self._running, self._filling, self._deferred = [], [], []
+        self._retry.clear()
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                return jobs
+            if job is not None:
+                jobs.append(job)
+
+    def _serve(self) -> None:
+        while self._running or self._filling or self._retry or self._deferred or not self._closed:
+            self._admit()
+            if self._running or self._filling:
+                self._round()
+
+    def _admit(self) -> None:
+        """Starts waiting jobs, in order, while the pool has room for them and the batch is not full.
+        A job whose prompt has whole chunks in common with a prefilling job's (one document, several
+        conversations) waits until that prefill has sealed them, then shares them (`PrefixCache`)
+        instead of computing the same prefix beside it."""
+        while len(self._running) + len(self._filling) < self.max_batch:
+            job = self._next_free_deferred() or self._next_job()
+            if job is None:
+                return
+            if self._shares_busy_prefix(job):
+                self._deferred.append(job)
+                continue
+            try:  # parking or freeing idle sequences for it may fail: the job is in no list yet
+                fits = self._make_room(job)
+            except Exception as e:
+                self._fail(job, e)
+                continue
+            if not fits:
+                self._retry.appendleft(job)
+                return
+            if self._start(job):
+                self._filling.append(job)
+
+    def need(self, job: Job) -> Room:
+        """The slots a job may fill: a chunk per `chunk_tokens` of its prompt and answer and one for
+        the append head, up to the budget in the pool; all of them on the host when it evicts (a
+        chunk paged back in keeps its host copy)."""
+        chunks = -(-(len(job.ids) + job.max_tokens) // self.engine.cfg.residency.chunk_tokens) + 1
+        return Room(min(self.budget, chunks), chunks if chunks > self.budget else 0)
+
+    def _make_room(self, job: Job) -> bool:
+        """Whether the job's reservation fits beside the busy jobs' once idle sequences are freed;
+        if so, parks or frees as many as it takes, oldest first, keeping the one the job continues. With no
+        job busy it is always admitted (what it cannot hold fails it alone, at its own step).
+
+        What the busy jobs and this one (with the sequence it continues, or the chunks it will
+        share) may still take is `owed`; the room is the free slots and those that only idle
+        sequences read, less the ones it continues or shares chunks from, which stay (a slot several
+        sequences read counts once)."""
+        job.need = self.need(job)
+        busy = [*self._running, *self._filling]
+        reuse = job.recoveries < RECOVERIES
+        live = self.cache.continued(job.context) if reuse else None
+        lent = self.cache.lendable(job.context) if reuse and live is None else ([], [])
+        want, taken = owed(job.need, live, lent), Holdings()
+        for j in busy:
+            want += owed(j.need, j.kv)
+            taken.add(j.kv)
+        taken.add(live)
+        free = Room(self.engine.pool.n_free, self.engine.host.max_slots - self.engine.host.n_used)
+        lent_sets = set(lent[0]), set(lent[1])
+        kept = [kv for kv in self.cache.idle if kv is live or _holds_any(kv, *lent_sets)]
+        idle, lenders = Holdings(), Holdings()
+        for kv in self.cache.idle:
+            if kv is not live:
+                (lenders if any(kv is k for k in kept) else idle).add(kv)
+        if busy and not (free + idle.beyond(taken, lenders)).covers(want):
+            return False
+        self.cache.reclaim(want.gpu, want.host, keep=kept)
+        return True
+
+    def _shares_busy_prefix(self, job: Job) -> bool:
+        """Whether a job still prefilling has whole chunks in common with the job that it has not
+        sealed yet: once it has, the job shares them instead of computing them beside it."""
+        c = self.engine.cfg.residency.chunk_tokens
+        head = job.ids[:c]
+        if len(head) < c:
+            return False
+        for j in self._filling:
+            if j.ids[:c] == head and j.kv is not None:
+                common = common_prefix(j.ids, job.ids[: len(job.ids) - 1]) // c
+                if j.kv.seq.n_sealed < common:
+                    return True
+        return False
+
+    def _next_free_deferred(self) -> Job | None:
+        """The oldest deferred job that no busy job holds back any more."""
+        for i, job in enumerate(self._deferred):
+            if not self._shares_busy_prefix(job):
+                return self._deferred.pop(i)
+        return None
+
+    def _next_job(self) -> Job | None:
+        """A job sent back first, else the next queued one (waiting only when nothing else runs)."""
+        if self._retry:
+            return self._retry.popleft()
+        if self._closed:
+            return None
+        try:
+            job = self._queue.get(block=not (self._running or self._filling))
+        except queue.Empty:
+            return None
+        self._closed = job is None
+        return job
+
+    def _ended_early(self, job: Job) -> bool:
+        """Fails a job whose client left, or every job when the server stops, before it decodes."""
+        if not (job.gone.is_set() or self._cancel.is_set()):
+            return False
+        why = "the server is stopping" if self._cancel.is_set() else "the client went away"
+        self._fail(job, Cancelled(why))
+        return True
+
+    def _start(self, job: Job) -> bool:
+        """Takes a sequence for the job and plans its prefill; False if that failed."""
+        if self._ended_early(job):
+            return False
+        job.stats.queued_s = time.perf_counter() - job.t0
+        try:
+            context = job.context
+            job.kv = self.cache.take(context, job.stats, reuse=job.recoveries < RECOVERIES)
+            rest = context[len(job.kv.seq) :]
+            job.stats.prefilled_tokens = len(rest)
+            job.prefill = self.engine.plan_prefill(job.kv, rest)
+            return True
+        except Exception as e:
+            self._failed(job, e)
+            return False
+
+    def _round(self) -> None:
+        """One step: a decode token of every running job and the next pieces of the filling ones,
+        within the step's token budget (the first filling job always gets a piece)."""
+        room = self.engine.step_tokens - len(self._running)
+        planned: list[tuple[Job, Piece]] = []
+        for job in list(self._filling):
+            if room <= 0 and (planned or self._running):
+                break
+            if self._ended_early(job):
+                self._filling.remove(job)
+                continue
+            try:
+                piece = job.prefill.next(room)
+            except Exception as e:
+                self._filling.remove(job)
+                self._failed(job, e)
+                continue
+            planned.append((job, piece))
+            room -= len(piece.ids)
+        running = self._running
+        if not (planned or running):  # every filling job ended before its piece
+            return
+        try:
+            pieces = [p for _, p in planned]
+            decoded, filled = self.engine.forward([j.kv for j in running], [j.next for j in running], pieces)
+            argmax = decoded.argmax(-1).tolist() if running else []  # greedy jobs' tokens in one read
+        except Exception as e:
+            if not planned:
+                self._running = self._step_each(running, e)
+                return
+            self._running = self._step(running) if running else []
+            for job, piece in planned:
+                self._piece_alone(job, piece)
+            return
+        self.steps += 1
+        self.batched += len(running)
+        self.prefill_steps += bool(planned)
+        self.pieces += len(planned)
+        rows = zip(running, decoded if running else [], argmax, strict=True)
+        self._running = [j for j, row, top in rows if self._advance(j, row, top)]
+        for (job, piece), row in zip(planned, filled, strict=True):
+            self._filled(job, piece, row)
+
+    def _piece_alone(self, job: Job, piece: Piece) -> None:
+        try:
+            row = self.engine.forward([], [], [piece])[1][0]
+        except Exception as e:
+            self._filling.remove(job)
+            self._failed(job, e)
+            return
+        self._filled(job, piece, row)
+
+    def _filled(self, job: Job, piece: Piece, logits: torch.Tensor) -> None:
+        """A piece of the job's prefill ran; after its last the job samples its first token and
+        decodes from the next step on (unless its answer ended there, or it failed)."""
+        job.prefill.ran(piece)
+        if not piece.final:
+            return
+        if job.gen is None:  # else a job sent back goes on with its answer
+            try:
+                sampler = Sampler(job.sampling, self.engine.lm.device)
+            except Exception as e:
+                self._filling.remove(job)
+                self._failed(job, e)
+                return
+            job.gen = Generation(
+                job.max_tokens, sampler, self.stop_ids, job.stats, job.t0, job.on_token, job.min_tokens
+            )
+        going = self._advance(job, logits)  # held as filling meanwhile: a loop that dies answers it
+        self._filling.remove(job)
+        if going:
+            self._running.append(job)
+
+    def _step(self, running: list[Job]) -> list[Job]:
+        """One token for each running job, in one forward; if that raises, each job alone."""
+        try:
+            logits = self.engine.decode_batch([j.kv for j in running], [j.next for j in running])
+            argmax = logits.argmax(-1).tolist()
+        except Exception as e:
+            return self._step_each(running, e)
+        self.steps += 1
+        self.batched += len(running)
+        rows = zip(running, logits, argmax, strict=True)
+        return [j for j, row, top in rows if self._advance(j, row, top)]
+
+    def _step_each(self, running: list[Job], e: Exception) -> list[Job]:
+        """After a batched step raised `e`: a lone job fails with it, else each job steps alone."""
+        if len(running) == 1:
+            self._failed(running[0], e)
+            return []
+        return [j for j in running if self._step_alone(j)]
+
+    def _step_alone(self, job: Job) -> bool:
+        try:
+            logits = self.engine.decode_batch([job.kv], [job.next])[0]
+        except Exception as e:
+            self._failed(job, e)
+            return False
+        return self._advance(job, logits)
+
+    def _advance(self, job: Job, logits: torch.Tensor, argmax: int | None = None) -> bool:
+        """Samples the job's next token (a greedy job takes `argmax` where given); whether it goes on.
+        Nothing a job's callbacks raise may end this thread: every other request waits on it."""
+        try:
+            tok = job.gen.push(job.gen.choose(logits, argmax))
+        except Exception as e:
+            self._failed(job, e)
+            return False
+        if tok is not None and not (job.gone.is_set() or self._cancel.is_set()):
+            job.next = tok
+            return True
+        try:
+            out = job.gen.finish(job.kv)
+            self.cache.keep(job.kv)  # before on_done: whoever hears of the answer finds it live
+        except Exception as e:
+            self._failed(job, e)
+            return False
+        try:
+            job.on_done(out, job.stats, job.kv)
+        except Exception as e:  # the answer is out; its consumer's trouble is not the engine's
+            warnings.warn(f"request callback failed: {e}", stacklevel=2)
+        return False
+
+    def _failed(self, job: Job, e: BaseException) -> None:
+        """A job's step raised: a damaged stored chunk sends it back to prefill; else it fails."""
+        if isinstance(e, ChunkError) and job.recoveries < RECOVERIES:
+            warnings.warn(f"a stored chunk is unusable ({e}); prefilling the request again", stacklevel=2)
+            self._free(job)
+            job.recoveries += 1
+            self._retry.append(job)
+            return
+        self._fail(job, e)
+
+    def _free(self, job: Job) -> None:
+        if job.kv is not None:
+            kv, job.kv, job.prefill = job.kv, None, None
+            try:
+                self.cache.drop(kv)
+            except Exception as e:
+                warnings.warn(f"freeing a failed request's sequence failed: {e}", stacklevel=2)
+
+    def _fail(self, job: Job, e: BaseException) -> None:
+        self._free(job)
+        try:
+            job.on_error(e)
+        except Exception as again:
+            warnings.warn(f"request error callback failed: {again} (on {e})", stacklevel=2)
