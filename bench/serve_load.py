@@ -1,0 +1,218 @@
+"""A bounded load test: --streams clients at once against one `kvflash serve` for --seconds, each
+asking one request after another, a mix of long prompts (a new document of --long-tokens tokens as
+system message, then a question) and short chats (a greeting), every other one streamed.
+
+A real `kvflash serve` on 127.0.0.1 with a store in a temporary folder; the official `openai`
+client. The load runs in --phases phases of --seconds each. After each phase, once nothing is in
+flight and no snapshot waits for the disk, the row records /metrics (pool and host-tier slots in
+use, live sequences kept for reuse, pool slots shared) and the store (bytes, leases). The server
+keeps idle sequences for reuse (they fill the pool and host tier, and give way to new requests), so
+"back to baseline" means: no request, lease or staged snapshot left after any phase, and the slots
+in use within the pool's and the host tier's capacity. Errors are counted per kind (an answer
+that is an error, or a connection that fails); the target is none.
+
+  python -m bench.serve_load --streams 64 --seconds 60 --phases 2 --device cuda --out out/serve_load
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from bench.harness import out_dir, progress_bar, pyplot, run_meta, save_png, write_json
+from bench.server_memory import QUESTIONS, ServerProcess, documents, store_usage
+
+KEPT = ("pool_slots_used", "host_tier_slots_used", "live_sequences")
+"""What a phase leaves: the idle sequences kept for reuse and the slots they hold."""
+CAPACITY = ("pool_slots", "host_tier_slots")
+SETTLED = ("requests_in_flight", "snapshots_unsaved")
+
+
+def one_request(server: ServerProcess, doc: str | None, k: int, tokens: int) -> tuple[str, float, int]:
+    """Request k (streamed when k is odd): over doc, or a short chat when doc is None. Returns the
+    kind, the seconds to its first text (the whole answer when not streamed) and its tokens."""
+    if doc is None:
+        kind, messages = "short", [{"role": "user", "content": f"Hi, I am visitor {k}. How are you?"}]
+    else:
+        kind = "long"
+        messages = [{"role": "system", "content": doc}, {"role": "user", "content": QUESTIONS[k % 3]}]
+    kw = {"model": server.model, "messages": messages, "temperature": 0, "max_tokens": tokens}
+    t0 = time.perf_counter()
+    if not k % 2:
+        usage = server.client.chat.completions.create(**kw).usage
+        return kind, time.perf_counter() - t0, usage.completion_tokens
+    first, got = None, 0
+    for chunk in server.client.chat.completions.create(
+        **kw, stream=True, stream_options={"include_usage": True}
+    ):
+        if first is None and chunk.choices and chunk.choices[0].delta.content:
+            first = time.perf_counter() - t0
+        got = chunk.usage.completion_tokens if chunk.usage else got
+    return kind, first if first is not None else time.perf_counter() - t0, got
+
+
+class Load:
+    """Streams that each send requests until a deadline; what came back, by kind."""
+
+    def __init__(self, server: ServerProcess, docs: list[str], args):
+        self.server, self.docs, self.args = server, docs, args
+        self.lock = threading.Lock()
+        self.ttft: dict[str, list[float]] = {"long": [], "short": []}
+        self.tokens = 0
+        self.errors: Counter = Counter()
+        self.next_doc = 0
+
+    def stream(self, s: int, deadline: float) -> None:
+        rng = random.Random(s)
+        k = s
+        while time.monotonic() < deadline:
+            doc = None
+            if rng.random() >= self.args.short_share:
+                with self.lock:
+                    doc, self.next_doc = self.docs[self.next_doc % len(self.docs)], self.next_doc + 1
+            try:
+                kind, first, got = one_request(self.server, doc, k, self.args.max_tokens)
+            except Exception as e:  # an error answer or a failed connection: counted, the stream goes on
+                with self.lock:
+                    self.errors[type(e).__name__] += 1
+            else:
+                with self.lock:
+                    self.ttft[kind].append(first)
+                    self.tokens += got
+            k += self.args.streams
+
+    def phase(self) -> dict:
+        before = (sum(map(len, self.ttft.values())), self.tokens, sum(self.errors.values()))
+        t0 = time.monotonic()
+        deadline = t0 + self.args.seconds
+        with ThreadPoolExecutor(self.args.streams) as pool:
+            list(pool.map(lambda s: self.stream(s, deadline), range(self.args.streams)))
+        wall = time.monotonic() - t0
+        return {
+            "wall_s": wall,
+            "answered": sum(map(len, self.ttft.values())) - before[0],
+            "tokens": self.tokens - before[1],
+            "errors": sum(self.errors.values()) - before[2],
+        }
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    return statistics.quantiles(xs, n=100)[q - 1] if len(xs) >= 2 else (xs[0] if xs else None)
+
+
+def run(args, docs: list[str], progress) -> tuple[list[dict], dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        store = Path(tmp) / "store"
+        server = ServerProcess(args, store, inspect=False)
+        load = Load(server, docs, args)
+        rows = []
+        task = progress.add_task("phases", total=args.phases)
+        try:
+            for p in range(1, args.phases + 1):
+                figures = load.phase()
+                m = server.settle(args.settle_s)
+                state = {k: m[k] for k in (*KEPT, *CAPACITY, *SETTLED, "pool_slots_shared")}
+                rows.append({"phase": p, **figures, **state, **store_usage(store)})
+                progress.advance(task)
+        finally:
+            err = server.stop()
+        if server.proc.returncode != 0:
+            raise SystemExit(f"kvflash serve exited {server.proc.returncode}: {err[-2000:]}")
+    latency = {
+        kind: {"n": len(xs), "p50_s": percentile(xs, 50), "p99_s": percentile(xs, 99)}
+        for kind, xs in load.ttft.items()
+    }
+    return rows, {"ttft": latency, "errors": dict(load.errors)}
+
+
+def verdict(rows: list[dict], summary: dict) -> dict[str, bool]:
+    return {
+        "no errors": not summary["errors"],
+        "nothing in flight, staged or leased": all(not any(r[k] for k in (*SETTLED, "leases")) for r in rows),
+        "slots in use within capacity": all(
+            r["pool_slots_used"] <= r["pool_slots"] and r["host_tier_slots_used"] <= r["host_tier_slots"]
+            for r in rows
+        ),
+    }
+
+
+def report(args, rows: list[dict], summary: dict, checks: dict[str, bool]) -> None:
+    console = Console()
+    t = Table(title=f"{args.streams} streams x {args.seconds:g} s, {args.short_share:.0%} short chats")
+    for col in ("phase", "answered", "req/s", "tok/s", "errors", *KEPT, "leases"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(str(r["phase"]), str(r["answered"]), f"{r['answered'] / r['wall_s']:.1f}",
+                  f"{r['tokens'] / r['wall_s']:.0f}", str(r["errors"]), *(f"{r[k]:g}" for k in KEPT),
+                  str(r["leases"]))  # fmt: skip
+    console.print(t)
+    for kind, v in summary["ttft"].items():
+        if v["n"]:
+            console.print(
+                f"{kind}: {v['n']} answered, first text p50 {v['p50_s']:.2f} s, p99 {v['p99_s']:.2f} s"
+            )
+    for name, ok in checks.items():
+        console.print(f"{'met' if ok else 'MISSED'}: {name}")
+
+
+def plot(rows: list[dict], summary: dict, path: Path) -> None:
+    plt = pyplot()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    kinds = [k for k, v in summary["ttft"].items() if v["n"]]
+    xs = range(len(kinds))
+    a.bar([x - 0.2 for x in xs], [summary["ttft"][k]["p50_s"] for k in kinds], 0.4, label="p50")
+    a.bar([x + 0.2 for x in xs], [summary["ttft"][k]["p99_s"] for k in kinds], 0.4, label="p99")
+    a.set_xticks(list(xs), kinds)
+    a.set_ylabel("seconds to first text")
+    a.legend()
+    for k in KEPT:
+        b.plot([r["phase"] for r in rows], [r[k] for r in rows], marker="o", label=k)
+    b.set_xticks([r["phase"] for r in rows])
+    b.set_xlabel("after phase")
+    b.legend(fontsize=8)
+    fig.tight_layout()
+    save_png(fig, path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--streams", type=int, default=64)
+    ap.add_argument("--seconds", type=float, default=60.0, help="length of each phase")
+    ap.add_argument("--phases", type=int, default=2)
+    ap.add_argument("--long-tokens", dest="doc_tokens", type=int, default=8192)
+    ap.add_argument("--documents", type=int, default=256, help="distinct long documents, cycled")
+    ap.add_argument("--short-share", type=float, default=0.5, help="share of requests that are short chats")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--max-batch", type=int, default=64)
+    ap.add_argument("--pool-tokens", default="auto")
+    ap.add_argument("--host-bytes", type=int, default=None)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--settle-s", type=float, default=2.0, help="idle seconds before a phase's row")
+    ap.add_argument("--out", default="out/serve_load")
+    args = ap.parse_args()
+    args.tracemalloc = args.arena_max = None  # ServerProcess's memory-report options, unused here
+    out = out_dir(args.out)
+    with progress_bar() as progress:
+        docs = documents(args)
+        rows, summary = run(args, docs, progress)
+    checks = verdict(rows, summary)
+    report(args, rows, summary, checks)
+    write_json(out / "serve_load.json", {"meta": run_meta(args=vars(args)), "rows": rows, **summary,
+                                          "checks": checks})  # fmt: skip
+    plot(rows, summary, out / "serve_load.png")
+    print(f"wrote {out / 'serve_load.json'} and {out / 'serve_load.png'}")
+
+
+if __name__ == "__main__":
+    main()
