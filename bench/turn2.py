@@ -47,8 +47,9 @@ from kvflash.serve.session import Document, Session, system_message
 from kvflash.serve.snapshots import APPROX_SUFFIX
 from kvflash.storage import ROOT_HASH, ChunkBlob, SnapshotStore
 
+AHEAD = "summaries ahead"
 PHASES = {
-    "summaries ahead": ("kvflash.serve.session", "Session", "_stored_document_ids"),
+    AHEAD: ("kvflash.serve.session", "Session", "_stored_document_ids"),
     "lookup": ("kvflash.serve.snapshots", "KVSnapshots", "lookup"),
     "restore": ("kvflash.serve.snapshots", "KVSnapshots", "restore"),
     "prefill": ("kvflash.engine.engine", "Engine", "prefill"),
@@ -98,11 +99,13 @@ class Phases:
         self.calls = dict.fromkeys(PHASES, 0)
 
     @contextmanager
-    def timing(self):
+    def timing(self, names=PHASES):
+        """Wraps the methods of the phases named (all by default) for the block's duration."""
         import importlib
 
         saved = []
-        for name, (mod, cls, meth) in PHASES.items():
+        for name in names:
+            mod, cls, meth = PHASES[name]
             owner = getattr(importlib.import_module(mod), cls)
             fn = getattr(owner, meth)
             saved.append((owner, meth, fn))
@@ -142,22 +145,20 @@ def prompt_ids(tok, doc: Document, question: str) -> list[int]:
 
 def turn2(engine: Engine, store: SnapshotStore, doc: Document, question: str, max_tokens: int) -> dict:
     """One turn 2 in a new session (as a new `kvflash ask` process has): phases, counts, stats."""
-    prof = cProfile.Profile()
-    with Phases().timing() as ph:
+    prof, ph = cProfile.Profile(), Phases()
+    ahead, in_turn = [AHEAD], [p for p in PHASES if p != AHEAD]
+    with ph.timing(ahead):
         sess = Session(engine, [doc], store, prefetch=False)  # as `kvflash ask` opens it,
-        engine.warm_up()  # then warms the engine while the session reads the stored documents
-    try:
-        with Phases().timing() as ph_turn:
-            t0 = time.perf_counter()
-            prof.enable()
-            _, stats = sess.ask(question, max_tokens=max_tokens)
-            prof.disable()
-            wall = time.perf_counter() - t0
-    finally:
-        sess.close()
-    for name, seconds in ph_turn.seconds.items():
-        ph.seconds[name] += seconds
-        ph.calls[name] += ph_turn.calls[name]
+        engine.warm_up()  # then warms the engine (its prefills are not the turn's) while the
+        try:  # session reads the stored documents on its thread
+            with ph.timing(in_turn):
+                t0 = time.perf_counter()
+                prof.enable()
+                _, stats = sess.ask(question, max_tokens=max_tokens)
+                prof.disable()
+                wall = time.perf_counter() - t0
+        finally:
+            sess.close()
     if stats.snapshot_id:
         store.rm(stats.snapshot_id)
     return {
