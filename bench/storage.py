@@ -7,8 +7,8 @@ Each restore's share is against the read just before it, so a disk whose speed d
 (docs/BENCHMARKS.md: Snapshot store) does not skew the ratio; --repeats pairs per kind, median share.
 Kinds: into fresh tensors, into destinations allocated before the clock starts (as the engine
 restores into its host-tier slots), and the same with the store's threads only (no decode
-processes). Then warm restores (files in the page cache: what decoding sustains) and the async
-path. The raw write (fsync'd files of the chunk files' sizes) is measured at the end.
+processes). Then warm restores (files in the page cache: what decoding sustains). The raw write
+(fsync'd files of the chunk files' sizes) is measured at the end.
 Target: a cold restore reaches >= 80% of the raw read speed, counting stored bytes.
 
 Input: `--kv-file` safetensors whose 5-D tensors are chunks `[L, 2, Hkv, C, D]` (in name order) or
@@ -22,7 +22,6 @@ says which).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import platform
 import shutil
@@ -71,7 +70,6 @@ class Row:
     """The same with the store's threads alone."""
     warm_mbps: float
     warm_threads_mbps: float
-    async_cold_mbps: float
     fp8_max_rel_err: float | None
 
     @property
@@ -235,8 +233,6 @@ def bench_codec(
                 pairs[kind].append((mbps(timed(restore)), raw))
         warm = mbps(min(timed(restores["slots"]) for _ in range(3)))
         warm_threads = mbps(min(timed(restores["threads"]) for _ in range(3)))
-        drop_cache(files)
-        async_s = timed(lambda: asyncio.run(st.read_chunks_async(hashes, FP)))
     err = None
     if codec == "fp8":
         err = max(float(fp8_error(a.kv, b.kv).max()) for a, b in zip(blobs, got, strict=True))
@@ -247,7 +243,7 @@ def bench_codec(
         codec=codec, level=level, ratio=raw_bytes / stored, save_s=save_s,
         save_raw_mbps=raw_bytes / save_s / MB, save_stored_mbps=stored / save_s / MB,
         cold_mbps=pairs["cold"], slots_mbps=pairs["slots"], threads_slots_mbps=pairs["threads"],
-        warm_mbps=warm, warm_threads_mbps=warm_threads, async_cold_mbps=mbps(async_s), fp8_max_rel_err=err,
+        warm_mbps=warm, warm_threads_mbps=warm_threads, fp8_max_rel_err=err,
     )  # fmt: skip
 
 
@@ -328,7 +324,7 @@ def main() -> None:
     )
     for col in ("codec", "ratio", "save MB/s raw|stored", "cold restore MB/s (share)"):
         t.add_column(col)
-    for col in ("into slots", "threads into slots", "warm procs|threads", "async cold", "fp8 max rel err"):
+    for col in ("into slots", "threads into slots", "warm procs|threads", "fp8 max rel err"):
         t.add_column(col)
 
     def cell(pairs: list[tuple[float, float]]) -> str:
@@ -339,7 +335,7 @@ def main() -> None:
             f"{r.codec} (zstd {r.level})", f"{r.ratio:.2f}x",
             f"{r.save_raw_mbps:.0f} | {r.save_stored_mbps:.0f}",
             cell(r.cold_mbps), cell(r.slots_mbps), cell(r.threads_slots_mbps),
-            f"{r.warm_mbps:.0f} | {r.warm_threads_mbps:.0f}", f"{r.async_cold_mbps:.0f}",
+            f"{r.warm_mbps:.0f} | {r.warm_threads_mbps:.0f}",
             "" if r.fp8_max_rel_err is None else f"{r.fp8_max_rel_err:.4f}",
         )  # fmt: skip
     con.print(t)

@@ -536,21 +536,6 @@ def check_write(t: int, h_kv: int, d: int, c: int, dtype: torch.dtype, device: s
     torch.testing.assert_close(pool, want, rtol=0, atol=0, equal_nan=True)
 
 
-def check_gather_scatter(n: int, layers: int, h_kv: int, d: int, c: int, dtype: torch.dtype, device: str):
-    g = torch.Generator().manual_seed(n)
-    pool = torch.randn(n + 4, layers, 2, h_kv, c, d, generator=g).to(dtype).to(device)
-    slots = torch.randperm(n + 4, generator=g)[:n].int().to(device)
-    copy = triton_impl("triton_copy")
-    with poisoned_outputs():
-        staging = copy.gather_chunks(pool, slots)
-    assert torch.equal(staging, ref.gather_chunks(pool, slots))
-    target = nan_pool(n + 4, layers, h_kv, c, d, dtype, device)
-    want = target.clone()
-    ref.scatter_chunks(staging, want, slots)
-    copy.scatter_chunks(staging, target, slots)
-    torch.testing.assert_close(target, want, rtol=0, atol=0, equal_nan=True)
-
-
 @interp
 @pytest.mark.parametrize(
     "t,h_kv,d,c,dtype",
@@ -558,14 +543,6 @@ def check_gather_scatter(n: int, layers: int, h_kv: int, d: int, c: int, dtype: 
 )
 def test_interp_write_tokens(t, h_kv, d, c, dtype) -> None:
     check_write(t, h_kv, d, c, dtype, "cpu")
-
-
-@interp
-@pytest.mark.parametrize(
-    "n,layers,h_kv,d,c,dtype", [(1, 1, 1, 64, 16, torch.float32), (3, 2, 3, 64, 16, torch.bfloat16)]
-)
-def test_interp_gather_scatter(n, layers, h_kv, d, c, dtype) -> None:
-    check_gather_scatter(n, layers, h_kv, d, c, dtype, "cpu")
 
 
 @interp
@@ -634,8 +611,6 @@ def test_interp_batched_decode_attends_in_one_call_as_each_sequence_alone() -> N
 def test_gpu_copies() -> None:
     check_write(1, 8, 128, 64, torch.bfloat16, "cuda")
     check_write(2049, 3, 64, 64, torch.bfloat16, "cuda")
-    check_gather_scatter(64, 30, 3, 64, 64, torch.bfloat16, "cuda")
-    check_gather_scatter(7, 32, 8, 128, 64, torch.float16, "cuda")
 
 
 # -- a layer's small ops --------------------------------------------------------------------------

@@ -7,7 +7,7 @@ prompt chooses which chunks of the document it attends to.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from functools import cached_property
 
 import torch
@@ -250,8 +250,3 @@ class Engine:
         batch = self._batches.get(shape) or self._batches.setdefault(shape, BatchKV(seqs, shape[0]))
         batch.seqs = seqs
         return batch
-
-    def generate(
-        self, kv: PagedKV, first_logits: torch.Tensor, max_tokens: int, sampler: Sampler, stop: frozenset[int]
-    ) -> Iterator[int]:
-        return decode(self.decode_step(kv), first_logits, len(kv.seq), max_tokens, sampler, stop)

@@ -29,12 +29,10 @@ __all__ = [
     "chunk_lse",
     "chunk_lse_in_place",
     "chunk_summaries",
-    "gather_chunks",
     "paged_decode_attention",
     "prefill_attention",
     "rms_norm",
     "rotary_qk",
-    "scatter_chunks",
     "silu_mul",
     "start_cache_key",
     "uses_triton",
@@ -48,8 +46,6 @@ _MODULE = {
     "chunk_summaries": "triton_scoring",
     "chunk_lse": "triton_scoring",
     "write_tokens": "triton_copy",
-    "gather_chunks": "triton_copy",
-    "scatter_chunks": "triton_copy",
     "rms_norm": "triton_pointwise",
     "rotary_qk": "triton_pointwise",
     "silu_mul": "triton_pointwise",
@@ -199,16 +195,6 @@ def write_tokens(
 ) -> None:
     """Stores k/v [T, Hkv, D] at position offset[t] of slot slot[t] (int32) in layer `layer`."""
     _pick("write_tokens", kv_pool, slot, offset, k, v)(kv_pool, layer, slot, offset, k, v)
-
-
-def gather_chunks(kv_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """New contiguous staging [n, L, 2, Hkv, C, D] holding the listed slots."""
-    return _pick("gather_chunks", kv_pool, slots)(kv_pool, slots)
-
-
-def scatter_chunks(staging: torch.Tensor, kv_pool: torch.Tensor, slots: torch.Tensor) -> None:
-    """Writes staging[i] into slot slots[i] of the pool."""
-    _pick("scatter_chunks", kv_pool, staging, slots)(staging, kv_pool, slots)
 
 
 def rms_norm(

@@ -176,16 +176,6 @@ def _write_fp8(
     kv_pool[slot, layer, :, :, offset] = quantize_fp8(x, scales[slot, layer][..., None])
 
 
-def gather_chunks(kv_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Copies the listed slots into a new staging tensor `[n, L, 2, Hkv, C, D]` (for a tier move)."""
-    return kv_pool[slots.long()]
-
-
-def scatter_chunks(staging: torch.Tensor, kv_pool: torch.Tensor, slots: torch.Tensor) -> None:
-    """Copies staging[i] into slot slots[i] of the pool, in place."""
-    kv_pool[slots.long()] = staging
-
-
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:

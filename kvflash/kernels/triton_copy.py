@@ -1,15 +1,11 @@
-"""Moves of K/V between step tensors, the pool and staging buffers.
+"""Writes of a step's K/V into the pool.
 
 `write_tokens` scatters a step's new K/V rows into their slots in one launch (the torch twin needs
 two advanced-indexing writes); into an fp8 pool it quantises them, the program of a chunk's first
 token setting the chunk's scales from the run of tokens it leads (reference.write_tokens).
-`gather_chunks` / `scatter_chunks` pack scattered slots into one contiguous staging tensor and back,
-so a tier move of many chunks is one host copy.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import triton
@@ -25,8 +21,6 @@ from kvflash.kernels._common import (
     pool_strides,
 )
 
-COPY_BLOCK = 4096
-"""Elements per program in the chunk copies."""
 RUN_TOKENS = 16
 """Tokens of a run an fp8 write's leading program loads per step (a [tokens, heads, D] tile)."""
 
@@ -213,39 +207,3 @@ def write_tokens(
         D=d,
         BLOCK_H=next_pow2(h_kv),
     )
-
-
-@triton.jit
-def _chunk_copy_kernel(src_ptr, dst_ptr, slots_ptr, chunk_elems, TO_POOL: tl.constexpr, BLOCK: tl.constexpr):
-    i = tl.program_id(0)
-    e = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = e < chunk_elems
-    slot = tl.load(slots_ptr + i).to(tl.int64)
-    staged = i.to(tl.int64) * chunk_elems + e
-    pooled = slot * chunk_elems + e
-    if TO_POOL:
-        tl.store(dst_ptr + pooled, tl.load(src_ptr + staged, mask=mask), mask=mask)
-    else:
-        tl.store(dst_ptr + staged, tl.load(src_ptr + pooled, mask=mask), mask=mask)
-
-
-def _launch_copy(src: torch.Tensor, dst: torch.Tensor, slots: torch.Tensor, to_pool: bool) -> None:
-    n = slots.numel()
-    elems = math.prod(src.shape[1:])
-    assert src.is_contiguous() and dst.is_contiguous() and slots.is_contiguous()
-    if n:
-        _chunk_copy_kernel[(n, triton.cdiv(elems, COPY_BLOCK))](
-            src, dst, slots, elems, TO_POOL=to_pool, BLOCK=COPY_BLOCK
-        )
-
-
-def gather_chunks(kv_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Same contract as reference.gather_chunks; the pool must be contiguous."""
-    staging = torch.empty((slots.numel(), *kv_pool.shape[1:]), dtype=kv_pool.dtype, device=kv_pool.device)
-    _launch_copy(kv_pool, staging, slots, to_pool=False)
-    return staging
-
-
-def scatter_chunks(staging: torch.Tensor, kv_pool: torch.Tensor, slots: torch.Tensor) -> None:
-    """Same contract as reference.scatter_chunks; pool and staging must be contiguous."""
-    _launch_copy(staging, kv_pool, slots, to_pool=True)

@@ -14,7 +14,6 @@ non-blocking so that even opening one cannot hang.
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import os
 import re
@@ -65,11 +64,6 @@ class ChunkBackend(Protocol):
     ) -> memoryview:
         """The stored bytes (in `into` when given); refuses objects over max_bytes without reading,
         and those that `check` refuses once it has seen their first `head` bytes."""
-
-    async def aget(
-        self, chunk_hash: str, max_bytes: int, head: int = 0, check: HeadCheck | None = None
-    ) -> bytes:
-        """`get` without blocking the event loop."""
 
     def will_need(self, chunk_hashes: Sequence[str]) -> None:
         """A hint that these objects are read next: start fetching them all now."""
@@ -280,11 +274,6 @@ class LocalDirBackend:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
             finally:
                 os.close(fd)
-
-    async def aget(
-        self, chunk_hash: str, max_bytes: int, head: int = 0, check: HeadCheck | None = None
-    ) -> bytes:
-        return await asyncio.to_thread(self.get, chunk_hash, max_bytes, None, head, check)
 
     def get_summaries(self, last_hash: str, head: int, plan: ReadPlan) -> None:
         """One descriptor for the whole read, so every range comes from one version of the file."""

@@ -12,7 +12,6 @@ persistent only for a snapshot's chain and removed only once no snapshot has tha
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
@@ -119,11 +118,6 @@ class RedisBackend:
         if view is None:
             raise ChunkMissing(h, "not in the shared store (evicted or pruned)")
         return view
-
-    async def aget(
-        self, chunk_hash: str, max_bytes: int, head: int = 0, check: HeadCheck | None = None
-    ) -> bytes:
-        return await asyncio.to_thread(self.get, chunk_hash, max_bytes, None, head, check)
 
     def will_need(self, chunk_hashes: Sequence[str]) -> None:
         """Nothing to hint: every read is one round trip already."""

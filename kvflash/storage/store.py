@@ -22,7 +22,6 @@ its own index transaction.
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import json
 import os
@@ -585,39 +584,6 @@ class SnapshotStore:
             self._load, fp=expect_fingerprint, shape=expect_shape, dtype=expect_dtype, stored_crc=False
         )
         return self._map(lambda i: load(hashes[i], outs[i]), len(hashes))
-
-    async def read_chunks_async(
-        self,
-        hashes: Sequence[str],
-        expect_fingerprint: str,
-        expect_shape: Sequence[int] | None = None,
-        expect_dtype: torch.dtype | None = None,
-        out: Sequence[torch.Tensor] | None = None,
-    ) -> list[ChunkBlob]:
-        """`read_chunks_parallel` for the server's event loop: aiofiles reads, pool decodes."""
-        outs = _check_out(out, len(hashes))
-        self._check_rows(hashes, expect_fingerprint)
-        loop = asyncio.get_running_loop()
-
-        async def one(h: str, dest: torch.Tensor | None) -> ChunkBlob:
-            try:
-                buf = await self.backend.aget(h, MAX_FILE_BYTES, HEADER_SIZE, _header_check(h))
-            except ChunkError as e:
-                await loop.run_in_executor(self.pool, self._mark, e)
-                raise
-            fp, shape, dtype = expect_fingerprint, expect_shape, expect_dtype
-            decode = partial(self._decode, buf, h, fp, shape, dtype, dest, stored_crc=False)
-            return await loop.run_in_executor(self.pool, decode)
-
-        # Every decode ends before anything is raised: a caller that frees its destinations on an
-        # error must not have them written afterwards. The earliest chunk's error is raised.
-        done = await asyncio.gather(
-            *(one(h, d) for h, d in zip(hashes, outs, strict=True)), return_exceptions=True
-        )
-        for r in done:
-            if isinstance(r, BaseException):
-                raise r
-        return done
 
     def read_summaries(
         self, hashes: Sequence[str], expect_fingerprint: str, out: torch.Tensor | None = None
