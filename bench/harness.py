@@ -1,6 +1,7 @@
 """What the benchmark scripts share: the output folder and its JSON and PNG files, the CUDA check,
 the progress display, the device copy bandwidth (the memory yardstick), random-weight models of
-real shapes, a free port for a `kvflash serve` and the wait until it answers, and label formats.
+real shapes, filler prose of a token count, a free port for a `kvflash serve` and the wait until it
+answers, and label formats.
 
 torch, triton and matplotlib are imported by the functions that need them, so a script that needs
 none of them (`python -m bench.niah_table`) starts without them.
@@ -12,6 +13,7 @@ import functools
 import json
 import os
 import platform
+import random
 import socket
 import time
 from collections.abc import Callable
@@ -202,3 +204,23 @@ def wait_until_serving(proc, url: str, timeout_s: float = 600) -> None:
 def fmt_length(n: int | str) -> str:
     """A token count as a label: 131072 -> "128K"; counts that are not whole K as they are."""
     return f"{int(n) // 1024}K" if int(n) % 1024 == 0 else str(n)
+
+
+def make_document(n_tokens: int, count, seed: int = 0) -> str:
+    """Filler prose of about n_tokens tokens (by the model's tokenizer)."""
+    from kvflash.eval.haystack import filler_sentences
+
+    sents = filler_sentences(random.Random(seed))
+    parts: list[str] = []
+    while True:
+        parts.extend(next(sents) for _ in range(200))
+        if count(" ".join(parts)) >= n_tokens:
+            break
+    lo, hi = 1, len(parts)
+    while lo < hi:  # the longest prefix of sentences within n_tokens
+        mid = (lo + hi + 1) // 2
+        if count(" ".join(parts[:mid])) <= n_tokens:
+            lo = mid
+        else:
+            hi = mid - 1
+    return " ".join(parts[:lo])

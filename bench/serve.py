@@ -27,8 +27,16 @@ import openai
 from rich.console import Console
 from rich.table import Table
 
-from bench.harness import free_port, out_dir, progress_bar, pyplot, save_png, wait_until_serving, write_json
-from bench.sessions import make_document
+from bench.harness import (
+    free_port,
+    make_document,
+    out_dir,
+    progress_bar,
+    pyplot,
+    save_png,
+    wait_until_serving,
+    write_json,
+)
 
 QUESTIONS = [
     "What is the first sentence of the document about?",

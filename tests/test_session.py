@@ -337,12 +337,15 @@ def test_closing_a_lazy_session_stops_its_prefetch(lm, tmp_path) -> None:
 @pytest.mark.parametrize("absolute", [False, True])
 def test_ask_and_chat_choose_the_position_scheme(smollm_path, tmp_path, absolute: bool) -> None:
     from kvflash.cli.ask_cmd import close_session, open_session
+    from kvflash.cli.engine_options import EngineOptions
 
     doc_file = tmp_path / "town.txt"
     doc_file.write_text(document().text)
+    engine = EngineOptions(
+        model=smollm_path, dtype="fp32", device="cpu", pool_tokens="1024", absolute_positions=absolute
+    )
     sess = open_session(
-        [doc_file], session=None, pool="1024", policy="qk", lazy=None, model=smollm_path, dtype="fp32",
-        device="cpu", store=tmp_path, no_store=absolute, absolute_positions=absolute,
+        [doc_file], engine, session=None, lazy=None, store=tmp_path, no_store=absolute,
         decode_processes=0 if absolute else 1,
     )  # fmt: skip
     try:

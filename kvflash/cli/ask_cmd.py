@@ -15,19 +15,10 @@ from typing import TYPE_CHECKING
 import typer
 
 from kvflash import KVFlashError
+from kvflash.cli.engine_options import ENGINE, FLAGS, EngineOptions, engine_command, open_engine
 from kvflash.cli.files import read_text
 from kvflash.cli.messages import warn
-from kvflash.cli.options import (
-    DeviceOpt,
-    DtypeOpt,
-    HostBytesOpt,
-    JsonOpt,
-    KvDtypeOpt,
-    ModelOpt,
-    StoreOpt,
-    with_engine_options,
-)
-from kvflash.policies import POLICIES
+from kvflash.cli.options import JsonOpt, StoreOpt
 from kvflash.serve.documents import Document
 
 if TYPE_CHECKING:
@@ -37,14 +28,6 @@ if TYPE_CHECKING:
 
 DocsArg = typer.Argument(..., help="Document files (UTF-8 text).", show_default=False)
 SessionOpt = typer.Option(None, "--session", "-s", help="Name a conversation to resume it later.")
-PoolOpt = typer.Option(
-    None, "--pool-tokens",
-    help="KV budget in tokens (default: 16384; 'auto': free GPU memory, on a CPU half the free host memory).",
-)  # fmt: skip
-PolicyOpt = typer.Option("qk", "--policy", help=f"Residency policy: {', '.join(POLICIES)}.")
-AbsolutePositionsOpt = typer.Option(
-    False, "--absolute-positions", help="Attend at absolute positions, not positions within the cache."
-)
 LazyOpt = typer.Option(None, "--lazy/--eager", help="Restore lazily (default: when KV exceeds the budget).")
 MaxTokOpt = typer.Option(256, "--max-tokens", "-n", min=1, help="Most tokens per answer.")
 PinOpt = typer.Option(
@@ -53,9 +36,6 @@ PinOpt = typer.Option(
     help="Keep resident: system, last-turn, or [DOC:]START:END characters of a document (repeatable).",
 )
 NoStoreOpt = typer.Option(False, "--no-store", help="Neither restore from nor save to the snapshot store.")
-GraphsOpt = typer.Option(
-    True, "--cuda-graphs/--no-cuda-graphs", help="Replay each decode step from a CUDA graph (on CUDA)."
-)
 ServerOpt = typer.Option(
     None, "--server", envvar="KVFLASH_SERVER",
     help="URL of a running `kvflash serve`: run the turn there, loading no model here.",
@@ -70,48 +50,12 @@ def read_documents(paths: list[Path]) -> list[Document]:
     return [Document(p.name, read_text(p)) for p in paths]
 
 
-def pool_tokens(value: str | None) -> int | str:
-    if value is None:
-        return 16384
-    if value == "auto":
-        return value
-    try:
-        n = int(value)
-    except ValueError:
-        raise KVFlashError(f"--pool-tokens takes a number of tokens or 'auto', not {value!r}") from None
-    if n < 1:
-        raise KVFlashError("--pool-tokens must be positive")
-    return n
-
-
-def load_with_progress(model: Path | None, dtype: str | None, device: str | None):
-    """load_model with a progress bar on stderr over the GGUF's tensor bytes (gone once loaded)."""
-    from rich.console import Console
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
-
-    from kvflash.models.loader import load_model
-
-    with Progress(
-        TextColumn("load model"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
-        console=Console(stderr=True), transient=True, redirect_stdout=False, redirect_stderr=False,
-    ) as bar:  # fmt: skip
-        task = bar.add_task("load", total=None)
-        return load_model(model, dtype=dtype, device=device, on_progress=lambda done, total: bar.update(
-            task, completed=done, total=total))  # fmt: skip
-
-
 def open_session(
-    docs: list[Path], *, session: str | None, pool: str | None, policy: str, lazy: bool | None,
-    model: Path | None, dtype: str | None, device: str | None, store: Path | None, no_store: bool,
-    absolute_positions: bool = False, decode_processes: int = 0, cuda_graphs: bool = True,
-    host_bytes: int | None = None, pins: list[str] | None = None, prefetch: bool = True,
-    kv_dtype: str | None = None,
+    docs: list[Path], engine: EngineOptions, *, session: str | None, lazy: bool | None, store: Path | None,
+    no_store: bool, decode_processes: int = 0, pins: list[str] | None = None, prefetch: bool = True,
 ) -> Session:  # fmt: skip
-    """The session `ask` and `chat` run, from their options (keywords: a dozen of them). `ask`
-    answers one question and exits, so it prefetches nothing for a next one (`Session`)."""
-    from kvflash.cli.limits import check_pool_fits
-    from kvflash.config import EngineConfig, ResidencyConfig
-    from kvflash.engine.engine import Engine
+    """The session `ask` and `chat` run, from their options. `ask` answers one question and exits, so
+    it prefetches nothing for a next one (`Session`)."""
     from kvflash.paths import snapshots_dir
     from kvflash.serve.pins import parse_pin
     from kvflash.serve.session import Session
@@ -119,14 +63,7 @@ def open_session(
 
     pinned = [parse_pin(p) for p in pins or ()]  # a bad --pin fails before the model loads
     documents = read_documents(docs)
-    lm = load_with_progress(model, dtype, device)
-    budget = pool_tokens(pool)
-    res = ResidencyConfig(policy=policy, cache_positions=not absolute_positions)
-    cfg = with_engine_options(
-        EngineConfig(pool_tokens=budget, residency=res, cuda_graphs=cuda_graphs), host_bytes, kv_dtype
-    )
-    check_pool_fits(lm, budget, res.chunk_tokens, cfg.kv_dtype)
-    engine = Engine(lm, cfg, warm=False)
+    _, eng = open_engine(engine, warm=False)
     st = None
     if not no_store:
         try:
@@ -134,8 +71,8 @@ def open_session(
         except StoreError as e:  # the store only saves time: answer without it
             warn(f"snapshot store unusable, answering without it: {e}")
     try:
-        sess = Session(engine, documents, st, name=session, lazy=lazy, pins=pinned, prefetch=prefetch)
-        engine.warm_up()  # while the session reads its stored documents' ids and summaries
+        sess = Session(eng, documents, st, name=session, lazy=lazy, pins=pinned, prefetch=prefetch)
+        eng.warm_up()  # while the session reads its stored documents' ids and summaries
         return sess
     except BaseException:
         if st is not None:  # its threads and decode workers: close_session never sees this one
@@ -211,17 +148,17 @@ def run_turn(sess: Session, question: str, max_tokens: int, stream: bool) -> tup
     return text, stats
 
 
-LOCAL_ONLY = (
-    "model", "dtype", "kv_dtype", "device", "pool", "store", "lazy", "decode_processes", "no_store", "pin",
-)  # fmt: skip
-"""Options that configure a local engine: a server has its own, so --server refuses them."""
+LOCAL_ENGINE = ("model", "dtype", "kv_dtype", "device", "pool_tokens")
+"""Engine options --server refuses, with store, lazy, decode_processes, no_store and pin: they
+configure a local engine, and a server has its own."""
 
 
-def refuse_local_options(**given: object) -> None:
+def refuse_local_options(engine: EngineOptions, **given: object) -> None:
     """One line naming the first local-engine option given alongside --server."""
-    for name, value in given.items():
+    named = {FLAGS[name]: getattr(engine, name) for name in LOCAL_ENGINE}
+    named.update({"--" + name.replace("_", "-"): value for name, value in given.items()})
+    for flag, value in named.items():
         if value not in (None, False, 0, [], ()):
-            flag = "--" + ("pool-tokens" if name == "pool" else name.replace("_", "-"))
             raise KVFlashError(f"{flag} configures a local engine; the server at --server has its own")
 
 
@@ -256,42 +193,32 @@ def remote(url: str, docs: list[Path], session: str | None) -> Remote:
     return r
 
 
+@engine_command()
 def ask(
     docs: list[Path] = DocsArg,
     question: str = typer.Argument(..., help="The question (after the documents).", show_default=False),
     session: str = SessionOpt,
     server: str = ServerOpt,
-    pool: str = PoolOpt,
-    host_bytes: int | None = HostBytesOpt,
-    policy: str = PolicyOpt,
-    absolute_positions: bool = AbsolutePositionsOpt,
+    engine: EngineOptions = ENGINE,
     lazy: bool = LazyOpt,
     max_tokens: int = MaxTokOpt,
     pin: list[str] = PinOpt,
-    model: Path = ModelOpt,
-    dtype: str = DtypeOpt,
-    kv_dtype: str = KvDtypeOpt,
-    device: str = DeviceOpt,
     store: Path = StoreOpt,
     no_store: bool = NoStoreOpt,
     decode_processes: int = ProcsOpt,
-    cuda_graphs: bool = GraphsOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Ask QUESTION about DOCS; restores what an earlier turn stored and prints a stats line."""
     from kvflash.serve.client import server_url
 
     if url := server_url(server):
-        refuse_local_options(model=model, dtype=dtype, kv_dtype=kv_dtype, device=device, pool=pool,
-                             store=store, lazy=lazy, decode_processes=decode_processes, no_store=no_store,
-                             pin=pin)  # fmt: skip
+        refuse_local_options(engine, store=store, lazy=lazy, decode_processes=decode_processes,
+                             no_store=no_store, pin=pin)  # fmt: skip
         text, stats = remote(url, docs, session).turn(question, max_tokens, stream=not as_json)
     else:
         sess = open_session(
-            docs, session=session, pool=pool, policy=policy, lazy=lazy, model=model, dtype=dtype,
-            device=device, store=store, no_store=no_store, absolute_positions=absolute_positions,
-            decode_processes=decode_processes, cuda_graphs=cuda_graphs, host_bytes=host_bytes, pins=pin,
-            prefetch=False, kv_dtype=kv_dtype,
+            docs, engine, session=session, lazy=lazy, store=store, no_store=no_store,
+            decode_processes=decode_processes, pins=pin, prefetch=False,
         )  # fmt: skip
         try:
             text, turn_stats = run_turn(sess, question, max_tokens, stream=not as_json)
@@ -304,24 +231,17 @@ def ask(
         print_stats(stats)
 
 
+@engine_command()
 def chat(
     docs: list[Path] = DocsArg,
     session: str = SessionOpt,
     server: str = ServerOpt,
-    pool: str = PoolOpt,
-    host_bytes: int | None = HostBytesOpt,
-    policy: str = PolicyOpt,
-    absolute_positions: bool = AbsolutePositionsOpt,
+    engine: EngineOptions = ENGINE,
     lazy: bool = LazyOpt,
     max_tokens: int = MaxTokOpt,
     pin: list[str] = PinOpt,
-    model: Path = ModelOpt,
-    dtype: str = DtypeOpt,
-    kv_dtype: str = KvDtypeOpt,
-    device: str = DeviceOpt,
     store: Path = StoreOpt,
     decode_processes: int = ProcsOpt,
-    cuda_graphs: bool = GraphsOpt,
 ) -> None:
     """Interactive multi-turn chat about DOCS. Commands: /stats, /reset, /save, /quit."""
     from rich.console import Console
@@ -330,16 +250,13 @@ def chat(
 
     console = Console(highlight=False)
     if url := server_url(server):
-        refuse_local_options(model=model, dtype=dtype, kv_dtype=kv_dtype, device=device, pool=pool,
-                             store=store, lazy=lazy, decode_processes=decode_processes, pin=pin)  # fmt: skip
+        refuse_local_options(engine, store=store, lazy=lazy, decode_processes=decode_processes, pin=pin)
         r = remote(url, docs, session)
         turns, sess = len(r.conv.turns) // 2, None
     else:
         sess = open_session(
-            docs, session=session, pool=pool, policy=policy, lazy=lazy, model=model, dtype=dtype,
-            device=device, store=store, no_store=False, absolute_positions=absolute_positions,
-            decode_processes=decode_processes, cuda_graphs=cuda_graphs, host_bytes=host_bytes, pins=pin,
-            kv_dtype=kv_dtype,
+            docs, engine, session=session, lazy=lazy, store=store, no_store=False,
+            decode_processes=decode_processes, pins=pin,
         )  # fmt: skip
         turns = len(sess.messages) // 2
     last: dict | None = None

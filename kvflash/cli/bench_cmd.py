@@ -12,25 +12,20 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from kvflash import KVFlashError
-from kvflash.cli.ask_cmd import PoolOpt, pool_tokens
-from kvflash.cli.limits import check_pool_fits
+from kvflash.cli.engine_options import ENGINE, EngineOptions, engine_command, load_model
 from kvflash.cli.niah_cmd import parse_lengths
-from kvflash.cli.options import DeviceOpt, DtypeOpt, JsonOpt, KvDtypeOpt, ModelOpt
-from kvflash.config import ResidencyConfig, resolve_kv_dtype
+from kvflash.cli.options import JsonOpt
+from kvflash.config import resolve_kv_dtype
 from kvflash.eval.bench import BenchConfig, plot, run, table
-from kvflash.models.loader import load_model
 
 
+@engine_command()
 def bench(
     lengths: str = typer.Option("4K,16K", "--lengths", help="Document lengths in tokens (4K = 4096)."),
-    pool: str = PoolOpt,
     max_tokens: int = typer.Option(16, "--max-tokens", "-n", min=1, help="Most tokens per answer."),
     seed: int = typer.Option(0, "--seed", help="Seed of the generated documents and their passcodes."),
     out: Path = typer.Option(Path("bench-out"), "--out", help="Directory for bench.json and bench.png."),
-    model: Path = ModelOpt,
-    dtype: str = DtypeOpt,
-    kv_dtype: str = KvDtypeOpt,
-    device: str = DeviceOpt,
+    engine: EngineOptions = ENGINE,
     as_json: bool = JsonOpt,
 ) -> None:
     """Asks about a generated document twice per length, as two `kvflash ask` processes would (the
@@ -39,16 +34,12 @@ def bench(
     sizes = parse_lengths(lengths)
     if not sizes or min(sizes) < 1:
         raise KVFlashError("--lengths takes positive token counts such as 4K,16K")
-    cfg = BenchConfig(
-        lengths=sizes, pool_tokens=pool_tokens(pool), max_tokens=max_tokens, seed=seed,
-        kv_dtype=kv_dtype or "auto",
-    )  # fmt: skip
+    cfg = BenchConfig(lengths=sizes, engine=engine.config(), max_tokens=max_tokens, seed=seed)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise KVFlashError(f"cannot write to --out {out}: {e.strerror}") from None
-    lm = load_model(model, dtype=dtype, device=device)
-    check_pool_fits(lm, cfg.pool_tokens, ResidencyConfig().chunk_tokens, cfg.kv_dtype)
+    lm = load_model(engine, cfg.engine, progress=False)
     err = Console(stderr=True)
     with Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
@@ -68,7 +59,7 @@ def bench(
         "device": where,
         "model": str(lm.path),
         "dtype": str(lm.dtype),
-        "kv_dtype": str(resolve_kv_dtype(cfg.kv_dtype, lm.dtype, lm.device)),
+        "kv_dtype": str(resolve_kv_dtype(cfg.engine.kv_dtype, lm.dtype, lm.device)),
         "rows": rows,
     }
     (out / "bench.json").write_text(json.dumps(result, indent=1))

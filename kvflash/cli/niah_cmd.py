@@ -9,12 +9,10 @@ import typer
 from rich.console import Console
 
 from kvflash import KVFlashError
-from kvflash.cli.limits import check_pool_fits
-from kvflash.cli.options import DeviceOpt, DtypeOpt, JsonOpt, KvDtypeOpt, ModelOpt
-from kvflash.config import POLICIES, ResidencyConfig
+from kvflash.cli.engine_options import ENGINE, EngineOptions, engine_command, load_model
+from kvflash.cli.options import JsonOpt
 from kvflash.eval.haystack import TEMPLATES
 from kvflash.eval.niah import MODES, NiahConfig, run, table
-from kvflash.models.loader import load_model
 
 
 def parse_lengths(value: str) -> tuple[int, ...]:
@@ -47,20 +45,18 @@ def parse_depths(value: str) -> tuple[float, ...]:
         ) from None
 
 
+@engine_command(
+    defaults={"policy": "full"}, helps={"pool_tokens": "KV pool in tokens (not with policy full)."}
+)
 def niah(
     lengths: str = typer.Option(
         "2048,4096,8192", "--lengths", help="Document lengths in tokens (4K = 4096)."
     ),
     depths: str = typer.Option("11", "--depths", help="Count of depths over 0..1, or a comma list of them."),
     trials: int = typer.Option(4, "--trials", help="Trials (needles) per length and depth."),
-    pool_tokens: int = typer.Option(None, "--pool-tokens", help="KV pool in tokens (not with policy full)."),
     budget_frac: float = typer.Option(None, "--budget-frac", help="KV pool as a share of each length."),
-    policy: str = typer.Option("full", "--policy", help=f"Residency policy: {', '.join(POLICIES)}."),
     mode: str = typer.Option(
         "cold", "--mode", help=f"{', '.join(MODES)}: restore answers after restoring a disk snapshot."
-    ),
-    absolute_positions: bool = typer.Option(
-        False, "--absolute-positions", help="Attend at absolute positions, not positions within the cache."
     ),
     codec: str = typer.Option("lossless", "--codec", help="Snapshot codec in restore modes: lossless, fp8."),
     template: str = typer.Option("passcode", "--template", help=f"Needle: {', '.join(TEMPLATES)}."),
@@ -73,27 +69,30 @@ def niah(
         False, "--pin-needle", help="Pin the needle's characters (as --pin does)."
     ),
     out: Path = typer.Option(Path("niah-out"), "--out", help="Output directory (rerun it to resume)."),
-    model: Path = ModelOpt,
-    dtype: str = DtypeOpt,
-    kv_dtype: str = KvDtypeOpt,
-    device: str = DeviceOpt,
+    engine: EngineOptions = ENGINE,
     as_json: bool = JsonOpt,
 ) -> None:
     """Needle-in-a-haystack grid for one arm; writes results.jsonl, summary.json and heatmap.png to OUT."""
+    pool_tokens = engine.pool(default=None)
+    if pool_tokens == "auto":
+        raise KVFlashError(
+            "niah takes --pool-tokens as a number of tokens: an arm's pool is the same on every run"
+        )
     cfg = NiahConfig(
         lengths=parse_lengths(lengths), depths=parse_depths(depths), trials=trials,
-        pool_tokens=pool_tokens, budget_frac=budget_frac, policy=policy, mode=mode,
-        cache_positions=not absolute_positions, codec=codec, template=template,
+        pool_tokens=pool_tokens, budget_frac=budget_frac, policy=engine.policy, mode=mode,
+        cache_positions=not engine.absolute_positions, codec=codec, template=template,
         haystack=str(haystack.resolve()) if haystack else None,
         needle=needle, question=question, seed=seed, max_tokens=max_tokens, pin_needle=pin_needle,
         out=str(out),
-        model=str(model) if model else None, dtype=dtype, kv_dtype=kv_dtype or "auto", device=device,
+        model=str(engine.model) if engine.model else None, dtype=engine.dtype,
+        kv_dtype=engine.kv_dtype or "auto", device=engine.device,
     )  # fmt: skip
+    base = engine.config(pool_tokens)  # each trial's engine replaces the pool (NiahConfig.pool_for)
     lm = None
     if pool_tokens is not None:  # refused before the grid's first engine allocates the pool
-        lm = load_model(model, dtype=dtype, device=device)
-        check_pool_fits(lm, pool_tokens, ResidencyConfig().chunk_tokens, cfg.kv_dtype)
-    summary = run(cfg, lm, progress=None if as_json else Console(stderr=True, highlight=False))
+        lm = load_model(engine, base, progress=False)
+    summary = run(cfg, lm, None if as_json else Console(stderr=True, highlight=False), base)
     if as_json:
         print(json.dumps(summary))
     else:

@@ -57,12 +57,3 @@ HostBytesOpt = typer.Option(
     None, "--host-bytes", min=1,
     help="Host memory for KV paged out of the GPU or restored from disk, in bytes (default: 8 GiB).",
 )  # fmt: skip
-
-
-def with_engine_options(cfg, host_bytes: int | None, kv_dtype: str | None):
-    """cfg (an EngineConfig) with --host-bytes and --kv-dtype where they were given (the options'
-    defaults stay the engine's, and this module stays free of torch)."""
-    import dataclasses
-
-    given = {"host_bytes": host_bytes, "kv_dtype": kv_dtype}
-    return dataclasses.replace(cfg, **{k: v for k, v in given.items() if v is not None})

@@ -8,22 +8,11 @@ from pathlib import Path
 
 import typer
 
-from kvflash.cli.ask_cmd import GraphsOpt, PolicyOpt, PoolOpt, ProcsOpt, load_with_progress, pool_tokens
-from kvflash.cli.limits import check_pool_fits
+from kvflash.cli.ask_cmd import ProcsOpt
+from kvflash.cli.engine_options import ENGINE, EngineOptions, engine_command, open_engine
 from kvflash.cli.messages import warn
-from kvflash.cli.options import (
-    DeviceOpt,
-    DtypeOpt,
-    HostBytesOpt,
-    KvDtypeOpt,
-    ModelOpt,
-    SharedStoreOpt,
-    StoreOpt,
-    with_engine_options,
-)
+from kvflash.cli.options import SharedStoreOpt, StoreOpt
 from kvflash.cli.snapshot_cmd import parse_size
-from kvflash.config import EngineConfig, ResidencyConfig
-from kvflash.engine.engine import Engine
 from kvflash.serve.snapshots import KVSnapshots
 from kvflash.storage.tiered import TierConfig, open_tiers
 
@@ -31,14 +20,9 @@ SHUTDOWN_GRACE_S = 5
 """How long a stopping server lets open requests finish before it ends them."""
 
 
+@engine_command()
 def serve(
-    model: Path = ModelOpt,
-    dtype: str = DtypeOpt,
-    kv_dtype: str = KvDtypeOpt,
-    device: str = DeviceOpt,
-    pool: str = PoolOpt,
-    host_bytes: int | None = HostBytesOpt,
-    policy: str = PolicyOpt,
+    engine: EngineOptions = ENGINE,
     store: Path = StoreOpt,
     shared_store: str = SharedStoreOpt,
     cache_bytes: str = typer.Option(
@@ -81,7 +65,6 @@ def serve(
         None, "--api-key", envvar="KVFLASH_API_KEY", help="Require `Authorization: Bearer KEY` (not /health)."
     ),
     decode_processes: int = ProcsOpt,
-    cuda_graphs: bool = GraphsOpt,
 ) -> None:
     """Serve /v1/chat/completions and /v1/models; a conversation's next turn reuses its KV.
 
@@ -92,22 +75,15 @@ def serve(
     from kvflash.serve.server import Server, create_app  # FastAPI loads only for `serve`
 
     tiers = TierConfig(cache_bytes=parse_size(cache_bytes) if cache_bytes else None)  # before the load
-    lm = load_with_progress(model, dtype, device)
-    res = ResidencyConfig(policy=policy)
-    budget = pool_tokens(pool)
-    cfg = with_engine_options(
-        EngineConfig(pool_tokens=budget, residency=res, cuda_graphs=cuda_graphs), host_bytes, kv_dtype
-    )
-    check_pool_fits(lm, budget, res.chunk_tokens, cfg.kv_dtype)
-    engine = Engine(lm, cfg)
+    lm, eng = open_engine(engine)
     st = None if no_store else open_tiers(store, shared_store, decode_processes, tiers)
-    snapshots = KVSnapshots(st, engine.fingerprint, other_kv=engine.other_kv_fingerprints()) if st else None
+    snapshots = KVSnapshots(st, eng.fingerprint, other_kv=eng.other_kv_fingerprints()) if st else None
     for stored, n in (snapshots.other_kv_counts() if snapshots else {}).items():
         warn(f"the store holds {n} snapshots of this model with {stored} KV; this server keeps "
-             f"{engine.kv_dtype_name} KV (--kv-dtype) and restores none of them")  # fmt: skip
+             f"{eng.kv_dtype_name} KV (--kv-dtype) and restores none of them")  # fmt: skip
     model_name = name or lm.path.name.split(".")[0]
     server = Server(
-        engine,
+        eng,
         lm.tokenizer,
         model_name,
         snapshots,

@@ -89,6 +89,7 @@ class BatchGraphs:
 
 @functools.cache
 def _warm_up_stream(device: int) -> torch.cuda.Stream:
-    """One warm-up stream per device: cuBLAS keeps a workspace (32 MiB on the H200) for every stream
-    it has run on, so a new stream per capture would hold 32 MiB more each time."""
+    """One warm-up stream per device: cuBLAS keeps a workspace for every stream it has run on (PyTorch's
+    default size: 32 MiB from compute capability 9 on), so a new stream per capture would hold one
+    workspace more each time."""
     return torch.cuda.Stream(device)

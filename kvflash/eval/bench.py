@@ -12,7 +12,7 @@ from __future__ import annotations
 import gc
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -35,11 +35,10 @@ TURNS = ("cold", "restored")
 class BenchConfig:
     lengths: tuple[int, ...] = (4096, 16384)
     """Document lengths in tokens (of the model's tokenizer)."""
-    pool_tokens: int | str = 16384
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(pool_tokens=16384))
+    """The engine each turn builds afresh."""
     max_tokens: int = 16
     seed: int = 0
-    kv_dtype: str = "auto"
-    """EngineConfig.kv_dtype."""
 
 
 def run(
@@ -64,7 +63,7 @@ def run(
         rows.append(
             {
                 "doc_tokens": n,
-                "pool_tokens": cfg.pool_tokens,
+                "pool_tokens": cfg.engine.pool_tokens,
                 **turns,
                 "ttft_ratio": turns["restored"]["ttft_s"] / turns["cold"]["ttft_s"],
             }
@@ -83,7 +82,7 @@ def _turn(
 ) -> dict:
     """One question in a fresh engine and session: nothing of an earlier turn is in memory, only in
     the store. The engine is freed before the next turn, so an 'auto' pool can take the GPU again."""
-    engine = Engine(lm, EngineConfig(pool_tokens=cfg.pool_tokens, kv_dtype=cfg.kv_dtype))
+    engine = Engine(lm, cfg.engine)
     sess = Session(engine, [doc], store)
     try:
         text, stats = sess.ask(question, cfg.max_tokens, Sampling(), on_prefill=on_prefill)

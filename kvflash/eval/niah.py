@@ -8,6 +8,7 @@ and scores RULER's way: a hit when the exact value string is in the answer. Rows
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -151,6 +152,11 @@ class NiahConfig:
         kv = f", {self.kv_dtype} KV" if self.kv_dtype != "auto" else ""
         return f"{pool}, {self.mode}{codec}{absolute}{pinned}{kv}"
 
+    def engine_config(self) -> EngineConfig:
+        """The engine of this arm's trials but for its pool (`pool_for`)."""
+        res = ResidencyConfig(policy=self.policy, cache_positions=self.cache_positions)
+        return EngineConfig(residency=res, kv_dtype=self.kv_dtype)
+
     def pool_for(self, length: int, prompt_tokens: int) -> int:
         """Pool tokens for one trial: the whole prompt and answer under full, else the configured share."""
         res = ResidencyConfig()
@@ -230,8 +236,11 @@ class ModelArm:
     does not fill the disk.
     """
 
-    def __init__(self, cfg: NiahConfig, lm: LoadedModel):
+    def __init__(self, cfg: NiahConfig, lm: LoadedModel, engine: EngineConfig | None = None):
+        """`engine`: the EngineConfig every trial's engine follows but for its pool (default: the
+        config's policy, positions and KV dtype, the rest the engine's defaults)."""
         self.cfg, self.lm, self.tok = cfg, lm, lm.tokenizer
+        self.engine_cfg = engine or cfg.engine_config()
         self.store = SnapshotStore(Path(cfg.out) / "store", cfg.codec) if cfg.mode != "cold" else None
         self._engine: Engine | None = None
 
@@ -257,9 +266,7 @@ class ModelArm:
     def _engine_for(self, pool: int) -> Engine:
         if self._engine is None or self._engine.cfg.pool_tokens != pool:
             self._engine = None  # the old pool's memory goes before the new one is allocated
-            res = ResidencyConfig(policy=self.cfg.policy, cache_positions=self.cfg.cache_positions)
-            cfg = EngineConfig(pool_tokens=pool, residency=res, kv_dtype=self.cfg.kv_dtype)
-            self._engine = Engine(self.lm, cfg)
+            self._engine = Engine(self.lm, dataclasses.replace(self.engine_cfg, pool_tokens=pool))
         return self._engine
 
     @staticmethod
@@ -389,13 +396,18 @@ def finish(grid: Grid) -> dict:
     return summary
 
 
-def run(cfg: NiahConfig, lm: LoadedModel | None = None, progress: Console | None = None) -> dict:
+def run(
+    cfg: NiahConfig,
+    lm: LoadedModel | None = None,
+    progress: Console | None = None,
+    engine: EngineConfig | None = None,
+) -> dict:
     """The harness on a real model: checks the output directory, loads the model once (not at all
-    when every trial is done already), runs the grid."""
+    when every trial is done already), runs the grid. `engine`: as `ModelArm`'s."""
     grid = Grid(cfg)
     if not grid.todo():
         return finish(grid)
-    arm = ModelArm(cfg, lm or load_model(cfg.model, dtype=cfg.dtype, device=cfg.device))
+    arm = ModelArm(cfg, lm or load_model(cfg.model, dtype=cfg.dtype, device=cfg.device), engine)
     try:
         return run_grid(grid, arm, progress)
     finally:
