@@ -61,6 +61,10 @@ class Staged:
             self._sent.record()
 
 
+Fetch = Callable[[list[str], list[torch.Tensor]], None]
+"""Reads stored chunks (by chain hash) into host-tier slot views, in parallel."""
+
+
 class PagedKV:
     def __init__(self, pool: ChunkPool, host: HostTier, cfg: ResidencyConfig, budget_chunks: int):
         if cfg.chunk_tokens != pool.chunk_tokens:
@@ -72,8 +76,8 @@ class PagedKV:
             )
         self.pool, self.host, self.cfg, self.budget = pool, host, cfg, budget_chunks
         self.seq = Sequence(cfg.chunk_tokens)
-        self.fetch: Callable[[list[str], list[torch.Tensor]], None] | None = None
-        """Reads stored chunks (by chain hash) into host-tier slots, in parallel: set by a lazy restore."""
+        self.fetch: Fetch | None = None
+        """Reads a lazy restore's chunks into host-tier slots (`adopt`)."""
         self._fetch_lock = threading.Lock()
         self.chain: tuple[str, list[str]] = ("", [])
         """(fingerprint, chain hashes) of the first chunks, as far as they are known (a restore's,
@@ -594,6 +598,40 @@ class PagedKV:
         fp, known = self.chain
         if len(known) == first and fp in ("", self.fingerprint):  # a snapshot hashes none of them again
             self.chain = (self.fingerprint, known + keys)
+
+    def adopt(
+        self,
+        fp: str,
+        hashes: list[str],
+        tokens: list[list[int]],
+        summaries: torch.Tensor,
+        *,
+        approximate: bool,
+        host_slots: list[int] | None = None,
+        fetch: Fetch | None = None,
+    ) -> None:
+        """Takes into this empty sequence whole sealed chunks read from the store (a restore): the
+        chunks named by `hashes` (their chain under fp), each chunk's token ids and their summaries
+        [n, *summary_shape]. Their KV is either in the host-tier slots `host_slots` (read, one per
+        chunk: it counts as moved from disk) or read by `fetch` when selected (lazy: each chunk
+        stays disk-only until then). `approximate`: the KV was computed under eviction."""
+        assert (host_slots is None) != (fetch is None), "a restore gives host slots or a fetch"
+        self.seq.ensure_chunks(len(hashes) * self.cfg.chunk_tokens)
+        self.seq.set_summaries(summaries)
+        for i, (h, ids) in enumerate(zip(hashes, tokens, strict=True)):
+            ch = self.seq.chunks[i]
+            self.seq.tokens.extend(ids)
+            ch.sealed = True
+            if host_slots is None:
+                ch.disk = h
+            else:
+                ch.host = host_slots[i]
+        self.approximate = approximate
+        self.chain = (fp, list(hashes))
+        if fetch is not None:
+            self.fetch = fetch
+        else:
+            self.moved["disk"] += len(hashes) * self.chunk_nbytes
 
     def name_restored(self) -> None:
         """Names the chunks a restore of exact KV gave this empty-before sequence by the chain they
