@@ -125,9 +125,8 @@ class Engine:
     def new_sequence(self, budget_tokens: int | None = None) -> PagedKV:
         c = self.cfg.residency.chunk_tokens
         budget = self.pool.n_slots if budget_tokens is None else -(-budget_tokens // c)
-        kv = PagedKV(self.pool, self.host, self.cfg.residency, min(budget, self.pool.n_slots))
-        kv.fingerprint = self.fingerprint
-        return kv
+        budget = min(budget, self.pool.n_slots)
+        return PagedKV(self.pool, self.host, self.cfg.residency, budget, self.fingerprint)
 
     @property
     def step_tokens(self) -> int:

@@ -66,7 +66,14 @@ Fetch = Callable[[list[str], list[torch.Tensor]], None]
 
 
 class PagedKV:
-    def __init__(self, pool: ChunkPool, host: HostTier, cfg: ResidencyConfig, budget_chunks: int):
+    def __init__(
+        self,
+        pool: ChunkPool,
+        host: HostTier,
+        cfg: ResidencyConfig,
+        budget_chunks: int,
+        fingerprint: str | None = None,
+    ):
         if cfg.chunk_tokens != pool.chunk_tokens:
             raise KVFlashError(f"chunk_tokens {cfg.chunk_tokens} differs from the pool's {pool.chunk_tokens}")
         if budget_chunks < cfg.floor_chunks() and cfg.policy != "full":
@@ -82,8 +89,8 @@ class PagedKV:
         self.chain: tuple[str, list[str]] = ("", [])
         """(fingerprint, chain hashes) of the first chunks, as far as they are known (a restore's,
         then each snapshot's): a snapshot hashes only the chunks after them."""
-        self.fingerprint: str | None = None
-        """The model fingerprint its sealed chunks of exact KV are named under (set by the engine):
+        self.fingerprint = fingerprint
+        """The model fingerprint its sealed chunks of exact KV are named under (the engine's):
         named chunks are shared with every sequence whose prompt begins the same (`share`)."""
         self.approximate = False
         """Some step ran without every earlier chunk resident: this KV is not what the dense cache
