@@ -95,8 +95,8 @@ class PagedKV:
         self.approximate = False
         """Some step ran without every earlier chunk resident: this KV is not what the dense cache
         computes, and is stored apart from exact KV (snapshots.APPROX_SUFFIX)."""
-        self.scout = False
-        """A scout step computes scores only: it neither advances the sequence nor seals chunks."""
+        self._scout = False
+        """This step is a scout (`begin`); False between steps."""
         self._scouted = False
         """The last step was a scout: its scores are the question's, so the next step may select."""
         self._dirty = True
@@ -145,6 +145,12 @@ class PagedKV:
         self.table_write = next(_table_writes)
         """The number of the last write of `decode_table` (and of the rotations)."""
         self._no_rot: torch.Tensor | None = None
+
+    @property
+    def scout(self) -> bool:
+        """The step begun is a scout: it computes scores only, and neither advances the sequence nor
+        seals chunks. False between steps."""
+        return self._scout
 
     @property
     def recording(self) -> bool:
@@ -298,8 +304,10 @@ class PagedKV:
                 ch.score = s
             self._scores = None
 
-    def begin(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
-        self._begin(input_ids.tolist(), int(positions[0]), positions.numel())
+    def begin(self, input_ids: torch.Tensor, positions: torch.Tensor, scout: bool = False) -> None:
+        """Starts a step of input_ids at positions [T]; a `scout` step scores the chunks for its
+        queries and writes nothing the sequence keeps (`end`)."""
+        self._begin(input_ids.tolist(), int(positions[0]), positions.numel(), scout=scout)
 
     def begin_ids(self, ids: list[int], start: int) -> None:
         """`begin` for ids known on the host (a mixed step's piece): reads nothing back."""
@@ -310,8 +318,8 @@ class PagedKV:
         the step's inputs stay in `decode_fields`, for a batch that sends its sequences' together."""
         self._begin([token], position, 1, send)
 
-    def _begin(self, ids: list[int], start: int, t: int, send: bool = True) -> None:
-        self._ids = ids
+    def _begin(self, ids: list[int], start: int, t: int, send: bool = True, scout: bool = False) -> None:
+        self._ids, self._scout = ids, scout
         if start != len(self.seq):
             raise KVFlashError(f"positions start at {start} but the sequence holds {len(self.seq)} tokens")
         end = start + t
@@ -322,7 +330,7 @@ class PagedKV:
         # A first scout has no scores for the question yet: it runs on the floor alone (sinks, tail,
         # pins, its own chunks), whatever happens to be resident, so that a restored sequence scouts
         # exactly as a cold one does. A later scout selects with the previous one's scores.
-        first_scout = self.scout and not self._scouted
+        first_scout = self._scout and not self._scouted
         due = (t > 1 or (self._since_select >= self.tau() and not self._roomy())) and not first_scout
         fast = not (due or first_scout or self._dirty)
         if fast and first == last and self.seq.chunks[first].gpu is not None:
@@ -333,11 +341,11 @@ class PagedKV:
         else:
             # a document's own steps keep what they hold unless a chunk beats it by the margin; the
             # question's steps (scouts, and the step after them) select exactly
-            margin = self.cfg.keep_margin if t > 1 and not (self.scout or self._scouted) else 0.0
+            margin = self.cfg.keep_margin if t > 1 and not (self._scout or self._scouted) else 0.0
             want = select_resident(self.seq, self.cfg, self.budget, first, last, due, margin)
         if due:
             self._since_select = 0
-        if not self.scout and len(want) <= last:  # want lies in 0..last and holds first..last
+        if not self._scout and len(want) <= last:  # want lies in 0..last and holds first..last
             self.approximate = True
         self._evict([ch for ch in self.resident() if ch.index not in want])
         order = sorted(want)
@@ -407,9 +415,9 @@ class PagedKV:
                 self._mask = self._key_pos[None, :] <= pos[:, None]
         self._n_cand = start // c
         due_next = self._since_select + t >= self.tau() and not self._roomy()
-        capture = self.cfg.policy == "qk" and (self.scout or t > 1 or due_next)
+        capture = self.cfg.policy == "qk" and (self._scout or t > 1 or due_next)
         self._cand_rot = self._candidate_rotation(start // c) if capture else None
-        self._exact = capture and (self.scout or t == 1)
+        self._exact = capture and (self._scout or t == 1)
         self.queries = [] if capture else None
 
     def _stage_decode(self, position: int, send: bool) -> None:
@@ -566,12 +574,13 @@ class PagedKV:
         return kernels.chunk_lse(qs, block, slots, rot)
 
     def end(self) -> None:
+        scout, self._scout = self._scout, False
         self.step += 1
-        self._scouted = self.scout
+        self._scouted = scout
         if self.queries:
-            self._scores = self._exact_scores(self.scout) if self._exact else self._estimated_scores()
+            self._scores = self._exact_scores(scout) if self._exact else self._estimated_scores()
         self.queries = None
-        if self.scout:
+        if scout:
             return
         self.seq.tokens.extend(self._ids)
         c = self.cfg.chunk_tokens
