@@ -13,9 +13,8 @@ import torch
 from kvflash.config import DTYPES, EngineConfig, ResidencyConfig, resolve_kv_dtype
 from kvflash.engine.engine import Engine
 from kvflash.models.loader import LoadedModel
-from kvflash.serve.prefix_cache import PrefixCache
+from kvflash.serve.prefix_cache import PrefixCache, Taken
 from kvflash.serve.snapshots import KVSnapshots
-from kvflash.serve.turn import TurnStats
 from kvflash.storage import SnapshotStore
 from tests.tiny import tiny_config, tiny_model
 
@@ -92,14 +91,14 @@ def test_each_kv_dtype_round_trips_bit_exact_through_pool_host_tier_and_store(
             dst.free()
 
 
-def turn(eng: Engine, snapshots: KVSnapshots | None, ids: list[int]) -> tuple[torch.Tensor, TurnStats]:
+def turn(eng: Engine, snapshots: KVSnapshots | None, ids: list[int]) -> tuple[torch.Tensor, Taken]:
     """The logits after ids through a prefix cache over the store (the path a server takes)."""
     cache = PrefixCache(eng, snapshots)
-    stats = TurnStats()
-    kv = cache.take(ids, stats)
+    taken = cache.take(ids)
+    kv = taken.kv
     logits = eng.prefill(kv, ids[len(kv.seq) :])
     cache.drop(kv)
-    return logits, stats
+    return logits, taken
 
 
 def test_a_snapshot_of_another_kv_dtype_is_a_miss_and_restore_equals_cold_within_one(lm, tmp_path) -> None:

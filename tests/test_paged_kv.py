@@ -238,8 +238,8 @@ def test_scout_scores_from_exact_keys_find_one_sharp_key_that_block_means_miss()
     u[0] = 1.0
     gen = torch.Generator().manual_seed(0)
 
-    def step(lo: int, t: int, keys: torch.Tensor, q: torch.Tensor) -> None:
-        kv.begin(torch.zeros(t, dtype=torch.long), torch.arange(lo, lo + t))
+    def step(lo: int, t: int, keys: torch.Tensor, q: torch.Tensor, scout: bool = False) -> None:
+        kv.begin(torch.zeros(t, dtype=torch.long), torch.arange(lo, lo + t), scout=scout)
         for layer in range(cfg.n_layers):
             kv.attend(layer, q.expand(t, hq, d), keys[:, None].expand(t, h_kv, d), torch.randn(t, h_kv, d))
         kv.end()
@@ -259,8 +259,7 @@ def test_scout_scores_from_exact_keys_find_one_sharp_key_that_block_means_miss()
     step(20 * c, 2, torch.randn(2, d, generator=gen) * 0.05, q_question)  # a prefill step: estimates
     kv._apply_scores()
     assert kv.seq.chunks[3].score > kv.seq.chunks[7].score
-    kv.scout = True
-    step(len(kv.seq), 2, torch.randn(2, d, generator=gen) * 0.05, q_question)
+    step(len(kv.seq), 2, torch.randn(2, d, generator=gen) * 0.05, q_question, scout=True)
     kv._apply_scores()
     assert kv.seq.chunks[7].score > 10 * kv.seq.chunks[3].score
 
@@ -330,9 +329,9 @@ def test_chunks_are_scored_from_where_they_would_sit(cache_positions: bool) -> N
     gen = torch.Generator().manual_seed(1)
     same = torch.randn(c, h_kv, d, generator=gen)
 
-    def step(lo: int, t: int, keys: torch.Tensor, q: torch.Tensor) -> None:
+    def step(lo: int, t: int, keys: torch.Tensor, q: torch.Tensor, scout: bool = False) -> None:
         cos, sin = rotary.cos_sin(torch.arange(lo, lo + t))
-        kv.begin(torch.zeros(t, dtype=torch.long), torch.arange(lo, lo + t))
+        kv.begin(torch.zeros(t, dtype=torch.long), torch.arange(lo, lo + t), scout=scout)
         for layer in range(cfg.n_layers):
             k = apply_rotary(keys, cos, sin)
             kv.attend(layer, apply_rotary(q.expand(t, hq, d), cos, sin), k, torch.randn(t, h_kv, d))
@@ -341,8 +340,8 @@ def test_chunks_are_scored_from_where_they_would_sit(cache_positions: bool) -> N
     for i in range(20):
         keys = same if i in (2, 12) else torch.randn(c, h_kv, d, generator=gen) * 0.3
         step(i * c, c, keys, torch.randn(1, hq, d, generator=gen))
-    kv.scout = True
-    step(len(kv.seq), 2, torch.randn(2, h_kv, d, generator=gen), torch.randn(1, hq, d, generator=gen) * 2)
+    keys = torch.randn(2, h_kv, d, generator=gen)
+    step(len(kv.seq), 2, keys, torch.randn(1, hq, d, generator=gen) * 2, scout=True)
     kv._apply_scores()
     a, b = kv.seq.chunks[2].score, kv.seq.chunks[12].score
     assert (abs(a - b) < 1e-4 * max(a, b)) == cache_positions, (a, b)

@@ -32,7 +32,9 @@ def _ids(n: int, seed: int) -> list[int]:
 
 def _turn(cache: PrefixCache, ids: list[int]) -> tuple[torch.Tensor, TurnStats]:
     stats = TurnStats()
-    kv = cache.take(ids, stats)
+    taken = cache.take(ids)
+    stats.took(taken)
+    kv = taken.kv
     logits = cache.engine.prefill(kv, ids[len(kv.seq) :])
     cache.keep(kv)
     return logits, stats

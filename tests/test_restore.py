@@ -81,12 +81,12 @@ def test_a_restore_that_fills_the_host_tier_leaves_nothing_behind(lm, store) -> 
     sid = saved(lm, snapshots, ids)
     eng = engine(lm, host_bytes=4 * chunk_bytes(CFG, 16, torch.float32))
     cache = PrefixCache(eng, snapshots, lazy=False)
-    stats = TurnStats()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        kv = cache.take(ids + [1, 2], stats)
+        taken = cache.take(ids + [1, 2])
+    kv = taken.kv
     assert any("HostTierFull" in str(w.message) for w in caught), [str(w.message) for w in caught]
-    assert len(kv.seq) == 0 and stats.source == "cold" and stats.restored_tokens == 0
+    assert len(kv.seq) == 0 and taken.source == "cold" and taken.restored_tokens == 0
     assert list(cache._made) == [id(kv)]  # the failed restore's sequence is gone
     assert live_leases(store) == 0
     assert store.get_snapshot(sid).hits == 0  # nothing was restored
@@ -192,9 +192,9 @@ def test_a_lookup_checks_a_span_at_a_time_and_a_save_hashes_only_new_chunks(lm, 
     real = paged_kv.chain_hashes
     monkeypatch.setattr(paged_kv, "chain_hashes", lambda fp, t, *a: hashed.append(len(t)) or real(fp, t, *a))
     cache = PrefixCache(engine(lm), snaps)
-    stats = TurnStats()
-    kv = cache.take(doc + prompt(40, 5), stats)
-    assert stats.restored_tokens == 288 and kv.chain == (FP, full)
+    taken = cache.take(doc + prompt(40, 5))
+    kv = taken.kv
+    assert taken.restored_tokens == 288 and kv.chain == (FP, full)
     cache.engine.prefill(kv, (doc + prompt(40, 5))[len(kv.seq) :])
     staged = snaps.stage(kv)
     assert hashed == [3 * c] and staged.items[:18] == full  # the three new chunks alone were hashed

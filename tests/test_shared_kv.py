@@ -18,9 +18,8 @@ from kvflash.engine.engine import Engine
 from kvflash.engine.generate import Sampler, Sampling, decode
 from kvflash.engine.paged_kv import PagedKV
 from kvflash.models.loader import LoadedModel
-from kvflash.serve.prefix_cache import PrefixCache
+from kvflash.serve.prefix_cache import PrefixCache, Taken
 from kvflash.serve.scheduler import Job, Scheduler
-from kvflash.serve.turn import TurnStats
 from kvflash.storage import chain_hashes
 from tests.tiny import tiny_config, tiny_model
 
@@ -63,9 +62,9 @@ def alone(lm, prompt: list[int], n: int, **kw) -> tuple[torch.Tensor, list[int]]
         kv.free()
 
 
-def take(cache: PrefixCache, prompt: list[int]) -> tuple[PagedKV, TurnStats]:
-    stats = TurnStats()
-    return cache.take(prompt, stats), stats
+def take(cache: PrefixCache, prompt: list[int]) -> tuple[PagedKV, Taken]:
+    taken = cache.take(prompt)
+    return taken.kv, taken
 
 
 def assert_all_free(eng: Engine) -> None:

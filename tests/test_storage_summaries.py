@@ -16,7 +16,6 @@ import torch
 
 from kvflash.serve.prefix_cache import PrefixCache
 from kvflash.serve.snapshots import KVSnapshots
-from kvflash.serve.turn import TurnStats
 from kvflash.storage import SnapshotStore
 from kvflash.storage.backend import LocalDirBackend
 from kvflash.storage.redis_store import RedisStore
@@ -281,9 +280,9 @@ def _lazy(lm, snapshots: KVSnapshots, ids: list[int]) -> tuple[list[int], torch.
     """The tokens and summaries a lazy restore of ids' stored prefix adopts."""
     cache = PrefixCache(tiny_engine(lm), snapshots, lazy=True)
     try:
-        stats = TurnStats()
-        kv = cache.take(ids, stats)
-        assert stats.source == "lazy", stats
+        taken = cache.take(ids)
+        kv = taken.kv
+        assert taken.source == "lazy", taken
         n = kv.seq.n_sealed
         return list(kv.seq.tokens), kv.seq.summaries[:n].cpu().clone()
     finally:

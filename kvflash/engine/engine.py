@@ -125,9 +125,8 @@ class Engine:
     def new_sequence(self, budget_tokens: int | None = None) -> PagedKV:
         c = self.cfg.residency.chunk_tokens
         budget = self.pool.n_slots if budget_tokens is None else -(-budget_tokens // c)
-        kv = PagedKV(self.pool, self.host, self.cfg.residency, min(budget, self.pool.n_slots))
-        kv.fingerprint = self.fingerprint
-        return kv
+        budget = min(budget, self.pool.n_slots)
+        return PagedKV(self.pool, self.host, self.cfg.residency, budget, self.fingerprint)
 
     @property
     def step_tokens(self) -> int:
@@ -179,12 +178,11 @@ class Engine:
     def _scout(self, piece: Piece) -> None:
         """Runs a prompt's last piece as scouts: their queries score the chunks (nothing is written)."""
         ids, positions = self._inputs(piece)
-        piece.kv.scout = True
-        try:
+        with torch.inference_mode():
             for _ in range(piece.kv.cfg.scout_rounds):
-                self.lm.model(ids, positions, piece.kv)
-        finally:
-            piece.kv.scout = False
+                piece.kv.begin(ids, positions, scout=True)
+                self.lm.model.compute(ids, positions, piece.kv)
+                piece.kv.end()
 
     def _inputs(self, piece: Piece) -> tuple[torch.Tensor, torch.Tensor]:
         """A lone piece's ids and positions [T] on the device."""

@@ -61,8 +61,19 @@ class Staged:
             self._sent.record()
 
 
+Fetch = Callable[[list[str], list[torch.Tensor]], None]
+"""Reads stored chunks (by chain hash) into host-tier slot views, in parallel."""
+
+
 class PagedKV:
-    def __init__(self, pool: ChunkPool, host: HostTier, cfg: ResidencyConfig, budget_chunks: int):
+    def __init__(
+        self,
+        pool: ChunkPool,
+        host: HostTier,
+        cfg: ResidencyConfig,
+        budget_chunks: int,
+        fingerprint: str | None = None,
+    ):
         if cfg.chunk_tokens != pool.chunk_tokens:
             raise KVFlashError(f"chunk_tokens {cfg.chunk_tokens} differs from the pool's {pool.chunk_tokens}")
         if budget_chunks < cfg.floor_chunks() and cfg.policy != "full":
@@ -72,20 +83,20 @@ class PagedKV:
             )
         self.pool, self.host, self.cfg, self.budget = pool, host, cfg, budget_chunks
         self.seq = Sequence(cfg.chunk_tokens)
-        self.fetch: Callable[[list[str], list[torch.Tensor]], None] | None = None
-        """Reads stored chunks (by chain hash) into host-tier slots, in parallel: set by a lazy restore."""
+        self.fetch: Fetch | None = None
+        """Reads a lazy restore's chunks into host-tier slots (`adopt`)."""
         self._fetch_lock = threading.Lock()
         self.chain: tuple[str, list[str]] = ("", [])
         """(fingerprint, chain hashes) of the first chunks, as far as they are known (a restore's,
         then each snapshot's): a snapshot hashes only the chunks after them."""
-        self.fingerprint: str | None = None
-        """The model fingerprint its sealed chunks of exact KV are named under (set by the engine):
+        self.fingerprint = fingerprint
+        """The model fingerprint its sealed chunks of exact KV are named under (the engine's):
         named chunks are shared with every sequence whose prompt begins the same (`share`)."""
         self.approximate = False
         """Some step ran without every earlier chunk resident: this KV is not what the dense cache
         computes, and is stored apart from exact KV (snapshots.APPROX_SUFFIX)."""
-        self.scout = False
-        """A scout step computes scores only: it neither advances the sequence nor seals chunks."""
+        self._scout = False
+        """This step is a scout (`begin`); False between steps."""
         self._scouted = False
         """The last step was a scout: its scores are the question's, so the next step may select."""
         self._dirty = True
@@ -134,6 +145,12 @@ class PagedKV:
         self.table_write = next(_table_writes)
         """The number of the last write of `decode_table` (and of the rotations)."""
         self._no_rot: torch.Tensor | None = None
+
+    @property
+    def scout(self) -> bool:
+        """The step begun is a scout: it computes scores only, and neither advances the sequence nor
+        seals chunks. False between steps."""
+        return self._scout
 
     @property
     def recording(self) -> bool:
@@ -287,8 +304,10 @@ class PagedKV:
                 ch.score = s
             self._scores = None
 
-    def begin(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
-        self._begin(input_ids.tolist(), int(positions[0]), positions.numel())
+    def begin(self, input_ids: torch.Tensor, positions: torch.Tensor, scout: bool = False) -> None:
+        """Starts a step of input_ids at positions [T]; a `scout` step scores the chunks for its
+        queries and writes nothing the sequence keeps (`end`)."""
+        self._begin(input_ids.tolist(), int(positions[0]), positions.numel(), scout=scout)
 
     def begin_ids(self, ids: list[int], start: int) -> None:
         """`begin` for ids known on the host (a mixed step's piece): reads nothing back."""
@@ -299,8 +318,8 @@ class PagedKV:
         the step's inputs stay in `decode_fields`, for a batch that sends its sequences' together."""
         self._begin([token], position, 1, send)
 
-    def _begin(self, ids: list[int], start: int, t: int, send: bool = True) -> None:
-        self._ids = ids
+    def _begin(self, ids: list[int], start: int, t: int, send: bool = True, scout: bool = False) -> None:
+        self._ids, self._scout = ids, scout
         if start != len(self.seq):
             raise KVFlashError(f"positions start at {start} but the sequence holds {len(self.seq)} tokens")
         end = start + t
@@ -311,7 +330,7 @@ class PagedKV:
         # A first scout has no scores for the question yet: it runs on the floor alone (sinks, tail,
         # pins, its own chunks), whatever happens to be resident, so that a restored sequence scouts
         # exactly as a cold one does. A later scout selects with the previous one's scores.
-        first_scout = self.scout and not self._scouted
+        first_scout = self._scout and not self._scouted
         due = (t > 1 or (self._since_select >= self.tau() and not self._roomy())) and not first_scout
         fast = not (due or first_scout or self._dirty)
         if fast and first == last and self.seq.chunks[first].gpu is not None:
@@ -322,11 +341,11 @@ class PagedKV:
         else:
             # a document's own steps keep what they hold unless a chunk beats it by the margin; the
             # question's steps (scouts, and the step after them) select exactly
-            margin = self.cfg.keep_margin if t > 1 and not (self.scout or self._scouted) else 0.0
+            margin = self.cfg.keep_margin if t > 1 and not (self._scout or self._scouted) else 0.0
             want = select_resident(self.seq, self.cfg, self.budget, first, last, due, margin)
         if due:
             self._since_select = 0
-        if not self.scout and len(want) <= last:  # want lies in 0..last and holds first..last
+        if not self._scout and len(want) <= last:  # want lies in 0..last and holds first..last
             self.approximate = True
         self._evict([ch for ch in self.resident() if ch.index not in want])
         order = sorted(want)
@@ -396,9 +415,9 @@ class PagedKV:
                 self._mask = self._key_pos[None, :] <= pos[:, None]
         self._n_cand = start // c
         due_next = self._since_select + t >= self.tau() and not self._roomy()
-        capture = self.cfg.policy == "qk" and (self.scout or t > 1 or due_next)
+        capture = self.cfg.policy == "qk" and (self._scout or t > 1 or due_next)
         self._cand_rot = self._candidate_rotation(start // c) if capture else None
-        self._exact = capture and (self.scout or t == 1)
+        self._exact = capture and (self._scout or t == 1)
         self.queries = [] if capture else None
 
     def _stage_decode(self, position: int, send: bool) -> None:
@@ -555,12 +574,13 @@ class PagedKV:
         return kernels.chunk_lse(qs, block, slots, rot)
 
     def end(self) -> None:
+        scout, self._scout = self._scout, False
         self.step += 1
-        self._scouted = self.scout
+        self._scouted = scout
         if self.queries:
-            self._scores = self._exact_scores(self.scout) if self._exact else self._estimated_scores()
+            self._scores = self._exact_scores(scout) if self._exact else self._estimated_scores()
         self.queries = None
-        if self.scout:
+        if scout:
             return
         self.seq.tokens.extend(self._ids)
         c = self.cfg.chunk_tokens
@@ -594,6 +614,40 @@ class PagedKV:
         fp, known = self.chain
         if len(known) == first and fp in ("", self.fingerprint):  # a snapshot hashes none of them again
             self.chain = (self.fingerprint, known + keys)
+
+    def adopt(
+        self,
+        fp: str,
+        hashes: list[str],
+        tokens: list[list[int]],
+        summaries: torch.Tensor,
+        *,
+        approximate: bool,
+        host_slots: list[int] | None = None,
+        fetch: Fetch | None = None,
+    ) -> None:
+        """Takes into this empty sequence whole sealed chunks read from the store (a restore): the
+        chunks named by `hashes` (their chain under fp), each chunk's token ids and their summaries
+        [n, *summary_shape]. Their KV is either in the host-tier slots `host_slots` (read, one per
+        chunk: it counts as moved from disk) or read by `fetch` when selected (lazy: each chunk
+        stays disk-only until then). `approximate`: the KV was computed under eviction."""
+        assert (host_slots is None) != (fetch is None), "a restore gives host slots or a fetch"
+        self.seq.ensure_chunks(len(hashes) * self.cfg.chunk_tokens)
+        self.seq.set_summaries(summaries)
+        for i, (h, ids) in enumerate(zip(hashes, tokens, strict=True)):
+            ch = self.seq.chunks[i]
+            self.seq.tokens.extend(ids)
+            ch.sealed = True
+            if host_slots is None:
+                ch.disk = h
+            else:
+                ch.host = host_slots[i]
+        self.approximate = approximate
+        self.chain = (fp, list(hashes))
+        if fetch is not None:
+            self.fetch = fetch
+        else:
+            self.moved["disk"] += len(hashes) * self.chunk_nbytes
 
     def name_restored(self) -> None:
         """Names the chunks a restore of exact KV gave this empty-before sequence by the chain they

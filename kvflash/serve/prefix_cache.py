@@ -26,8 +26,23 @@ from kvflash.engine.chunk_index import shared_run
 from kvflash.engine.engine import Engine
 from kvflash.engine.paged_kv import PagedKV
 from kvflash.serve.snapshots import KVSnapshots, StoredSummaries
-from kvflash.serve.turn import TurnStats
 from kvflash.storage import chain_hashes
+
+
+@dataclass(frozen=True)
+class Taken:
+    """What `PrefixCache.take` gives a turn: its sequence and where the prefix it holds came from
+    (`TurnStats.took` copies the rest into the turn's stats)."""
+
+    kv: PagedKV
+    source: str = "cold"
+    """cold, memory (live in this process), shared (chunks that other live sequences hold), disk, or
+    lazy (disk, read on demand)."""
+    restored_tokens: int = 0
+    shared_host_tokens: int = 0
+    """Of a shared prefix, the tokens whose chunks only the host tier held."""
+    restore_s: float = 0.0
+    """The time a restore from disk took."""
 
 
 @dataclass
@@ -68,28 +83,25 @@ class PrefixCache:
     def take(
         self,
         ids: list[int],
-        stats: TurnStats,
         on_restore: Callable[[int, int], None] | None = None,
         ahead: StoredSummaries | None = None,
         reuse: bool = True,
-    ) -> PagedKV:
+    ) -> Taken:
         """A sequence holding the longest prefix of ids that is live, shared or stored, leaving at
         least one token to prefill; it is the caller's until `keep` or `drop`. A stored prefix that
         cannot be restored warns and gives an empty sequence (a cold prefill); so does `reuse` False."""
-        stats.source, stats.restored_tokens, stats.restore_s = "cold", 0, 0.0
-        stats.shared_host_tokens = 0
         live, n = self._live(ids) if reuse else (None, 0)
         if live is not None:
             self.idle.remove(live)
             if n < len(live.seq):
                 live.truncate(n // self.engine.cfg.residency.chunk_tokens)
-            stats.source, stats.restored_tokens = "memory", len(live.seq)
-            return live
+            return Taken(live, "memory", len(live.seq))
         kv = self._new()
+        taken = Taken(kv)
         try:
             if reuse and kv.share(ids, self._keys(ids)):
-                stats.source, stats.restored_tokens = "shared", len(kv.seq)
-                stats.shared_host_tokens = sum(ch.gpu is None for ch in kv.seq.chunks) * kv.cfg.chunk_tokens
+                host = sum(ch.gpu is None for ch in kv.seq.chunks) * kv.cfg.chunk_tokens
+                taken = Taken(kv, "shared", len(kv.seq), host)
         except BaseException:
             self.drop(kv)  # the references it took, released
             raise
@@ -97,15 +109,14 @@ class PrefixCache:
             self.drop(self.idle.pop(0))  # after sharing: the chunks it shares outlive it
         whole = (len(ids) - 1) // kv.cfg.chunk_tokens * kv.cfg.chunk_tokens
         if not (reuse and self.snapshots) or len(kv.seq) == whole:
-            return kv
+            return taken
         try:
-            self._restore(self._made[id(kv)], ids, stats, on_restore, ahead)
+            restored = self._restore(self._made[id(kv)], ids, on_restore, ahead)
         except Exception as e:
             warnings.warn(f"snapshot unusable ({type(e).__name__}: {e}); prefilling cold", stacklevel=2)
             self.drop(kv)
-            stats.source, stats.restored_tokens, stats.shared_host_tokens = "cold", 0, 0
-            return self._new()
-        return kv
+            return Taken(self._new())
+        return taken if restored is None else restored
 
     def continued(self, ids: list[int]) -> PagedKV | None:
         """The idle sequence `take` would continue for ids (left as it is)."""
@@ -189,29 +200,28 @@ class PrefixCache:
         self,
         made: Made,
         ids: list[int],
-        stats: TurnStats,
         on_restore: Callable[[int, int], None] | None,
         ahead: StoredSummaries | None,
-    ) -> None:
+    ) -> Taken | None:
+        """Restores the longest stored prefix of ids into the made sequence where it is longer than
+        what the sequence shares (else None: the sequence stays as it is)."""
         kv = made.kv
         c = self.engine.cfg.residency.chunk_tokens
         evicts = -(-len(ids) // c) > kv.budget
         fp, hashes = self.snapshots.lookup(ids, c, approximate=evicts)
         if len(hashes) * c <= len(kv.seq):  # the shared prefix is as long
-            return
+            return None
         kv.truncate(0)  # the store holds more than the pool shares: restore from it instead
         lazy = len(hashes) > kv.budget if self.lazy is None else self.lazy
         t0 = time.perf_counter()
         r = self.snapshots.restore(kv, fp, hashes, lazy, made.leases, on_restore, ahead=ahead)
-        stats.restore_s = time.perf_counter() - t0
-        stats.source = "lazy" if lazy else "disk"
-        stats.restored_tokens = r.tokens
+        taken = Taken(kv, "lazy" if lazy else "disk", r.tokens, 0, time.perf_counter() - t0)
         made.unrecorded = list(hashes)
-        stats.shared_host_tokens = 0
         kv.name_restored()
         if not lazy:  # every chunk read and validated: the restore has committed, and needs no lease
             self._record_hit(made)
             self._release(made)
+        return taken
 
     def _record_hit(self, made: Made) -> None:
         """Counts the hit; an index that cannot take it only warns (the answer does not need it)."""

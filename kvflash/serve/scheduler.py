@@ -394,7 +394,9 @@ class Scheduler:
         job.stats.queued_s = time.perf_counter() - job.t0
         try:
             context = job.context
-            job.kv = self.cache.take(context, job.stats, reuse=job.recoveries < RECOVERIES)
+            taken = self.cache.take(context, reuse=job.recoveries < RECOVERIES)
+            job.stats.took(taken)
+            job.kv = taken.kv
             rest = context[len(job.kv.seq) :]
             job.stats.prefilled_tokens = len(rest)
             job.prefill = self.engine.plan_prefill(job.kv, rest)

@@ -216,7 +216,9 @@ class Session:
         ahead, self._ahead = self._ahead, None
         self._known = ahead
         turn_start = len(self.ids) or (self._doc_span or [0, 0])[1]
-        kv = self.cache.take(ids, stats, on_restore, ahead)
+        taken = self.cache.take(ids, on_restore, ahead)
+        stats.took(taken)
+        kv = taken.kv
         try:
             stats.pinned_chunks = self._pin(kv)
         except BaseException:
@@ -235,7 +237,9 @@ class Session:
             except ChunkError as e:  # a lazily restored chunk, damaged when read: go on cold
                 warnings.warn(f"snapshot unusable ({e}); prefilling cold", stacklevel=2)
                 self.cache.drop(kv)
-                kv = self.cache.take(ids + out, stats, reuse=False)
+                taken = self.cache.take(ids + out, reuse=False)
+                stats.took(taken)
+                kv = taken.kv
                 self._answer(kv, ids + out, max_tokens - len(out), sampling, stats, t0, on_token, on_prefill)
                 stats.generated_tokens = len(out)
         except BaseException:

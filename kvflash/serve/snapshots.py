@@ -263,22 +263,15 @@ class KVSnapshots:
             for h in slots:
                 kv.host.release(h)
             raise
-        kv.seq.ensure_chunks(len(hashes) * c)
-        kv.seq.set_summaries(rows)
-        for i, (h, tokens) in enumerate(zip(hashes, summaries.tokens, strict=True)):
-            ch = kv.seq.chunks[i]
-            kv.seq.tokens.extend(tokens)
-            ch.sealed = True
-            if lazy:
-                ch.disk = h
-            else:
-                ch.host = slots[i]
-        kv.approximate = fp == self.approx_fp
-        kv.chain = (fp, list(hashes))
-        if lazy:
-            kv.fetch = self._fetcher(fp, shape, kv.pool.kv.dtype)
-        else:
-            kv.moved["disk"] += len(hashes) * kv.chunk_nbytes
+        kv.adopt(
+            fp,
+            hashes,
+            summaries.tokens,
+            rows,
+            approximate=fp == self.approx_fp,
+            host_slots=None if lazy else slots,
+            fetch=self._fetcher(fp, shape, kv.pool.kv.dtype) if lazy else None,
+        )
         return RestoreStats(len(hashes) * c)
 
     def _fetcher(self, fp, shape, dtype):

@@ -6,12 +6,16 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from math import inf
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvflash.engine.engine import Engine
 from kvflash.engine.generate import Sampler, Sampling
 from kvflash.engine.paged_kv import PagedKV
+
+if TYPE_CHECKING:
+    from kvflash.serve.prefix_cache import Taken
 
 
 @dataclass
@@ -35,6 +39,12 @@ class TurnStats:
     pinned_chunks: int = 0
     """Chunks the turn's pins keep resident."""
     snapshot_id: str | None = None
+
+    def took(self, taken: Taken) -> None:
+        """Where the turn's sequence came from (`PrefixCache.take`): its source, the tokens it
+        reused, of a shared prefix those only the host tier held, and a restore's time."""
+        self.source, self.restored_tokens = taken.source, taken.restored_tokens
+        self.shared_host_tokens, self.restore_s = taken.shared_host_tokens, taken.restore_s
 
     def to_dict(self) -> dict:
         return asdict(self)
