@@ -84,8 +84,8 @@ def _pick(name: str, pool: torch.Tensor, *tensors: torch.Tensor) -> Callable:
 
 @functools.cache
 def _impl(name: str, triton: bool) -> Callable:
-    """Cached: a 32K-token prefill makes ~12,000 kernel calls, and the module lookup took ~7 µs of
-    host time each."""
+    """Cached: a long prefill makes thousands of kernel calls, and each would otherwise pay the
+    module lookup on the host."""
     if triton:
         return getattr(importlib.import_module(f"kvflash.kernels.{_MODULE[name]}"), name)
     return getattr(reference, name)

@@ -83,9 +83,8 @@ class ChunkBlob:
     index: int
     chain_hash: str
     parent_hash: str
-    # Out of the repr: formatting a chunk's tensors takes ~50 ms, paid wherever a blob is formatted
-    # (Python 3.11's asyncio.run formats its main task, result included, when it puts the SIGINT
-    # handler back: a restore of a few chunks run under it paid ~0.3 s).
+    # Out of the repr: formatting a chunk's tensors is slow, and a blob is formatted wherever one
+    # appears in a log line, a warning or a task's repr.
     tokens: list[int] = field(repr=False)
     summary: torch.Tensor = field(repr=False)
     """[L, Hkv, B, D] fp32: the mean key of each of B equal runs of the chunk's tokens (B divides C)."""

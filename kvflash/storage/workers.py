@@ -339,8 +339,8 @@ def serve(out_fd: int, root: str, shm_fd: str, segment_bytes: str) -> None:
     except (EOFError, BrokenPipeError):  # the parent has gone without a stop message
         pass
     mem.close()
-    # Nothing is left to flush or save: skip the interpreter's teardown (torch's takes ~0.5 s, which
-    # the parent's close would wait for).
+    # Nothing is left to flush or save: skip the interpreter's teardown (torch's is slow, and the
+    # parent's close would wait for it).
     os._exit(0)
 
 
