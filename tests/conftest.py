@@ -29,3 +29,13 @@ def redis_server(tmp_path):
     server = RedisServer(tmp_path / "redis").start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def store(tmp_path):
+    """A snapshot store in the test's temp dir, with two read workers."""
+    from kvflash.storage import SnapshotStore
+
+    st = SnapshotStore(tmp_path / "store", workers=2)
+    yield st
+    st.close()

@@ -13,7 +13,7 @@ import torch
 
 from kvflash.cli.app import main
 from kvflash.storage import SnapshotStore
-from tests.test_storage import FP, make_chain, toks
+from tests.store_util import FP, make_chain, toks
 
 
 def kvflash(argv: list[str], capfd, monkeypatch) -> tuple[int, str, str]:

@@ -1,179 +1,50 @@
-"""The disk snapshot store: codecs, format, content addressing, retention, concurrency, corruption,
-disk full, names that try to escape the store, and the `snapshot` CLI."""
+"""The disk snapshot store: content addressing, the round trip, summaries, retention and leases, and
+processes sharing one store."""
 
 from __future__ import annotations
 
-import json
-import multiprocessing as mp
 import os
 import random
 import signal
-import subprocess
-import sys
 import threading
 import time
-import tracemalloc
-import zlib
-from pathlib import Path
 
 import pytest
 import torch
-import zstandard
-from typer.testing import CliRunner
 
-from kvflash import KVFlashError
-from kvflash.cli import snapshot_cmd
 from kvflash.storage import (
     ROOT_HASH,
-    ChunkBlob,
     ChunkCorrupt,
     ChunkMismatch,
     ChunkMissing,
-    DiskFull,
     ForeignFingerprint,
     InvalidChunk,
     InvalidName,
-    SizeMismatch,
     SnapshotNotFound,
     SnapshotStore,
     StoreError,
-    UnsupportedVersion,
     chain_hash,
     chain_hashes,
     codec,
     format,
 )
 from kvflash.storage.backend import LocalDirBackend
-from kvflash.storage.codec import Codec
-
-FP = "fp-test-0001"
-L, H, C, D = 3, 2, 16, 8
-B = 4
-"""Summary blocks per chunk (the engine's default `summary_blocks`)."""
-DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-
-
-def kv_for(tokens: list[int], dtype: torch.dtype = torch.bfloat16, shape=(L, 2, H, C, D)) -> torch.Tensor:
-    """Deterministic KV per token run, so two processes saving the same tokens make the same chunk."""
-    g = torch.Generator().manual_seed(zlib.crc32(str(tokens).encode()))
-    scale = torch.logspace(-2, 1, shape[2]).reshape(1, 1, -1, 1, 1)
-    return (torch.randn(shape, generator=g) * scale).to(dtype)
-
-
-def block_summary(kv: torch.Tensor, blocks: int = B) -> torch.Tensor:
-    """[L, Hkv, B, D] fp32: the mean key of each of `blocks` equal runs of tokens (as the engine seals)."""
-    l, _, h, c, d = kv.shape
-    return kv[:, 0].float().reshape(l, h, blocks, c // blocks, d).mean(3)
-
-
-def make_chain(
-    tokens: list[int], fp: str = FP, dtype: torch.dtype = torch.bfloat16, blocks: int = B
-) -> list[ChunkBlob]:
-    blobs, parent = [], ROOT_HASH
-    for i in range(len(tokens) // C):
-        run = tokens[i * C : (i + 1) * C]
-        kv = kv_for(run, dtype)
-        summary = block_summary(kv, blocks)
-        blob = ChunkBlob.build(fp, i, parent, run, summary, kv)
-        blobs.append(blob)
-        parent = blob.chain_hash
-    return blobs
-
-
-def toks(n_chunks: int, start: int = 0) -> list[int]:
-    return list(range(start, start + n_chunks * C))
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8)
-
-
-def chunk_path(root: Path, h: str) -> Path:
-    return root / "chunks" / h[:2] / f"{h}.kvc"
-
-
-@pytest.fixture
-def store(tmp_path):
-    st = SnapshotStore(tmp_path / "store", workers=2)
-    yield st
-    st.close()
-
-
-def forkserver() -> mp.context.BaseContext:
-    """Children fork from a server that imported torch once: a fresh process costs milliseconds."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["kvflash.storage"])
-    return ctx
-
-
-# codecs
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("level", [1, 3])
-def test_lossless_codec_is_bit_exact(dtype, level) -> None:
-    kv = kv_for(toks(1), dtype)
-    flat = kv.view(-1)
-    flat[:6] = torch.tensor([float("inf"), float("-inf"), float("nan"), -0.0, 1e-40, 0.0]).to(dtype)
-    enc = codec.encode(kv, Codec.LOSSLESS, level)
-    out = codec.decode(enc.payload, Codec.LOSSLESS, dtype, tuple(kv.shape), enc.raw_len, enc.raw_crc)
-    assert out.dtype == dtype and torch.equal(bits(out), bits(kv))
-
-
-def test_byte_planes_put_high_bytes_first() -> None:
-    kv = torch.tensor([0x1234, 0x5678], dtype=torch.int16).view(torch.float16).reshape(1, 2, 1, 1, 1)
-    assert codec._split_planes(kv) == bytes([0x12, 0x56, 0x34, 0x78])
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_fp8_error_is_reported_and_bounded(dtype) -> None:
-    kv = kv_for(toks(1), dtype)
-    kv[1, 0, 1] = 0  # an all-zero block keeps scale 1 and decodes to zeros
-    kv[0, 1, 0] *= 1000  # blocks of very different magnitude each get their own scale
-    enc = codec.encode(kv, Codec.FP8)
-    assert enc.raw_len == codec.raw_size(Codec.FP8, dtype, tuple(kv.shape))
-    out = codec.decode(enc.payload, Codec.FP8, dtype, tuple(kv.shape), enc.raw_len, enc.raw_crc)
-    err = codec.fp8_error(kv, out)
-    assert err.shape == (L, 2, H)
-    assert float(err.max()) <= 2**-4 + 2**-7, err  # e4m3 rounding plus the target dtype's
-    assert float(err.max()) > 0 and torch.count_nonzero(out[1, 0, 1]) == 0
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("step", [1 << 18, 5], ids=["one-step", "steps-inside-blocks"])
-def test_fp8_decodes_each_byte_times_its_block_scale_rounded_once(dtype, step, monkeypatch) -> None:
-    """The table decode gives what decoding element by element gives: the e4m3 value times its
-    block's scale in fp32, rounded once to the dtype, for every byte and whatever the gather step."""
-    monkeypatch.setattr(codec, "_GATHER_STEP", step)
-    shape = (L, 2, H, 8, 32)
-    g = torch.Generator().manual_seed(0)
-    scale = torch.rand(L, 2, H, generator=g) * 8
-    scale[0, 0, 0] = 3e-39  # subnormal
-    q = torch.randint(0, 256, shape, generator=g, dtype=torch.int32).to(torch.uint8)
-    q.view(-1)[:256] = torch.arange(256).to(torch.uint8)
-    raw = scale.numpy().astype("<f4").tobytes() + q.numpy().tobytes()
-    payload = zstandard.ZstdCompressor(write_checksum=True).compress(raw)
-    out = codec.decode(payload, Codec.FP8, dtype, shape, len(raw), zlib.crc32(raw))
-    expected = (q.view(torch.float8_e4m3fn).float() * scale[..., None, None]).to(dtype)
-    torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
-
-
-def test_fp8_refuses_non_finite() -> None:
-    kv = kv_for(toks(1))
-    kv[0, 0, 0, 0, 0] = float("inf")
-    with pytest.raises(ValueError, match="finite"):
-        codec.encode(kv, Codec.FP8)
-
-
-def test_decode_refuses_a_frame_larger_than_the_header_says() -> None:
-    kv = kv_for(toks(1))
-    raw = codec.raw_size(Codec.LOSSLESS, kv.dtype, tuple(kv.shape))
-    bigger = zstandard.ZstdCompressor().compress(bytes(raw * 64))
-    with pytest.raises(ValueError, match="declares"):
-        codec.decode(bigger, Codec.LOSSLESS, kv.dtype, tuple(kv.shape), raw, 0)
-    with pytest.raises(ValueError, match="does not fit"):
-        codec.decode(bigger, Codec.LOSSLESS, kv.dtype, tuple(kv.shape), raw * 64, 0)
-
+from tests.store_util import (
+    DTYPES,
+    FP,
+    B,
+    C,
+    D,
+    H,
+    L,
+    bits,
+    block_summary,
+    chunk_path,
+    flip,
+    forkserver,
+    make_chain,
+    toks,
+)
 
 # chain hashes and the store's round trip
 
@@ -249,7 +120,7 @@ def test_restore_into_given_tensors_only_after_every_check(store) -> None:
         store.read_chunk(hs[0], FP, out=wrong)
     with pytest.raises(StoreError, match="contiguous"):
         store.read_chunks_parallel(hs[:1], FP, out=[outs[0].transpose(3, 4)])
-    _flip(chunk_path(store.root, hs[2]), -10)
+    flip(chunk_path(store.root, hs[2]), -10)
     dest = torch.zeros(L, 2, H, C, D, dtype=torch.bfloat16)
     with pytest.raises(ChunkCorrupt):
         store.read_chunk(hs[2], FP, out=dest)
@@ -318,9 +189,9 @@ def test_summaries_are_read_without_the_kv(store) -> None:
             assert getattr(g, name) == getattr(b, name)
         assert torch.equal(g.summary, b.summary)
     # the chunk files' own sections (what a snapshot without a summaries file is read from)
-    _flip(chunk_path(store.root, hs[0]), -10)  # payload: found when the KV itself is read
+    flip(chunk_path(store.root, hs[0]), -10)  # payload: found when the KV itself is read
     assert store.chunk_summaries(hs[:1], FP)[0].tokens == blobs[0].tokens
-    _flip(chunk_path(store.root, hs[1]), format.HEADER_SIZE + 4 * C + 3)  # summary
+    flip(chunk_path(store.root, hs[1]), format.HEADER_SIZE + 4 * C + 3)  # summary
     with pytest.raises(ChunkCorrupt, match="summary"):
         store.chunk_summaries(hs, FP)
     with pytest.raises(ForeignFingerprint):
@@ -565,294 +436,3 @@ def test_two_processes_share_one_store(store) -> None:
     assert report.ok, report
     assert store.du().damaged_chunks == 0
     assert set(store.backend.list_hashes()) == set(store.index.all_chunk_rows())
-
-
-# corruption
-
-
-def _rewrite_header(path: Path, **fields) -> None:
-    """Edits header fields and recomputes the header checksum: a file that lies consistently."""
-    buf = bytearray(path.read_bytes())
-    h = format.parse_header(bytes(buf), len(buf), "x" * 64)
-    names = list(format.ChunkHeader.__dataclass_fields__)
-    values = {n: getattr(h, n) for n in names} | fields
-    buf[: format.HEADER_SIZE] = format.pack_header(format.ChunkHeader(**values))
-    path.write_bytes(bytes(buf))
-
-
-def _flip(path: Path, offset: int) -> None:
-    buf = bytearray(path.read_bytes())
-    buf[offset % len(buf)] ^= 0x40
-    path.write_bytes(bytes(buf))
-
-
-CORRUPTIONS = {
-    # restores skip the stored crc32 where zstd checks the frame: the refusal says "payload: zstd ..."
-    "payload byte": (lambda p: _flip(p, -10), ChunkCorrupt, "payload"),
-    "payload byte, mid-frame": (lambda p: _flip(p, p.stat().st_size * 3 // 4), ChunkCorrupt, "payload"),
-    "header byte": (lambda p: _flip(p, 40), ChunkCorrupt, "header checksum"),
-    "token byte": (lambda p: _flip(p, format.HEADER_SIZE + 1), ChunkCorrupt, "token/summary"),
-    "bad magic": (lambda p: _flip(p, 0), ChunkCorrupt, "magic"),
-    "truncated": (lambda p: p.write_bytes(p.read_bytes()[:-7]), SizeMismatch, "the file has"),
-    "truncated header": (lambda p: p.write_bytes(p.read_bytes()[:50]), ChunkCorrupt, "truncated"),
-    "empty file": (lambda p: p.write_bytes(b""), ChunkCorrupt, "truncated"),
-    "missing file": (lambda p: p.unlink(), ChunkMissing, "missing"),
-    "foreign fingerprint": (
-        lambda p: _rewrite_header(p, fingerprint="fp-other"),
-        ForeignFingerprint,
-        "fp-other",
-    ),
-    "unknown version": (lambda p: _rewrite_header(p, version=99), UnsupportedVersion, "version 99"),
-    "raw length 2**40": (lambda p: _rewrite_header(p, raw_len=1 << 40), SizeMismatch, "raw length"),
-    "stored length 2**40": (lambda p: _rewrite_header(p, stored_len=1 << 40), SizeMismatch, "stored length"),
-    "huge shape": (lambda p: _rewrite_header(p, shape=(1 << 31, 2, H, C, D)), SizeMismatch, "shape"),
-    "zero summary blocks": (lambda p: _rewrite_header(p, summary_blocks=0), SizeMismatch, "0 summary blocks"),
-    "summary blocks not dividing C": (
-        lambda p: _rewrite_header(p, summary_blocks=3),
-        SizeMismatch,
-        "3 summary blocks",
-    ),
-    "summary blocks 2**31": (lambda p: _rewrite_header(p, summary_blocks=1 << 31), SizeMismatch, "summary"),
-    "summary blocks that divide C, file does not agree": (
-        lambda p: _rewrite_header(p, summary_blocks=C),
-        SizeMismatch,
-        "the file has",
-    ),
-    "shape and raw agree, file does not": (
-        lambda p: _rewrite_header(p, shape=(L, 2, H, C, 4096), raw_len=L * 2 * H * C * 4096 * 2),
-        SizeMismatch,
-        "the file has",
-    ),
-}
-
-
-@pytest.mark.parametrize("kind", list(CORRUPTIONS))
-def test_corruption_is_detected_and_refused(store, kind) -> None:
-    damage, error, message = CORRUPTIONS[kind]
-    blobs = make_chain(toks(3))
-    sid = store.put_snapshot("s", FP, blobs)
-    victim = blobs[1].chain_hash
-    damage(chunk_path(store.root, victim))
-
-    tracemalloc.start()
-    with pytest.raises(error, match=message):
-        store.read_chunk(victim, FP)
-    peak = tracemalloc.get_traced_memory()[1]
-    tracemalloc.stop()
-    assert peak < 1 << 20, f"refusing a bad chunk allocated {peak} bytes"
-
-    report = store.verify(sid)
-    assert not report.ok and [d.chunk_hash for d in report.damaged] == [victim]
-    assert report.damaged[0].snapshots == (sid,)
-    assert store.read_chunk(blobs[0].chain_hash, FP).index == 0  # its neighbours still serve
-    if error is not UnsupportedVersion:
-        assert store.find_longest_prefix(FP, [b.chain_hash for b in blobs]) == 1
-        store.put_snapshot("again", FP, blobs)  # saving the same chunk again repairs it
-        assert store.verify().ok
-
-
-def test_index_rows_that_disagree_with_files_are_reported(store) -> None:
-    blobs = make_chain(toks(2))
-    sid = store.put_snapshot("s", FP, blobs)
-    store.index.conn.execute("UPDATE chunks SET refcount = 5 WHERE hash = ?", (blobs[0].chain_hash,))
-    report = store.verify()
-    assert any("refcount" in e and blobs[0].chain_hash in e for e in report.index_errors)
-    assert store.verify(sid).index_errors == []  # refcounts are a whole-store check
-
-
-# disk full
-
-
-@pytest.fixture
-def tiny_fs(tmp_path):
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True)
-    if r.returncode != 0:
-        pytest.skip(
-            f"cannot mount a 2 MiB tmpfs here (needs root or CAP_SYS_ADMIN): {r.stderr.decode().strip()}"
-        )
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
-def _noise_chain(n_chunks: int, start: int, shape=(2, 2, 4, 64, 64)) -> list[ChunkBlob]:
-    """fp32 noise, 256 KiB a chunk: it barely compresses, so the bytes on disk are predictable."""
-    blobs, parent = [], ROOT_HASH
-    for i in range(n_chunks):
-        run = list(range(start + i * shape[3], start + (i + 1) * shape[3]))
-        kv = torch.randn(shape, generator=torch.Generator().manual_seed(start + i))
-        blob = ChunkBlob.build(FP, i, parent, run, torch.zeros(shape[0], shape[2], B, shape[4]), kv)
-        blobs.append(blob)
-        parent = blob.chain_hash
-    return blobs
-
-
-def test_disk_full_fails_cleanly_and_keeps_older_data(tiny_fs) -> None:
-    with SnapshotStore(tiny_fs / "store", level=1, workers=2) as st:
-        first = _noise_chain(2, start=0)
-        sid = st.put_snapshot("first", FP, first)
-        with pytest.raises(DiskFull, match="no space"):
-            st.put_snapshot("too big", FP, _noise_chain(12, start=10_000))
-        assert not list(tiny_fs.rglob("*.tmp"))
-        assert [s.id for s in st.list_snapshots()] == [sid]
-        assert sorted(st.backend.list_hashes()) == sorted(b.chain_hash for b in first)
-        got = st.read_chunks_parallel(st.get_snapshot(sid).chunk_hashes, FP)
-        assert all(torch.equal(a.kv, b.kv) for a, b in zip(first, got, strict=True))
-        assert st.verify().ok
-        st.put_snapshot("work goes on", FP, _noise_chain(1, start=20_000))
-        assert len(st.list_snapshots()) == 2 and st.verify().ok
-
-
-# names from users
-
-
-BAD_IDS = ["../x", "../../etc/passwd", "/etc/passwd", "abc\0def0123", "", "..", "ABCDEF012345", "a" * 13]
-
-
-@pytest.mark.parametrize("bad", BAD_IDS)
-def test_ids_cannot_reach_outside_the_store(store, bad) -> None:
-    for op in (store.get_snapshot, store.pin, store.unpin, store.rm, store.verify):
-        with pytest.raises(InvalidName):
-            op(bad)
-
-
-@pytest.mark.parametrize("bad", ["../" * 10 + "etc/passwd", "/etc/passwd", "0" * 63 + "\0", "G" * 64])
-def test_hashes_cannot_reach_outside_the_store(store, bad) -> None:
-    with pytest.raises(InvalidName):
-        store.read_chunk(bad, FP)
-    with pytest.raises(InvalidName):
-        store.find_longest_prefix(FP, [bad])
-    with pytest.raises(InvalidName):
-        with store.lease([bad]):
-            pass
-    with pytest.raises(InvalidName):
-        store.put_snapshot("x", FP, [bad])
-
-
-def test_labels_are_text_never_paths(tmp_path) -> None:
-    root = tmp_path / "store"
-    with SnapshotStore(root, workers=2) as st:
-        for label in ("../../escape", "/etc/passwd", "a/b\\c", "..", "unicodé 文档"):
-            sid = st.put_snapshot(label, FP, make_chain(toks(1)))
-            assert st.get_snapshot(sid).label == label
-        for label in ("nul\0byte", "new\nline", "x" * 201):
-            with pytest.raises(InvalidName):
-                st.put_snapshot(label, FP, make_chain(toks(1)))
-        with pytest.raises(InvalidName):
-            st.put_snapshot("ok", "../fp", make_chain(toks(1)))
-    assert {p.name for p in tmp_path.iterdir()} == {"store"}
-    assert {p.name for p in root.iterdir()} <= {
-        "chunks",
-        "lock",
-        "index.sqlite",
-        "index.sqlite-wal",
-        "index.sqlite-shm",
-        "reserve",
-        "owners",
-    }
-
-
-# CLI
-
-
-CLI = (
-    "import typer; from kvflash.cli import snapshot_cmd as s; "
-    "a = typer.Typer(); a.add_typer(s.app, name='snapshot'); a()"
-)
-
-
-def test_sizes_and_ages() -> None:
-    assert snapshot_cmd.parse_size("10G") == 10 << 30
-    assert snapshot_cmd.parse_size("500M") == 500 << 20
-    assert snapshot_cmd.parse_size("1.5GiB") == 3 << 29
-    assert snapshot_cmd.parse_size("4096") == 4096
-    assert snapshot_cmd.parse_age("7d") == 7 * 86400 and snapshot_cmd.parse_age("12h") == 12 * 3600
-    for bad in ("10X", "-1G", "", "1e9"):
-        with pytest.raises(KVFlashError):
-            snapshot_cmd.parse_size(bad)
-    with pytest.raises(KVFlashError):
-        snapshot_cmd.parse_age("7 days")
-
-
-def test_cli_via_subprocess(tmp_path) -> None:
-    root = tmp_path / "store"
-    with SnapshotStore(root, workers=2) as st:
-        good = st.put_snapshot("good", FP, make_chain(toks(2)))
-        blobs = make_chain(toks(2, start=500))
-        bad = st.put_snapshot("bad", FP, blobs)
-    _flip(chunk_path(root, blobs[1].chain_hash), -3)
-    runs = {"list": ["list"], "verify": ["verify", bad]}  # concurrent: each start imports torch
-    procs = {
-        k: subprocess.Popen(
-            [sys.executable, "-c", CLI, "snapshot", *args, "--store", str(root), "--json"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for k, args in runs.items()
-    }
-    out = {k: (p.communicate(timeout=60), p.returncode) for k, p in procs.items()}
-    (listing, _), rc = out["list"]
-    assert rc == 0 and {s["id"] for s in json.loads(listing)} == {good, bad}
-    (verify, _), rc = out["verify"]
-    assert rc == 1
-    report = json.loads(verify)
-    assert not report["ok"] and report["damaged"][0]["chunk_hash"] == blobs[1].chain_hash
-
-
-def test_cli_commands(tmp_path) -> None:
-    root = tmp_path / "store"
-    with SnapshotStore(root, workers=2) as st:
-        a = st.put_snapshot("a", FP, make_chain(toks(2)))
-        b = st.put_snapshot("b", FP, make_chain(toks(3)))
-    runner = CliRunner()
-
-    def run(*args: str, code: int = 0) -> dict | list:
-        r = runner.invoke(snapshot_cmd.app, [*args, "--store", str(root), "--json"])
-        assert r.exit_code == code, (args, r.output, r.exception)
-        return json.loads(r.stdout) if code == 0 else {}
-
-    facts = run("inspect", b)
-    assert facts["n_chunks"] == 3 and facts["header"]["codec"] == "lossless"
-    assert [c["refcount"] for c in facts["chunks"]] == [2, 2, 1]
-    plan = run("prune", "--max-bytes", "10G", "--older-than", "7d", "--dry-run")
-    assert plan["dry_run"] and plan["snapshots"] == []
-    assert run("pin", a) == {"id": a, "pinned": True}
-    assert run("verify", "--all")["ok"]
-    assert run("prune", "--max-bytes", "0")["snapshots"] == [b]
-    assert run("unpin", a)["pinned"] is False
-    assert run("du")["snapshots"] == 1
-    assert run("rm", a)["snapshots"] == [a]
-    assert run("list") == []
-    for bad in (["inspect", "../x"], ["verify"], ["rm", "0123456789ab"]):
-        r = runner.invoke(snapshot_cmd.app, [*bad, "--store", str(root)])
-        assert r.exit_code != 0
-    r = runner.invoke(snapshot_cmd.app, ["list", "--store", str(tmp_path / "typo")])
-    assert "no snapshot store" in str(r.exception)
-    for human in (["list"], ["du"], ["verify", "--all"]):
-        assert runner.invoke(snapshot_cmd.app, [*human, "--store", str(root)]).exit_code == 0
-
-
-def test_inspect_decodes_text_with_a_given_tokenizer(store) -> None:
-    sid = store.put_snapshot("s", FP, make_chain(toks(2)))
-    facts = snapshot_cmd.inspect_snapshot(store, sid, decode_tokens=lambda ids: " ".join(map(str, ids)))
-    assert facts["text"] == " ".join(map(str, toks(2)))
-
-
-def test_frame_checksum_is_verified_and_old_frames_fall_back_to_the_raw_crc() -> None:
-    """Frames carry zstd's content checksum, which replaces the raw crc32 on decode: a frame whose
-    checksum disagrees with its content is refused even when the header's raw crc matches that
-    content; a frame without one (older files) is still held to the raw crc."""
-    kv = torch.randn(2, 2, 1, 4, 8).bfloat16()
-    enc = codec.encode(kv, Codec.LOSSLESS)
-    assert zstandard.get_frame_parameters(enc.payload).has_checksum
-    other = codec._split_planes(kv + 1)
-    forged = zstandard.ZstdCompressor(write_checksum=True).compress(other)
-    bad = bytearray(forged)
-    bad[-1] ^= 0xFF  # the frame's checksum no longer matches its content
-    with pytest.raises(ValueError, match="zstd"):
-        codec.decode(bytes(bad), Codec.LOSSLESS, kv.dtype, tuple(kv.shape), len(other), zlib.crc32(other))
-    legacy = zstandard.ZstdCompressor(write_checksum=False).compress(other)
-    with pytest.raises(ValueError, match="raw checksum"):
-        codec.decode(legacy, Codec.LOSSLESS, kv.dtype, tuple(kv.shape), enc.raw_len, enc.raw_crc)

@@ -20,14 +20,7 @@ import torch
 
 from kvflash.storage import ChunkCorrupt, ChunkError, SnapshotStore, StoreError
 from kvflash.storage.index import LEASE_TTL_S
-from tests.test_storage import FP, chunk_path, forkserver, make_chain, toks
-
-
-@pytest.fixture
-def store(tmp_path):
-    st = SnapshotStore(tmp_path / "store", workers=2)
-    yield st
-    st.close()
+from tests.store_util import FP, chunk_path, forkserver, make_chain, toks
 
 
 def _mount(args: list[str], what: str) -> None:
@@ -355,10 +348,10 @@ def _fill(mnt: Path) -> Path:
 
 
 def test_on_a_full_disk_commands_run_and_removals_free_space(tiny_fs) -> None:
-    from tests.test_storage import _noise_chain
+    from tests.store_util import noise_chain
 
     root = tiny_fs / "store"
-    first, second = _noise_chain(2, start=0), _noise_chain(2, start=5000)
+    first, second = noise_chain(2, start=0), noise_chain(2, start=5000)
     with SnapshotStore(root, workers=2) as st:
         keep = st.put_snapshot("keep", FP, first)
         drop = st.put_snapshot("drop", FP, second)

@@ -21,8 +21,8 @@ from kvflash.storage.redis_link import RedisConfig, SharedUnavailable
 from kvflash.storage.redis_store import RedisStore
 from kvflash.storage.tiered import TierConfig, TieredStore
 from tests.redis_util import RedisServer
+from tests.store_util import FP, bits, make_chain, toks
 from tests.test_cli_inputs import kvflash, one_error_line
-from tests.test_storage import FP, bits, make_chain, toks
 
 
 def hashes_of(chain) -> list[str]:

@@ -21,10 +21,10 @@ from kvflash.storage.backend import LocalDirBackend
 from kvflash.storage.redis_store import RedisStore
 from kvflash.storage.summaries import SUMMARIES_HEADER_SIZE
 from kvflash.storage.tiered import TieredStore
+from tests.store_util import FP, C, bits, make_chain, toks
 from tests.test_restore import FP as MODEL_FP
 from tests.test_restore import engine as tiny_engine
 from tests.test_restore import lm, prompt, saved  # noqa: F401 (lm: the tiny model's fixture)
-from tests.test_storage import FP, C, bits, make_chain, toks
 
 
 class Counting(LocalDirBackend):
@@ -119,7 +119,7 @@ def test_a_save_takes_the_summaries_its_restore_read_instead_of_reading_them_aga
     assert sums_path(store, longer[-1].chain_hash).read_bytes() == want
 
 
-def _flip(path, offset: int) -> None:
+def flip(path, offset: int) -> None:
     data = bytearray(path.read_bytes())
     data[offset] ^= 0x10
     path.write_bytes(bytes(data))
@@ -131,16 +131,16 @@ def _damage(store: SnapshotStore, kind: str, blobs, other) -> str:
     path = sums_path(store, last)
     size = path.stat().st_size
     if kind == "summary bit":
-        _flip(path, size - 5)
+        flip(path, size - 5)
         return "entry 4 checksum mismatch"
     if kind == "token bit":
-        _flip(path, SUMMARIES_HEADER_SIZE + 4 * 5 + 4 * C + 2)  # entry 1's ids
+        flip(path, SUMMARIES_HEADER_SIZE + 4 * 5 + 4 * C + 2)  # entry 1's ids
         return "entry 1 is not chunk"
     if kind == "header bit":
-        _flip(path, 30)
+        flip(path, 30)
         return "header checksum mismatch"
     if kind == "table bit":
-        _flip(path, SUMMARIES_HEADER_SIZE + 1)
+        flip(path, SUMMARIES_HEADER_SIZE + 1)
         return "checksum table mismatch"
     if kind == "truncated":
         path.write_bytes(path.read_bytes()[: size - 100])

@@ -16,7 +16,7 @@ import torch
 
 from kvflash.storage import ChunkCorrupt, ChunkMismatch, SnapshotStore, workers
 from kvflash.storage.workers import DecodeWorkers
-from tests.test_storage import FP, C, D, H, L, _flip, bits, chunk_path, make_chain, toks
+from tests.store_util import FP, C, D, H, L, bits, chunk_path, flip, make_chain, toks
 
 
 def _segments() -> set[str]:
@@ -70,7 +70,7 @@ def test_workers_refuse_damage_and_mark_it(stores, tmp_path) -> None:
         hashes = st.get_snapshot(sid).chunk_hashes
         with pytest.raises(ChunkMismatch, match="shape"):
             st.read_chunks_parallel(hashes, FP, (L, 2, H, C, D + 1), torch.bfloat16)
-        _flip(chunk_path(st.root, hashes[4]), -10)
+        flip(chunk_path(st.root, hashes[4]), -10)
         outs = [torch.zeros(L, 2, H, C, D, dtype=torch.bfloat16) for _ in hashes]
         with pytest.raises(ChunkCorrupt, match=hashes[4][:16]):
             st.read_chunks_parallel(hashes, FP, out=outs)

@@ -1,0 +1,95 @@
+"""What the store's tests share: deterministic chunk chains, their paths, and ways to damage a file."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import zlib
+from pathlib import Path
+
+import torch
+
+from kvflash.storage import (
+    ROOT_HASH,
+    ChunkBlob,
+    format,
+)
+
+FP = "fp-test-0001"
+L, H, C, D = 3, 2, 16, 8
+B = 4
+"""Summary blocks per chunk (the engine's default `summary_blocks`)."""
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def kv_for(tokens: list[int], dtype: torch.dtype = torch.bfloat16, shape=(L, 2, H, C, D)) -> torch.Tensor:
+    """Deterministic KV per token run, so two processes saving the same tokens make the same chunk."""
+    g = torch.Generator().manual_seed(zlib.crc32(str(tokens).encode()))
+    scale = torch.logspace(-2, 1, shape[2]).reshape(1, 1, -1, 1, 1)
+    return (torch.randn(shape, generator=g) * scale).to(dtype)
+
+
+def block_summary(kv: torch.Tensor, blocks: int = B) -> torch.Tensor:
+    """[L, Hkv, B, D] fp32: the mean key of each of `blocks` equal runs of tokens (as the engine seals)."""
+    l, _, h, c, d = kv.shape
+    return kv[:, 0].float().reshape(l, h, blocks, c // blocks, d).mean(3)
+
+
+def make_chain(
+    tokens: list[int], fp: str = FP, dtype: torch.dtype = torch.bfloat16, blocks: int = B
+) -> list[ChunkBlob]:
+    blobs, parent = [], ROOT_HASH
+    for i in range(len(tokens) // C):
+        run = tokens[i * C : (i + 1) * C]
+        kv = kv_for(run, dtype)
+        summary = block_summary(kv, blocks)
+        blob = ChunkBlob.build(fp, i, parent, run, summary, kv)
+        blobs.append(blob)
+        parent = blob.chain_hash
+    return blobs
+
+
+def toks(n_chunks: int, start: int = 0) -> list[int]:
+    return list(range(start, start + n_chunks * C))
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def chunk_path(root: Path, h: str) -> Path:
+    return root / "chunks" / h[:2] / f"{h}.kvc"
+
+
+def forkserver() -> mp.context.BaseContext:
+    """Children fork from a server that imported torch once: a fresh process costs milliseconds."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["kvflash.storage"])
+    return ctx
+
+
+def rewrite_header(path: Path, **fields) -> None:
+    """Edits header fields and recomputes the header checksum: a file that lies consistently."""
+    buf = bytearray(path.read_bytes())
+    h = format.parse_header(bytes(buf), len(buf), "x" * 64)
+    names = list(format.ChunkHeader.__dataclass_fields__)
+    values = {n: getattr(h, n) for n in names} | fields
+    buf[: format.HEADER_SIZE] = format.pack_header(format.ChunkHeader(**values))
+    path.write_bytes(bytes(buf))
+
+
+def flip(path: Path, offset: int) -> None:
+    buf = bytearray(path.read_bytes())
+    buf[offset % len(buf)] ^= 0x40
+    path.write_bytes(bytes(buf))
+
+
+def noise_chain(n_chunks: int, start: int, shape=(2, 2, 4, 64, 64)) -> list[ChunkBlob]:
+    """fp32 noise, 256 KiB a chunk: it barely compresses, so the bytes on disk are predictable."""
+    blobs, parent = [], ROOT_HASH
+    for i in range(n_chunks):
+        run = list(range(start + i * shape[3], start + (i + 1) * shape[3]))
+        kv = torch.randn(shape, generator=torch.Generator().manual_seed(start + i))
+        blob = ChunkBlob.build(FP, i, parent, run, torch.zeros(shape[0], shape[2], B, shape[4]), kv)
+        blobs.append(blob)
+        parent = blob.chain_hash
+    return blobs

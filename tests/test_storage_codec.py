@@ -1,0 +1,109 @@
+"""The chunk codecs: lossless byte planes and fp8 blocks, bit-exact or within their stated error, and frames
+that are refused when they do not add up."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+import zstandard
+
+from kvflash.storage import (
+    codec,
+)
+from kvflash.storage.codec import Codec
+from tests.store_util import (
+    DTYPES,
+    H,
+    L,
+    bits,
+    kv_for,
+    toks,
+)
+
+# codecs
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("level", [1, 3])
+def test_lossless_codec_is_bit_exact(dtype, level) -> None:
+    kv = kv_for(toks(1), dtype)
+    flat = kv.view(-1)
+    flat[:6] = torch.tensor([float("inf"), float("-inf"), float("nan"), -0.0, 1e-40, 0.0]).to(dtype)
+    enc = codec.encode(kv, Codec.LOSSLESS, level)
+    out = codec.decode(enc.payload, Codec.LOSSLESS, dtype, tuple(kv.shape), enc.raw_len, enc.raw_crc)
+    assert out.dtype == dtype and torch.equal(bits(out), bits(kv))
+
+
+def test_byte_planes_put_high_bytes_first() -> None:
+    kv = torch.tensor([0x1234, 0x5678], dtype=torch.int16).view(torch.float16).reshape(1, 2, 1, 1, 1)
+    assert codec._split_planes(kv) == bytes([0x12, 0x56, 0x34, 0x78])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_error_is_reported_and_bounded(dtype) -> None:
+    kv = kv_for(toks(1), dtype)
+    kv[1, 0, 1] = 0  # an all-zero block keeps scale 1 and decodes to zeros
+    kv[0, 1, 0] *= 1000  # blocks of very different magnitude each get their own scale
+    enc = codec.encode(kv, Codec.FP8)
+    assert enc.raw_len == codec.raw_size(Codec.FP8, dtype, tuple(kv.shape))
+    out = codec.decode(enc.payload, Codec.FP8, dtype, tuple(kv.shape), enc.raw_len, enc.raw_crc)
+    err = codec.fp8_error(kv, out)
+    assert err.shape == (L, 2, H)
+    assert float(err.max()) <= 2**-4 + 2**-7, err  # e4m3 rounding plus the target dtype's
+    assert float(err.max()) > 0 and torch.count_nonzero(out[1, 0, 1]) == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("step", [1 << 18, 5], ids=["one-step", "steps-inside-blocks"])
+def test_fp8_decodes_each_byte_times_its_block_scale_rounded_once(dtype, step, monkeypatch) -> None:
+    """The table decode gives what decoding element by element gives: the e4m3 value times its
+    block's scale in fp32, rounded once to the dtype, for every byte and whatever the gather step."""
+    monkeypatch.setattr(codec, "_GATHER_STEP", step)
+    shape = (L, 2, H, 8, 32)
+    g = torch.Generator().manual_seed(0)
+    scale = torch.rand(L, 2, H, generator=g) * 8
+    scale[0, 0, 0] = 3e-39  # subnormal
+    q = torch.randint(0, 256, shape, generator=g, dtype=torch.int32).to(torch.uint8)
+    q.view(-1)[:256] = torch.arange(256).to(torch.uint8)
+    raw = scale.numpy().astype("<f4").tobytes() + q.numpy().tobytes()
+    payload = zstandard.ZstdCompressor(write_checksum=True).compress(raw)
+    out = codec.decode(payload, Codec.FP8, dtype, shape, len(raw), zlib.crc32(raw))
+    expected = (q.view(torch.float8_e4m3fn).float() * scale[..., None, None]).to(dtype)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
+
+
+def test_fp8_refuses_non_finite() -> None:
+    kv = kv_for(toks(1))
+    kv[0, 0, 0, 0, 0] = float("inf")
+    with pytest.raises(ValueError, match="finite"):
+        codec.encode(kv, Codec.FP8)
+
+
+def test_decode_refuses_a_frame_larger_than_the_header_says() -> None:
+    kv = kv_for(toks(1))
+    raw = codec.raw_size(Codec.LOSSLESS, kv.dtype, tuple(kv.shape))
+    bigger = zstandard.ZstdCompressor().compress(bytes(raw * 64))
+    with pytest.raises(ValueError, match="declares"):
+        codec.decode(bigger, Codec.LOSSLESS, kv.dtype, tuple(kv.shape), raw, 0)
+    with pytest.raises(ValueError, match="does not fit"):
+        codec.decode(bigger, Codec.LOSSLESS, kv.dtype, tuple(kv.shape), raw * 64, 0)
+
+
+def test_frame_checksum_is_verified_and_old_frames_fall_back_to_the_raw_crc() -> None:
+    """Frames carry zstd's content checksum, which replaces the raw crc32 on decode: a frame whose
+    checksum disagrees with its content is refused even when the header's raw crc matches that
+    content; a frame without one (older files) is still held to the raw crc."""
+    kv = torch.randn(2, 2, 1, 4, 8).bfloat16()
+    enc = codec.encode(kv, Codec.LOSSLESS)
+    assert zstandard.get_frame_parameters(enc.payload).has_checksum
+    other = codec._split_planes(kv + 1)
+    forged = zstandard.ZstdCompressor(write_checksum=True).compress(other)
+    bad = bytearray(forged)
+    bad[-1] ^= 0xFF  # the frame's checksum no longer matches its content
+    with pytest.raises(ValueError, match="zstd"):
+        codec.decode(bytes(bad), Codec.LOSSLESS, kv.dtype, tuple(kv.shape), len(other), zlib.crc32(other))
+    legacy = zstandard.ZstdCompressor(write_checksum=False).compress(other)
+    with pytest.raises(ValueError, match="raw checksum"):
+        codec.decode(legacy, Codec.LOSSLESS, kv.dtype, tuple(kv.shape), enc.raw_len, enc.raw_crc)
