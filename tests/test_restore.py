@@ -198,7 +198,51 @@ def test_a_lookup_checks_a_span_at_a_time_and_a_save_hashes_only_new_chunks(lm, 
     cache.engine.prefill(kv, (doc + prompt(40, 5))[len(kv.seq) :])
     staged = snaps.stage(kv)
     assert hashed == [3 * c] and staged.items[:18] == full  # the three new chunks alone were hashed
+    staged.release()
     cache.close()
 
     (store.root / "chunks" / full[13][:2] / f"{full[13]}.kvc").unlink()
     assert snaps.lookup(doc + [1], c, approximate=False) == (FP, full[:13])
+
+
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+    ),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_staged_snapshot_keeps_what_it_copied_while_its_pool_slots_are_reused(store, device) -> None:
+    """A snapshot's resident chunks are staged into free host-tier slots (on CUDA without waiting for
+    the copies): the sequence freed and its pool slots overwritten right after staging, the snapshot
+    still writes the chunks' KV as staged; a chunk that already has a host copy is held, not copied;
+    and every host slot comes back once it is written."""
+    dev = torch.device(device)
+    lm = LoadedModel(tiny_model(CFG).to(dev), None, CFG, Path("tiny"), torch.float32, dev)
+    eng = engine(lm)
+    eng.host.release_many(eng.host.alloc_many(64))  # free host slots to stage into
+    used = eng.host.n_used
+    kv = eng.new_sequence()
+    eng.prefill(kv, prompt(300, 1))
+    n = kv.seq.n_sealed
+    want = [kv.chunk_kv(i).cpu().clone() for i in range(n)]
+    parked = kv.seq.chunks[0]
+    parked.host = eng.host.page_out(parked.gpu)  # the first chunk has a host copy already
+    snaps = KVSnapshots(store, FP)
+    staged = snaps.stage(kv)
+    assert parked.host in staged.held and len(staged.held) == n and eng.host.n_used == used + n
+    key = kv.seq.chunks[1].key
+    assert key is not None and eng.host.find(key) in staged.held  # a new host copy serves others too
+    assert (staged.copied is not None) == (device == "cuda")
+    slots = torch.tensor([ch.gpu for ch in kv.seq.chunks[:n]], device=dev)
+    kv.free()
+    eng.pool.kv.index_fill_(0, slots, float("nan"))  # queued after the copies, on the same stream
+    sid = snaps.put(staged, "doc")
+    assert eng.host.n_used == used and not staged.held
+    hashes = store.get_snapshot(sid).chunk_hashes
+    got = store.read_chunks_parallel(hashes, FP, tuple(want[0].shape), want[0].dtype)
+    for blob, kv_want in zip(got, want, strict=True):
+        assert torch.equal(blob.kv, kv_want)

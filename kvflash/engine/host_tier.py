@@ -218,6 +218,11 @@ class HostTier:
                 self._extra[h] = self._extra.get(h, 0) + 1
             return h
 
+    def hold(self, host_slot: int) -> None:
+        """One more reader of a slot in use (a staged snapshot reading a sequence's host copy)."""
+        with self._grown:
+            self._extra[host_slot] = self._extra.get(host_slot, 0) + 1
+
     def refs(self, host_slot: int) -> int:
         return 1 + self._extra.get(host_slot, 0)
 
@@ -231,6 +236,28 @@ class HostTier:
         if not gpu_slots:
             return []
         hosts = self.alloc_many(len(gpu_slots))
+        self._copy_out(hosts, gpu_slots)
+        return hosts
+
+    def copy_out(self, gpu_slots: list[int]) -> tuple[list[int], torch.cuda.Event | None]:
+        """Copies the first pool slots of gpu_slots that the tier has free host slots for, without
+        growing it or waiting for it: a caller that must not stall (a server's scheduler staging a
+        snapshot) copies the rest itself. Returns the host slots, in the order of gpu_slots, and on
+        CUDA an event recorded after the copies (which run on the side stream, ordered after the
+        compute stream's writes): read the host slots from another thread only once it is done."""
+        with self._grown:
+            take = min(len(gpu_slots), len(self._free))
+            hosts = sorted(self._free[len(self._free) - take :])
+            del self._free[len(self._free) - take :]
+        self._copy_out(hosts, gpu_slots[:take])
+        if not (self.cuda and hosts):
+            return hosts, None
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        return hosts, done
+
+    def _copy_out(self, hosts: list[int], gpu_slots: list[int]) -> None:
+        """Pool slots into host slots, one copy per adjacent run (async on the side stream on CUDA)."""
         if self.cuda:
             self.stream.wait_stream(torch.cuda.current_stream(self.pool.kv.device))
             with torch.cuda.stream(self.stream):
@@ -240,7 +267,6 @@ class HostTier:
         else:
             for h, g, n in runs(hosts, gpu_slots, BLOCK_SLOTS):
                 self._run(h, n).copy_(self.pool.kv[g : g + n])
-        return hosts
 
     def page_in(self, host_slot: int, gpu_slot: int) -> None:
         self.page_in_many([host_slot], [gpu_slot])

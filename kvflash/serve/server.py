@@ -286,11 +286,19 @@ class Server:
                     return
                 try:
                     staged = self.snapshots.stage(kv)  # a store error here only costs the reuse
-                    self._saver.submit(self._save, staged, label, len(ids))
                 except BaseException:
                     self._saved()
                     raise
+                try:
+                    self._saver.submit(self._save, staged, label, len(ids))
+                except BaseException:  # the saver has stopped: the staged copy's host slots come back
+                    self._saved()
+                    staged.release()
+                    raise
 
+        if self.snapshots:  # host memory to stage the answer's snapshot in, pinned while it prefills
+            host = self.scheduler.engine.host
+            host.reserve(host.n_used + len(ids) // host.pool.chunk_tokens)
         sampling = Sampling(req.temperature, req.top_p, req.seed)
         job = Job(ids, max_tokens, sampling, on_token, on_done, relay, gone, min_tokens=req.min_tokens)
         self.scheduler.submit(job)

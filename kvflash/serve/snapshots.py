@@ -15,10 +15,11 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from kvflash.engine.host_tier import HostTier
 from kvflash.engine.paged_kv import PagedKV
 from kvflash.engine.pool import chunk_shape
 from kvflash.storage import (
@@ -71,10 +72,27 @@ class StoredSummaries:
 @dataclass
 class StagedSnapshot:
     """A sealed prefix ready to write: its fingerprint and, in chain order, the hash of each chunk the
-    store holds or a blob (with its own copy of the KV) of each it lacks."""
+    store holds or a blob of each it lacks. A blob's KV is its own copy, or a host-tier slot the
+    snapshot holds a reference to until it is written (host copies are never rewritten), whose copy
+    may still be in flight until `copied` is done."""
 
     fp: str
     items: list[ChunkBlob | str]
+    host: HostTier | None = None
+    held: list[int] = field(default_factory=list)
+    copied: torch.cuda.Event | None = None
+
+    def ready(self) -> None:
+        """Waits for the copies in flight (on the thread that writes the snapshot)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+
+    def release(self) -> None:
+        """Gives the held host slots back once the blobs are written or dropped (idempotent)."""
+        if self.host is not None and self.held:
+            self.ready()  # a copy still in flight writes the slot
+            self.host.release_many(self.held)
+            self.held = []
 
 
 class KVSnapshots:
@@ -131,14 +149,22 @@ class KVSnapshots:
         if stored == n:
             return StagedSnapshot(fp, items)
         summaries = kv.seq.summaries[stored:n].to("cpu", copy=True)
-        copies = _resident_copies(kv, range(stored, n))
-        for i in range(stored, n):
-            parent = hashes[i - 1] if i else ROOT_HASH
-            data = copies[i] if i in copies else kv.chunk_kv(i).to("cpu", copy=True)
-            items.append(
-                ChunkBlob(fp, i, hashes[i], parent, kv.seq.chunk_tokens_of(i), summaries[i - stored], data)
-            )
-        return StagedSnapshot(fp, items)
+        staged = StagedSnapshot(fp, items)
+        try:
+            held = _host_copies(kv, range(stored, n), staged)
+            copies = _resident_copies(kv, [i for i in range(stored, n) if i not in held])
+            for i in range(stored, n):
+                parent = hashes[i - 1] if i else ROOT_HASH
+                if i in held:
+                    data = kv.host.view(held[i])
+                else:
+                    data = copies[i] if i in copies else kv.chunk_kv(i).to("cpu", copy=True)
+                tokens = kv.seq.chunk_tokens_of(i)
+                items.append(ChunkBlob(fp, i, hashes[i], parent, tokens, summaries[i - stored], data))
+        except BaseException:
+            staged.release()
+            raise
+        return staged
 
     def put(
         self,
@@ -150,7 +176,11 @@ class KVSnapshots:
     ) -> str:
         """Writes a staged snapshot (compressing its new chunks); returns its id."""
         read = known.read if known is not None else ()
-        return self.store.put_snapshot(label, staged.fp, staged.items, meta, succeeds, read)
+        try:
+            staged.ready()
+            return self.store.put_snapshot(label, staged.fp, staged.items, meta, succeeds, read)
+        finally:
+            staged.release()
 
     def usable(self, fp: str) -> bool:
         """Whether this engine can restore KV stored under fp: exact KV, or approximate KV (which a
@@ -175,7 +205,11 @@ class KVSnapshots:
         """Writes a staged snapshot as its label's newest, taking over the hits of the snapshots it
         `superseded`, then removes those. A store error raises with nothing changed; a removal that
         fails only warns: the new snapshot is written and the old one is still valid."""
-        previous = [s.id for s in self.superseded(label, staged.fp)]
+        try:
+            previous = [s.id for s in self.superseded(label, staged.fp)]
+        except BaseException:
+            staged.release()
+            raise
         sid = self.put(staged, label, meta, previous, known)
         for old in previous:
             try:
@@ -302,7 +336,37 @@ class KVSnapshots:
             time.sleep(PREFETCH_PAUSE_S)  # locks are not fair: let a waiting selection take it
 
 
-def _resident_copies(kv: PagedKV, indices: range) -> dict[int, torch.Tensor]:
+def _host_copies(kv: PagedKV, indices: range, staged: StagedSnapshot) -> dict[int, int]:
+    """Host-tier slots holding the KV of chunks among `indices`, by index, each held for `staged`:
+    the host copies the tier already has (the sequence's own, or a named copy of the same chunk),
+    then copies of resident chunks into free host slots, queued without waiting (`HostTier.copy_out`).
+    The caller's thread, a server's scheduler, goes on at once instead of waiting for the bytes, and
+    a named chunk's new host copy serves other sequences too. The rest is for the caller to copy."""
+    host, out = kv.host, {}
+    staged.host = host
+    for i in indices:
+        ch = kv.seq.chunks[i]
+        if ch.host is not None:
+            host.hold(ch.host)
+            out[i] = ch.host
+        elif ch.key is not None and (h := host.share(ch.key)) is not None:
+            out[i] = h
+        else:
+            continue
+        staged.held.append(out[i])
+    resident = [i for i in indices if i not in out and kv.seq.chunks[i].gpu is not None]
+    slots, staged.copied = host.copy_out([kv.seq.chunks[i].gpu for i in resident])
+    staged.held += slots
+    for i, h in zip(resident, slots, strict=False):
+        out[i] = h
+        if (key := kv.seq.chunks[i].key) is not None:
+            host.publish(key, h)
+    if len(slots) < len(resident):  # room for the next snapshot, allocated in the background
+        host.reserve(host.n_used + len(resident) - len(slots))
+    return out
+
+
+def _resident_copies(kv: PagedKV, indices: list[int]) -> dict[int, torch.Tensor]:
     """Host copies of the KV of the chunks among `indices` that are in the pool, by index."""
     resident = [i for i in indices if kv.seq.chunks[i].gpu is not None]
     out: dict[int, torch.Tensor] = {}
