@@ -123,6 +123,8 @@ def run(args, docs: list[str], progress) -> tuple[list[dict], dict]:
                 m = server.settle(args.settle_s)
                 state = {k: m[k] for k in (*KEPT, *CAPACITY, *SETTLED, "pool_slots_shared")}
                 rows.append({"phase": p, **figures, **state, **store_usage(store)})
+                progress.console.print(f"phase {p}: " + ", ".join(f"{k} {v:g}" for k, v in rows[-1].items()
+                                       if isinstance(v, (int, float))))  # fmt: skip
                 progress.advance(task)
         finally:
             err = server.stop()
