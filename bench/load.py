@@ -6,7 +6,8 @@ Phases are the calls `load_model` makes, timed one by one (median of --repeats):
 the tokenizer from the GGUF's vocab (and, for comparison, from the same tokenizer saved as
 tokenizer.json), and the weights' identity for the fingerprint on a first start (hashing the file) and
 on later ones (the record). "new process" runs `load_model` in a fresh interpreter (the file is in the
-page cache): its wall time covers the interpreter, importing torch and kvflash, and the load.
+page cache): its wall time covers the interpreter, importing torch and kvflash, the device's first
+work any CUDA program pays (the context, the first cuBLAS call; timed apart), and the load.
 
 The 8B file is written by this script with the `gguf` writer, tensor by tensor, as llama.cpp's Q4_K_M
 mix lays it out (Q6_K for the output head and for attn_v and ffn_down in the layers llama.cpp gives
@@ -59,12 +60,22 @@ t0 = time.perf_counter()
 import torch
 from kvflash.models.loader import load_model
 t1 = time.perf_counter()
+cuda = sys.argv[2] == "cuda"
+if cuda:  # what any CUDA program pays first, apart from the load: the context, then cuBLAS
+    torch.zeros(1, device="cuda")
+    torch.cuda.synchronize()
+t_ctx = time.perf_counter()
+if cuda:
+    a = torch.ones(64, 64, device="cuda", dtype=torch.bfloat16)
+    (a @ a).sum().item()
+t_blas = time.perf_counter()
 lm = load_model(sys.argv[1], device=sys.argv[2])
-if lm.device.type == "cuda":
+if cuda:
     torch.cuda.synchronize()
 t2 = time.perf_counter()
 lm.fingerprint(64, lm.dtype)
-print(json.dumps({"imports": t1 - t0, "load_model": t2 - t1, "fingerprint": time.perf_counter() - t2}))
+print(json.dumps({"imports": t1 - t0, "cuda_context": t_ctx - t1, "cublas": t_blas - t_ctx,
+                  "load_model": t2 - t_blas, "fingerprint": time.perf_counter() - t2}))
 """
 
 
@@ -130,6 +141,8 @@ def default_model_rows(path: Path, device: torch.device, repeats: int) -> list[d
     rows += [
         ("new process: wall", wall),
         ("  imports (torch, kvflash)", child["imports"]),
+        ("  CUDA context", child["cuda_context"]),
+        ("  first cuBLAS call", child["cublas"]),
         ("  load_model", child["load_model"]),
         ("  fingerprint", child["fingerprint"]),
     ]
