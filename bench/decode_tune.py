@@ -35,6 +35,8 @@ from bench.kernel_speed import (
     graph_ms,
     paged_pool,
     sdpa,
+    to_fp8,
+    to_values,
 )
 from kvflash.kernels.triton_decode import decode_launch, decode_splits, paged_decode_attention
 
@@ -48,20 +50,23 @@ Setting = tuple[str, int | None, int, int | None, float]
 """(merge, block tokens, warps, stages, waves); block and stages None: the rule's (`decode_launch`)."""
 
 
-def default_setting(merge: str, head_dim: int, batch: int, rule: bool) -> Setting:
+def default_setting(merge: str, head_dim: int, batch: int, rule: bool, kv_bytes: int = 2) -> Setting:
     """What paged_decode_attention picks by itself with this merge."""
-    launch = decode_launch(head_dim, batch)
+    launch = decode_launch(head_dim, batch, kv_bytes)
     return (merge, None if rule else launch.block_tokens, 4, None if rule else launch.stages, launch.waves)
 
 
-def shape_timer(model: str, context: int, batch: int):
+def shape_timer(model: str, context: int, batch: int, fp8: bool = False):
     """A function from a launch setting to (splits, GB/s of KV read), over one pool built for the
-    shape, and SDPA's GB/s over the same KV laid out contiguously."""
+    shape (fp8: e4m3 with its scale rows, counted in its own bytes), and SDPA's GB/s over the same
+    KV (fp8: its values in bf16) laid out contiguously."""
     d, hq, h_kv = MODELS[model]
-    n = context // CHUNK
-    gbytes = batch * context * h_kv * d * 2 * DTYPE.itemsize / 1e9
+    n, kv_bytes = context // CHUNK, 1 if fp8 else DTYPE.itemsize
+    gbytes = batch * n * (CHUNK + fp8) * h_kv * d * 2 * kv_bytes / 1e9
     copies = -(-L2_DEFEAT_BYTES // int(gbytes * 1e9))
     pool, table = paged_pool(copies * batch, n, h_kv, d)
+    if fp8:
+        pool = to_fp8(pool)
     q = torch.randn(copies * batch, hq, d, dtype=DTYPE, device="cuda")
     n_slots = torch.full((batch,), n, dtype=torch.int32, device="cuda")
     last = torch.full((batch,), CHUNK, dtype=torch.int32, device="cuda")
@@ -69,12 +74,10 @@ def shape_timer(model: str, context: int, batch: int):
 
     def rate(setting: Setting) -> tuple[int, float]:
         merge, block, warps, stages, waves = setting
-        launch = decode_launch(d, batch)
+        launch = decode_launch(d, batch, kv_bytes)
         block, stages = block or launch.block_tokens, stages or launch.stages
         cpi = max(1, block // CHUNK)
-        splits = decode_splits(
-            -(-n // cpi), 2 * cpi * CHUNK * d * DTYPE.itemsize, batch, h_kv, q.device, waves
-        )
+        splits = decode_splits(-(-n // cpi), 2 * cpi * CHUNK * d * kv_bytes, batch, h_kv, q.device, waves)
         kw = dict(
             fused=MERGES[merge], n_splits=splits, block_tokens=block, num_warps=warps, num_stages=stages
         )
@@ -90,7 +93,7 @@ def shape_timer(model: str, context: int, batch: int):
             timed[key] = gbytes / graph_ms(calls) * 1e3
         return splits, timed[key]
 
-    k, v = contiguous(pool, table)
+    k, v = contiguous(to_values(pool) if fp8 else pool, table)
     refs = [sdpa(q[i * batch : (i + 1) * batch, :, None], k[i * batch : (i + 1) * batch],
                  v[i * batch : (i + 1) * batch], causal=False)[0] for i in range(copies)]  # fmt: skip
     sdpa_rate = gbytes / graph_ms(refs) * 1e3
@@ -116,6 +119,7 @@ def main() -> None:
     ap.add_argument("--stages", nargs="+", type=int, default=[2, 3])
     ap.add_argument("--waves", nargs="+", type=float, default=[0.5, 1, 2, 4, 8], help="sets the split count")
     ap.add_argument("--rule", action="store_true", help="blocks and stages from decode_launch, not swept")
+    ap.add_argument("--fp8", action="store_true", help="an fp8 pool (e4m3 and its scale rows)")
     args = ap.parse_args()
     if args.contexts or args.batches:
         shapes = list(itertools.product(args.models, args.contexts or CONTEXTS, args.batches or [1, 4]))
@@ -126,9 +130,10 @@ def main() -> None:
     copy = copy_bandwidth()
     rows = []
     for model, ctx, b in track(shapes, description="shapes"):
-        timer, sdpa_gbps = shape_timer(model, ctx, b)
+        timer, sdpa_gbps = shape_timer(model, ctx, b, args.fp8)
         rows.append({"model": model, "context": ctx, "batch": b, "setting": "sdpa", "gbps": sdpa_gbps})
-        defaults = [default_setting(m, MODELS[model][0], b, args.rule) for m in args.merge]
+        kv_bytes = 1 if args.fp8 else DTYPE.itemsize
+        defaults = [default_setting(m, MODELS[model][0], b, args.rule, kv_bytes) for m in args.merge]
         for s in dict.fromkeys(sweep + defaults):
             try:
                 splits, rate = timer(s)
