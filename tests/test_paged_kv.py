@@ -97,6 +97,24 @@ def test_full_policy_refuses_context_larger_than_budget() -> None:
         model(torch.zeros(16, dtype=torch.long), torch.arange(64, 80), kv)
 
 
+def test_a_step_plan_lives_from_begin_to_end_and_its_listing_beyond() -> None:
+    """`begin` plans the step and `end` clears the plan; the selection's listing outlives it, and a
+    decode step inside the resident append head (nothing due) attends over the same listing."""
+    cfg = tiny_config()
+    model = tiny_model(cfg)
+    kv = make_kv(cfg, n_slots=8, policy="lru")
+    model(torch.randint(0, cfg.vocab_size, (20,)), torch.arange(20), kv)
+    assert kv.plan is None and not kv.scout and not kv.recording
+    listing = kv.listing
+    assert listing.order.tolist() == [0, 1] and listing.n == 2
+    kv.begin(torch.tensor([3]), torch.tensor([20]))
+    plan = kv.plan
+    assert plan.listing is listing and (plan.start, plan.end, plan.ids) == (20, 21, [3])
+    assert plan.write_slot.tolist() == [kv.seq.chunks[1].gpu] and plan.write_offset.tolist() == [4]
+    kv.end()
+    assert kv.plan is None and kv.listing is listing and len(kv.seq) == 21
+
+
 def test_budget_below_floor_is_refused_up_front() -> None:
     with pytest.raises(KVFlashError, match="below the floor"):
         make_kv(tiny_config(), n_slots=16, budget=4)
