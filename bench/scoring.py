@@ -5,7 +5,7 @@ side by side on one CUDA device, and against the memory's limit.
 For each model shape, number of candidate chunks N and recorded query tokens T (1: a decode step's
 query, 32: a question's scouts), every layer's queries score N chunks of a pool in shuffled slots, with
 and without per-chunk rotations (positions within the cache), each result written into the [L, T, Hq, N]
-log-mass table as `PagedKV._exact_scores` writes it: the kernel in one call, the twin in the batches
+log-mass table as `ChunkScorer.exact` writes it: the kernel in one call, the twin in the batches
 that bound its fp32 logits (SCORE_BYTES), as the engine ran it. The limit is the time to read the N
 chunks' keys once at the rate of a 4 GiB device-to-device copy measured in the same run (bytes read
 + written per second); the kernel reads nothing else of size. Times are GPU times (`do_bench`), the
@@ -29,7 +29,7 @@ from triton.testing import do_bench
 
 from bench.harness import copy_bandwidth, out_dir, pyplot, save_png, write_json
 from bench.kernel_speed import CHUNK, DTYPE
-from kvflash.engine.paged_kv import SCORE_BYTES
+from kvflash.engine.scoring import SCORE_BYTES
 from kvflash.kernels import reference
 from kvflash.kernels.triton_scoring import chunk_lse
 

@@ -61,7 +61,7 @@ def test_greedy_tokens_through_kernels_equal_the_reference_path(lm, monkeypatch,
 
 
 def test_decode_graphs_replay_what_eager_steps_compute(lm) -> None:
-    """Bit for bit, through chunk boundaries (a chunk paged out each time), turned keys and decode
+    """Bit for bit, through chunk boundaries (a chunk paged out each time), rotated keys and decode
     re-selections every 16 tokens (their graphs record the queries that score the chunks)."""
     ids, _ = _prompt(lm, 3000)
     res = ResidencyConfig(tau=16, tau_history_div=1 << 30)
@@ -74,7 +74,7 @@ def test_decode_graphs_replay_what_eager_steps_compute(lm) -> None:
         for pos in range(len(ids), len(ids) + n):
             logits = step(int(logits.argmax()), pos)
             out.append(logits.clone())
-        assert kv.shifted  # chunks evicted between resident ones: the turned-keys kernels ran
+        assert kv.staging.rotated  # chunks evicted between resident ones: the rotated-keys kernels ran
         assert eng.batch_graphs.replays - before == (n if graphs else 0)
         runs.append(torch.stack(out))
         kv.free()
@@ -145,7 +145,7 @@ def test_engine_warms_up_on_cuda_and_gives_every_slot_back(lm) -> None:
 
 @pytest.mark.parametrize("graphs", [False, True])
 def test_batched_decode_attends_in_one_call_as_each_sequence_alone(lm, monkeypatch, graphs) -> None:
-    """Three sequences over one pool, two beyond their budget (turned keys beside unturned ones), 40
+    """Three sequences over one pool, two beyond their budget (rotated keys beside unrotated ones), 40
     teacher-forced steps with re-selections: the batch's one attention call per layer, eager or
     replayed from the batch's CUDA graphs, gives each sequence the logits of its own eager step
     (bf16: the batch's launch splits the KV differently, so close, not equal)."""
@@ -178,7 +178,7 @@ def test_batched_decode_attends_in_one_call_as_each_sequence_alone(lm, monkeypat
                     torch.stack([s(tok, len(kv.seq)) for s, kv, tok in zip(steps, seqs, tokens, strict=True)])
                 )
             tokens = [(101 * t + 7 * i) % lm.config.vocab_size for i in range(len(seqs))]
-        assert sum(kv.shifted for kv in seqs) >= 1 and not seqs[0].shifted
+        assert sum(kv.staging.rotated for kv in seqs) >= 1 and not seqs[0].staging.rotated
         runs.append(torch.stack(out))
         for kv in seqs:
             kv.free()

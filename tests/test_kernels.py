@@ -550,7 +550,7 @@ def test_interp_write_tokens(t, h_kv, d, c, dtype) -> None:
 def test_interp_sequence_decodes_through_the_kernels_as_through_the_reference(kv_dtype: str) -> None:
     """A sequence larger than its budget decodes through the kernels (forced on, as on CUDA) to the
     reference path's logits: the decode buffers (slot table padded to the budget, the step's inputs
-    sent in one copy, turned keys), chunk boundaries and re-selections every 8 tokens; fp8 KV
+    sent in one copy, rotated keys), chunk boundaries and re-selections every 8 tokens; fp8 KV
     written by the kernels (scales included) as by the twins."""
     from kvflash.config import EngineConfig, ResidencyConfig
     from kvflash.engine.engine import Engine
@@ -575,7 +575,7 @@ def test_interp_sequence_decodes_through_the_kernels_as_through_the_reference(kv
                 logits = step(tokens[i], pos)
                 out.append(logits)
             assert kv.uses_triton == forced
-            assert not forced or kv.shifted  # chunks evicted between resident ones
+            assert not forced or kv.staging.rotated  # chunks evicted between resident ones
         runs.append(torch.stack(out))
     torch.testing.assert_close(
         runs[1], runs[0], **TOL[torch.float32 if kv_dtype == "fp32" else torch.bfloat16]
@@ -586,7 +586,7 @@ def test_interp_sequence_decodes_through_the_kernels_as_through_the_reference(kv
 def test_interp_batched_decode_attends_in_one_call_as_each_sequence_alone() -> None:
     """The scheduler's batched decode on the kernels (forced on, as on CUDA): each layer of every step,
     re-selections (every 8 tokens) included, attends for the whole batch in one call, over stacked
-    slot tables mixing turned and unturned keys, and every sequence's logits equal its own decode
+    slot tables mixing rotated and unrotated keys, and every sequence's logits equal its own decode
     step's: the re-selecting sequences score from the batch's queries what they score alone."""
     from kvflash.models.loader import LoadedModel
     from tests.test_scheduler import BATCH_STEPS, CFG, batched_against_alone

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kvflash import KVFlashError
 from kvflash.config import ResidencyConfig
-from kvflash.engine import paged_kv
+from kvflash.engine import scoring
 from kvflash.engine.host_tier import HostTier
 from kvflash.engine.paged_kv import PagedKV
 from kvflash.engine.pool import ChunkPool
@@ -56,13 +56,13 @@ def test_decode_scores_and_reselects_only_once_the_budget_is_nearly_full(monkeyp
     model = tiny_model(cfg)
     kv = make_kv(cfg, n_slots=16, budget=8, tau=4, tau_history_div=1 << 30)
     scored: list[int] = []
-    real = kv._exact_scores
+    real = kv.scorer.exact
 
-    def spy(from_host: bool) -> torch.Tensor:
+    def spy(*args, **kwargs) -> torch.Tensor:
         scored.append(len(kv.seq.chunks))
-        return real(from_host)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(kv, "_exact_scores", spy)
+    monkeypatch.setattr(kv.scorer, "exact", spy)
     model(torch.randint(0, cfg.vocab_size, (40,)), torch.arange(40), kv)
     tok = 1
     for pos in range(40, 200):
@@ -95,6 +95,24 @@ def test_full_policy_refuses_context_larger_than_budget() -> None:
     model(torch.zeros(64, dtype=torch.long), torch.arange(64), kv)
     with pytest.raises(KVFlashError, match="policy qk, lru or sink"):
         model(torch.zeros(16, dtype=torch.long), torch.arange(64, 80), kv)
+
+
+def test_a_step_plan_lives_from_begin_to_end_and_its_listing_beyond() -> None:
+    """`begin` plans the step and `end` clears the plan; the selection's listing outlives it, and a
+    decode step inside the resident append head (nothing due) attends over the same listing."""
+    cfg = tiny_config()
+    model = tiny_model(cfg)
+    kv = make_kv(cfg, n_slots=8, policy="lru")
+    model(torch.randint(0, cfg.vocab_size, (20,)), torch.arange(20), kv)
+    assert kv.plan is None and not kv.scout and not kv.recording
+    listing = kv.listing
+    assert listing.order.tolist() == [0, 1] and listing.n == 2
+    kv.begin(torch.tensor([3]), torch.tensor([20]))
+    plan = kv.plan
+    assert plan.listing is listing and (plan.start, plan.end, plan.ids) == (20, 21, [3])
+    assert plan.write_slot.tolist() == [kv.seq.chunks[1].gpu] and plan.write_offset.tolist() == [4]
+    kv.end()
+    assert kv.plan is None and kv.listing is listing and len(kv.seq) == 21
 
 
 def test_budget_below_floor_is_refused_up_front() -> None:
@@ -257,10 +275,10 @@ def test_scout_scores_from_exact_keys_find_one_sharp_key_that_block_means_miss()
 
     q_question = (4.0 * u).expand(1, hq, d)
     step(20 * c, 2, torch.randn(2, d, generator=gen) * 0.05, q_question)  # a prefill step: estimates
-    kv._apply_scores()
+    kv.selector.apply_scores(kv.seq)
     assert kv.seq.chunks[3].score > kv.seq.chunks[7].score
     step(len(kv.seq), 2, torch.randn(2, d, generator=gen) * 0.05, q_question, scout=True)
-    kv._apply_scores()
+    kv.selector.apply_scores(kv.seq)
     assert kv.seq.chunks[7].score > 10 * kv.seq.chunks[3].score
 
 
@@ -270,7 +288,7 @@ def test_prefill_scores_sum_each_layers_largest_estimated_share(monkeypatch, sco
     block-mean logit of every chunk (each block's log-mass counting its tokens), the largest share
     any of the step's last `score_queries` queries and heads gives the chunk, summed over layers. The
     step scores all layers at once or in batches (SCORE_BYTES); either way it is this sum."""
-    monkeypatch.setattr(paged_kv, "SCORE_BYTES", score_bytes)
+    monkeypatch.setattr(scoring, "SCORE_BYTES", score_bytes)
     cfg = tiny_config(n_layers=3)
     kv = make_kv(cfg, n_slots=8, policy="qk", cache_positions=False, score_queries=5)
     h_kv, hq, d, c, blocks = cfg.n_kv_heads, cfg.n_heads, cfg.head_dim, 16, kv.cfg.summary_blocks
@@ -293,29 +311,29 @@ def test_prefill_scores_sum_each_layers_largest_estimated_share(monkeypatch, sco
         lse = logits.logsumexp(-1) + math.log(c // blocks)  # [t, Hkv, G, chunk]
         want += torch.softmax(lse.flatten(1, 2), -1).amax(dim=(0, 1))
     kv.end()
-    kv._apply_scores()
+    kv.selector.apply_scores(kv.seq)
     torch.testing.assert_close(torch.tensor([ch.score for ch in kv.seq.chunks[:6]]), want)
 
 
 @pytest.mark.parametrize("cache_positions", [True, False])
 def test_resident_chunks_attend_at_positions_within_the_cache(cache_positions: bool) -> None:
-    """Under eviction each resident chunk's keys turn forward by C x the evicted chunks between it and
+    """Under eviction each resident chunk's keys rotate forward by C x the evicted chunks between it and
     the step's queries (the sink by all of them, the window by none); off, they stay absolute."""
     cfg = tiny_config()
     kv = make_kv(cfg, n_slots=8, budget=6, policy="sink", cache_positions=cache_positions)
     model = tiny_model(cfg)
     for start in range(0, 16 * 12, 16):
         model(torch.zeros(16, dtype=torch.long), torch.arange(start, start + 16), kv)
-    order = kv._order.tolist()
+    order = kv.listing.order.tolist()
     assert order[0] == 0 and order[1:] == list(range(order[1], 12)), order
     if not cache_positions:
-        assert kv._rot is None
+        assert kv.listing.rot is None
         return
     gap = order[1] - 1  # chunks 1 .. order[1] - 1 are evicted
     ang = gap * 16 * inv_frequencies(cfg)
-    torch.testing.assert_close(kv._rot[0], torch.stack([ang.cos(), ang.sin()]))
-    torch.testing.assert_close(kv._rot[1:, 0], torch.ones(len(order) - 1, cfg.head_dim // 2))
-    torch.testing.assert_close(kv._rot[1:, 1], torch.zeros(len(order) - 1, cfg.head_dim // 2))
+    torch.testing.assert_close(kv.listing.rot[0], torch.stack([ang.cos(), ang.sin()]))
+    torch.testing.assert_close(kv.listing.rot[1:, 0], torch.ones(len(order) - 1, cfg.head_dim // 2))
+    torch.testing.assert_close(kv.listing.rot[1:, 1], torch.zeros(len(order) - 1, cfg.head_dim // 2))
 
 
 @pytest.mark.parametrize("cache_positions", [True, False])
@@ -342,6 +360,6 @@ def test_chunks_are_scored_from_where_they_would_sit(cache_positions: bool) -> N
         step(i * c, c, keys, torch.randn(1, hq, d, generator=gen))
     keys = torch.randn(2, h_kv, d, generator=gen)
     step(len(kv.seq), 2, keys, torch.randn(1, hq, d, generator=gen) * 2, scout=True)
-    kv._apply_scores()
+    kv.selector.apply_scores(kv.seq)
     a, b = kv.seq.chunks[2].score, kv.seq.chunks[12].score
     assert (abs(a - b) < 1e-4 * max(a, b)) == cache_positions, (a, b)

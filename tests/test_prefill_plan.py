@@ -26,7 +26,7 @@ def test_a_step_pages_in_exactly_the_chunks_its_selection_names() -> None:
     for _ in range(10):
         _forward_random(kv, 32, gen, written)  # 20 chunks, 12 resident at most
     scores = torch.rand(len(kv.seq.chunks), generator=gen).tolist()
-    kv._scores = None  # the test's scores stand instead of the last step's
+    kv.selector.scores = None  # the test's scores stand instead of the last step's
     for ch, s in zip(kv.seq.chunks, scores, strict=True):
         ch.score = s
     start = len(kv.seq)

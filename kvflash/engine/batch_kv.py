@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 
 from kvflash import kernels
-from kvflash.engine.paged_kv import DECODE_FIELDS, PagedKV, Staged
+from kvflash.engine.decode_staging import DECODE_FIELDS, Staged
+from kvflash.engine.paged_kv import PagedKV
 
 PAD_FIELDS = (0, 0, None, 0, 1, 1)
 """A pad row's decode inputs: token 0 at position 0, written to the pool's pad slot, which it lists
@@ -41,8 +42,8 @@ class BatchKV:
         self.rows = rows or len(seqs)
         self.joint = False
         """This step attends with one kernel call for the whole batch."""
-        self.turned = False
-        """Some sequence's keys are turned: the call reads every sequence's rotations."""
+        self.rotated = False
+        """Some sequence's keys are rotated: the call reads every sequence's rotations."""
         self.recording = False
         """Some sequence records its queries for a re-selection."""
         self.queries: list[torch.Tensor] | None = None
@@ -51,7 +52,8 @@ class BatchKV:
         self._table: torch.Tensor | None = None
         self._rot: torch.Tensor | None = None
         self._tables_of: list[int] = []
-        """The `table_write` of each sequence whose table (and rotations) the buffers hold."""
+        """The `DecodeStaging.table_write` of each sequence whose table (and rotations) the buffers
+        hold."""
         self._host_inputs: tuple[list[int], list[int]] = ([], [])
 
     def begin_decode(self, tokens: list[int], positions: list[int]) -> None:
@@ -75,18 +77,19 @@ class BatchKV:
         seqs, pads = self.seqs, self.rows - len(self.seqs)
         pool = seqs[0].pool
         if self._ins is None:
-            self._ins = Staged((DECODE_FIELDS, self.rows), pool.kv.device)
+            self._ins = Staged((DECODE_FIELDS, self.rows), seqs[0].device)
         pad = tuple(pool.pad_slot if f is None else f for f in PAD_FIELDS)
-        fields = [kv.decode_fields for kv in seqs] + [pad] * pads
+        staging = [kv.staging for kv in seqs]
+        fields = [s.fields for s in staging] + [pad] * pads
         self._ins.send(list(zip(*fields, strict=True)))  # [F, rows]
-        self.turned = any(kv.shifted for kv in seqs)
-        writes = [kv.table_write for kv in seqs]
+        self.rotated = any(s.rotated for s in staging)
+        writes = [s.table_write for s in staging]
         if writes != self._tables_of:  # most steps list the same chunks as the last
-            tables = [kv.decode_table() for kv in seqs]
+            tables = [s.table for s in staging]
             tables += [torch.full_like(tables[0], pool.pad_slot)] * pads
             self._table = _stack(tables, self._table)
-            if self.turned:
-                rots = [kv.decode_rotation() for kv in seqs] + [seqs[0].identity_rotation()] * pads
+            if self.rotated:
+                rots = [s.rotation() for s in staging] + [staging[0].identity_rotation()] * pads
                 self._rot = _stack(rots, self._rot)
             self._tables_of = writes
 
@@ -94,7 +97,7 @@ class BatchKV:
         """The step's token ids and positions [B] on the device."""
         if self.joint:
             return self._ins.device[0], self._ins.device[1]
-        dev = self.seqs[0].pool.kv.device
+        dev = self.seqs[0].device
         tokens, positions = self._host_inputs
         return torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev)
 
@@ -108,7 +111,7 @@ class BatchKV:
             self.queries.append(q.float())
         pool, ins = self.seqs[0].pool.kv, self._ins.device
         kernels.write_tokens(pool, layer, ins[2], ins[3], k, v)
-        rot = self._rot if self.turned else None
+        rot = self._rot if self.rotated else None
         return kernels.paged_decode_attention(
             q, pool, layer, self._table, ins[4], ins[5], q.shape[-1] ** -0.5, rot
         )
@@ -116,7 +119,7 @@ class BatchKV:
     def end(self) -> None:
         for i, kv in enumerate(self.seqs):
             if self.queries is not None and kv.recording:
-                kv.queries = [q[i : i + 1] for q in self.queries]
+                kv.record_queries([q[i : i + 1] for q in self.queries])
             kv.end()
         self.seqs = []  # a kept batch holds no finished sequence
 

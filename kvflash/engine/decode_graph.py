@@ -50,7 +50,7 @@ def capture(compute: Callable[[], torch.Tensor], queries: Callable[[], list | No
 
 
 class BatchGraphs:
-    """Batched decode steps, captured on first use per (batch rows, budget, turned keys, recording
+    """Batched decode steps, captured on first use per (batch rows, budget, rotated keys, recording
     queries). Each reads the buffers of the one BatchKV the engine keeps for its size and budget; the
     graphs share one memory pool, since only one runs at a time."""
 
@@ -69,7 +69,7 @@ class BatchGraphs:
         batch.begin_decode(tokens, positions)
         assert batch.joint, "a batch graph needs sequences on the Triton kernels with one budget"
         n = len(batch.seqs)
-        key = (batch.rows, batch.seqs[0].budget, batch.turned, batch.recording)
+        key = (batch.rows, batch.seqs[0].budget, batch.rotated, batch.recording)
         if key not in self._graphs:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()

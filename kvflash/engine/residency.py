@@ -3,9 +3,12 @@
 `qk` ranks chunks by how well their key summaries match recent queries; `lru` keeps what it has and
 drops the least recently used; `sink` keeps the most recent chunks (StreamingLLM); `full` keeps all.
 Sinks, the tail window, the chunks a step writes, and pinned chunks are required under every policy.
+`Selector` decides when a sequence selects again and with which scores.
 """
 
 from __future__ import annotations
+
+import torch
 
 from kvflash import KVFlashError
 from kvflash.config import ResidencyConfig
@@ -17,6 +20,25 @@ def required_chunks(seq: Sequence, cfg: ResidencyConfig, first_touched: int, las
     tail = range(max(0, first_touched - cfg.tail_chunks), first_touched)
     pins = (c.index for c in seq.chunks[:first_touched] if c.pinned)
     return {*sinks, *tail, *pins, *range(first_touched, last_touched + 1)}
+
+
+def pin_chunks(seq: Sequence, cfg: ResidencyConfig, budget: int, lo: int, hi: int) -> None:
+    """Pins the chunks covering token positions [lo, hi), which every selection then holds; refused
+    if the floor with them (sinks + tail + pins + 2) would exceed the budget."""
+    if not 0 <= lo < hi:
+        raise KVFlashError(f"bad pin range [{lo}, {hi})")
+    c = cfg.chunk_tokens
+    idx = range(lo // c, (hi - 1) // c + 1)
+    pinned = {ch.index for ch in seq.chunks if ch.pinned} | set(idx)
+    if cfg.floor_chunks(len(pinned)) > budget:
+        raise KVFlashError(
+            f"pinning {len(pinned)} chunks would break the floor: sinks + tail + pins + 2 = "
+            f"{cfg.floor_chunks(len(pinned))} > budget {budget} chunks (pin less, or a "
+            "larger --pool-tokens)"
+        )
+    seq.ensure_chunks(idx[-1] * c + 1)
+    for i in idx:
+        seq.chunks[i].pinned = True
 
 
 def select_resident(
@@ -68,3 +90,78 @@ def select_resident(
     else:  # sink: the most recent window
         candidates.sort(key=lambda c: c.index, reverse=True)
     return required | {c.index for c in candidates[:room]}
+
+
+class Selector:
+    """When one sequence selects its resident chunks, and with what: the state a step leaves for the
+    next (the scores of the last scoring step, whether it was a scout, tokens since the last due
+    selection, pins changed since the last selection)."""
+
+    def __init__(self, cfg: ResidencyConfig, budget: int):
+        self.cfg, self.budget = cfg, budget
+        self.scores: torch.Tensor | None = None
+        """The last scoring step's scores, applied to the chunks by the next step."""
+        self.scouted = False
+        """The last step was a scout: its scores are the question's, so the next step may select."""
+        self.dirty = True
+        """Pins changed since the last selection: the next step must select again."""
+        self.since_select = 0
+        """Tokens since the last due selection: decode selects again every `tau` of them."""
+
+    def tau(self, seq: Sequence) -> int:
+        return max(self.cfg.tau, len(seq) // self.cfg.tau_history_div)
+
+    def roomy(self, seq: Sequence, approximate: bool) -> bool:
+        """Every chunk has stayed resident and the budget holds one more: a decode re-selection (and
+        the scoring before it) could not change what is resident, so none is due until this ends."""
+        return not approximate and len(seq.chunks) < self.budget
+
+    def apply_scores(self, seq: Sequence) -> None:
+        if self.scores is not None:
+            for ch, s in zip(seq.chunks, self.scores.tolist(), strict=False):
+                ch.score = s
+            self.scores = None
+
+    def want(
+        self, seq: Sequence, first: int, last: int, t: int, scout: bool, approximate: bool
+    ) -> set[int] | None:
+        """The chunks to hold for a step of t tokens that writes chunks first..last (after applying
+        the last scores), or None where the step keeps the last selection: decode inside the
+        resident append head, with no selection due, moves nothing."""
+        self.apply_scores(seq)
+        # A first scout has no scores for the question yet: it runs on the floor alone (sinks, tail,
+        # pins, its own chunks), whatever happens to be resident, so that a restored sequence scouts
+        # exactly as a cold one does. A later scout selects with the previous one's scores.
+        first_scout = scout and not self.scouted
+        decode_due = self.since_select >= self.tau(seq) and not self.roomy(seq, approximate)
+        due = (t > 1 or decode_due) and not first_scout
+        fast = not (due or first_scout or self.dirty)
+        if fast and first == last and seq.chunks[first].gpu is not None:
+            return None
+        if first_scout:
+            return required_chunks(seq, self.cfg, first, last)
+        # a document's own steps keep what they hold unless a chunk beats it by the margin; the
+        # question's steps (scouts, and the step after them) select exactly
+        margin = self.cfg.keep_margin if t > 1 and not (scout or self.scouted) else 0.0
+        want = select_resident(seq, self.cfg, self.budget, first, last, due, margin)
+        if due:
+            self.since_select = 0
+        return want
+
+    def records(self, seq: Sequence, t: int, scout: bool, approximate: bool) -> bool:
+        """A step of t tokens records its queries to score the chunks: under `qk`, scouts, prefill
+        steps and the decode step before a re-selection falls due."""
+        due_next = self.since_select + t >= self.tau(seq) and not self.roomy(seq, approximate)
+        return self.cfg.policy == "qk" and (scout or t > 1 or due_next)
+
+    def ended(self, t: int, scout: bool, scores: torch.Tensor | None) -> None:
+        """A step of t tokens ended, with the scores it computed (None: it scored nothing)."""
+        self.scouted = scout
+        if scores is not None:
+            self.scores = scores
+        if not scout:
+            self.since_select += t
+
+    def reset(self) -> None:
+        """The sequence dropped tokens (`PagedKV.truncate`): its next step selects afresh."""
+        self.scores, self.scouted, self.dirty, self.since_select = None, False, True, 0

@@ -292,7 +292,7 @@ class KVSnapshots:
                     )
                     if on_progress:
                         on_progress(min(lo + batch, len(hashes)), len(hashes))
-            rows = summaries.rows.to(kv.pool.kv.device)
+            rows = summaries.rows.to(kv.device)
         except BaseException:
             for h in slots:
                 kv.host.release(h)
@@ -372,7 +372,7 @@ def _resident_copies(kv: PagedKV, indices: list[int]) -> dict[int, torch.Tensor]
     out: dict[int, torch.Tensor] = {}
     for lo in range(0, len(resident), STAGE_CHUNKS):
         group = resident[lo : lo + STAGE_CHUNKS]
-        slots = torch.tensor([kv.seq.chunks[i].gpu for i in group], device=kv.pool.kv.device)
+        slots = torch.tensor([kv.seq.chunks[i].gpu for i in group], device=kv.device)
         block = kv.pool.kv.index_select(0, slots).to("cpu")
         out.update(zip(group, block, strict=True))
     return out
