@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from kvflash.engine.generate import Sampler, Sampling, decode, eager_step, prefill
+from kvflash.engine.generate import Generation, Sampler, Sampling, decode, eager_step, prefill
 from kvflash.kvcache import ContiguousKV
 from kvflash.models.loader import load_model
 
@@ -33,9 +33,8 @@ def greedy(lm, prompt: str, max_tokens: int = 24) -> str:
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}]))
     kv = ContiguousKV(lm.config, len(ids) + max_tokens, lm.dtype, lm.device)
     logits = prefill(lm.model, ids, kv)
-    step = eager_step(lm.model, kv)
-    out = decode(step, logits, len(ids), max_tokens, Sampler(Sampling(), lm.device), tok.eos_ids)
-    return tok.decode(list(out))
+    gen = Generation(max_tokens, Sampler(Sampling(), lm.device), tok.eos_ids)
+    return tok.decode(decode(eager_step(lm.model, kv), logits, len(ids), gen))
 
 
 def test_capital_of_france(smollm) -> None:

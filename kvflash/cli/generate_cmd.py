@@ -11,7 +11,7 @@ from rich.console import Console
 
 from kvflash import KVFlashError
 from kvflash.cli.options import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt
-from kvflash.engine.generate import Sampler, Sampling, decode, eager_step, prefill
+from kvflash.engine.generate import Generation, Sampler, Sampling, decode, eager_step, prefill
 from kvflash.kvcache import ContiguousKV
 from kvflash.models.loader import load_model
 from kvflash.models.tokenizer import StreamDecoder
@@ -42,30 +42,26 @@ def generate(
         raise KVFlashError("the prompt is empty")
     kv = ContiguousKV(lm.config, len(ids) + max_tokens, lm.dtype, lm.device)
     console = Console(highlight=False)
+    stream = StreamDecoder(tok)
+
+    def show(t: int) -> None:
+        if not as_json and (piece := stream.push(t)):
+            console.out(piece, end="")
 
     t0 = time.perf_counter()
     logits = prefill(lm.model, ids, kv)
     sampler = Sampler(Sampling(temperature, top_p, seed), lm.device)
-    stream = StreamDecoder(tok)
-    out: list[int] = []
-    ttft = None
-    for t in decode(eager_step(lm.model, kv), logits, len(ids), max_tokens, sampler, tok.eos_ids):
-        ttft = ttft or time.perf_counter() - t0
-        out.append(t)
-        piece = stream.push(t)
-        if not as_json and piece:
-            console.out(piece, end="")
-    elapsed = time.perf_counter() - t0
+    gen = Generation(max_tokens, sampler, tok.eos_ids, show, t0=t0)
+    out = decode(eager_step(lm.model, kv), logits, len(ids), gen)
     if as_json:
-        tok_s = (len(out) - 1) / (elapsed - ttft) if ttft and len(out) > 1 else None
         print(
             json.dumps(
                 {
                     "text": tok.decode(out),
                     "prompt_tokens": len(ids),
                     "completion_tokens": len(out),
-                    "ttft_s": ttft,
-                    "decode_tok_s": tok_s,
+                    "ttft_s": gen.ttft_s if out else None,
+                    "decode_tok_s": gen.decode_tok_s if len(out) > 1 else None,
                 }
             )
         )
