@@ -1,5 +1,5 @@
-"""Prefill and token-by-token decoding over any KVCache: greedy or nucleus sampling, the per-token
-rule of an answer (`Generation`) and the decode loop of one sequence (`decode`)."""
+"""Token-by-token decoding over any KVCache: greedy or nucleus sampling, the per-token rule of an
+answer (`Generation`) and the decode loop of one sequence (`decode`)."""
 
 from __future__ import annotations
 
@@ -49,27 +49,6 @@ class Sampler:
             keep[0] = True  # the likeliest token is always in (a tiny top_p rounds to 0 in fp32)
             probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
         return int(torch.multinomial(probs, 1, generator=self.gen))
-
-
-def prefill(
-    model: LlamaForCausalLM,
-    ids: list[int],
-    kv: KVCache,
-    start: int = 0,
-    step_tokens: int = 512,
-    on_progress: Callable[[int], None] | None = None,
-) -> torch.Tensor:
-    """Runs ids (placed at positions start..) in slices of step_tokens; returns the last logits [V]."""
-    device = model.lm_head.weight.device
-    logits = None
-    for lo in range(0, len(ids), step_tokens):
-        piece = torch.tensor(ids[lo : lo + step_tokens], device=device)
-        pos = torch.arange(start + lo, start + lo + piece.numel(), device=device)
-        logits = model(piece, pos, kv)[0]
-        if on_progress:
-            on_progress(piece.numel())
-    assert logits is not None, "prefill needs at least one token"
-    return logits
 
 
 Step = Callable[[int, int], torch.Tensor]
