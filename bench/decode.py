@@ -35,7 +35,7 @@ from bench.harness import (
 )
 from kvflash.config import EngineConfig
 from kvflash.engine.engine import Engine
-from kvflash.engine.generate import Sampler, Sampling, Step, decode, eager_step
+from kvflash.engine.generate import Generation, Sampler, Sampling, Step, decode, eager_step
 from kvflash.models.llama import LlamaForCausalLM
 from kvflash.models.loader import LoadedModel, load_model
 
@@ -50,8 +50,8 @@ def weight_bytes(model: LlamaForCausalLM) -> int:
 
 
 def tokens_per_s(step: Step, kv, logits: torch.Tensor, n: int) -> tuple[float, torch.Tensor]:
-    """Greedy decode of n tokens as `Engine.generate` runs it; returns tok/s and the last logits."""
-    sampler = Sampler(Sampling(), logits.device)
+    """Greedy decode of n tokens as every answer runs it (`decode`); returns tok/s and the last logits."""
+    gen = Generation(n + 1, Sampler(Sampling(), logits.device))
     last = {}
 
     def timed(tok: int, pos: int) -> torch.Tensor:
@@ -60,7 +60,7 @@ def tokens_per_s(step: Step, kv, logits: torch.Tensor, n: int) -> tuple[float, t
 
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    out = list(decode(timed, logits, len(kv.seq), n + 1, sampler))
+    out = decode(timed, logits, len(kv.seq), gen)
     torch.cuda.synchronize()
     assert len(out) == n + 1
     return n / (time.perf_counter() - t0), last["logits"]

@@ -9,7 +9,7 @@ import torch
 
 from kvflash.config import EngineConfig, ResidencyConfig
 from kvflash.engine.engine import Engine
-from kvflash.engine.generate import Sampler, Sampling, decode
+from kvflash.engine.generate import Generation, Sampler, Sampling, decode
 from kvflash.eval.haystack import build_haystack
 from kvflash.kvcache import ContiguousKV
 from kvflash.models.loader import load_model
@@ -30,8 +30,8 @@ def greedy(lm, ids: list[int], pool_tokens: int, budget: int | None, n: int = 48
     eng = Engine(lm, EngineConfig(pool_tokens=pool_tokens, residency=ResidencyConfig()))
     kv = eng.new_sequence(budget)
     logits = eng.prefill(kv, ids)
-    sampler = Sampler(Sampling(), lm.device)
-    out = list(decode(eng.decode_step(kv), logits, len(kv.seq), n, sampler, lm.tokenizer.eos_ids))
+    gen = Generation(n, Sampler(Sampling(), lm.device), lm.tokenizer.eos_ids)
+    out = decode(eng.decode_step(kv), logits, len(kv.seq), gen)
     assert kv.uses_triton == (eng.pool.kv.is_cuda and not _forced_reference())
     return out, eng
 
@@ -332,6 +332,6 @@ def test_fp8_kv_at_full_budget_stays_near_bf16_kv(lm) -> None:
     eng = Engine(lm, EngineConfig(pool_tokens=8192, residency=ResidencyConfig(), kv_dtype="fp8"))
     kv = eng.new_sequence()
     logits = eng.prefill(kv, ids)
-    sampler = Sampler(Sampling(), lm.device)
-    out = list(decode(eng.decode_step(kv), logits, len(kv.seq), 48, sampler, lm.tokenizer.eos_ids))
+    gen = Generation(48, Sampler(Sampling(), lm.device), lm.tokenizer.eos_ids)
+    out = decode(eng.decode_step(kv), logits, len(kv.seq), gen)
     assert value in lm.tokenizer.decode(out)

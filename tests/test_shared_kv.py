@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from kvflash.config import EngineConfig, ResidencyConfig
 from kvflash.engine.engine import Engine
-from kvflash.engine.generate import Sampler, Sampling, decode
+from kvflash.engine.generate import Generation, Sampler, Sampling, decode
 from kvflash.engine.paged_kv import PagedKV
 from kvflash.models.loader import LoadedModel
 from kvflash.serve.prefix_cache import PrefixCache, Taken
@@ -48,9 +48,8 @@ def ids(n: int, seed: int) -> list[int]:
 def answer(eng: Engine, kv: PagedKV, prompt: list[int], n: int) -> tuple[torch.Tensor, list[int]]:
     """Prefills what kv lacks of prompt; the logits after it and n greedy tokens."""
     logits = eng.prefill(kv, prompt[len(kv.seq) :])
-    sampler = Sampler(Sampling(), eng.lm.device)
-    out = list(decode(eng.decode_step(kv), logits, len(kv.seq), n, sampler, frozenset()))
-    return logits, out
+    gen = Generation(n, Sampler(Sampling(), eng.lm.device))
+    return logits, decode(eng.decode_step(kv), logits, len(kv.seq), gen)
 
 
 def alone(lm, prompt: list[int], n: int, **kw) -> tuple[torch.Tensor, list[int]]:
@@ -121,8 +120,7 @@ def test_parking_and_dropping_one_reader_leaves_what_the_other_reads(lm) -> None
     assert not a.resident() and all(eng.pool.refs(s) == 1 for s in slots)
     cache.drop(a)
     assert [ch.gpu for ch in b.seq.chunks[:5]] == slots and torch.equal(shared_kv(eng, b, 5), before)
-    sampler = Sampler(Sampling(), eng.lm.device)
-    out = list(decode(eng.decode_step(b), logits, len(b.seq), 8, sampler, frozenset()))
+    out = decode(eng.decode_step(b), logits, len(b.seq), Generation(8, Sampler(Sampling(), eng.lm.device)))
     assert out == alone(lm, second, 8)[1]
     cache.drop(b)
     assert_all_free(eng)
@@ -389,6 +387,6 @@ def test_on_cuda_a_shared_document_reads_the_same_batched_and_after_its_lender_l
         eng = cuda_engine(lm)
         kv = eng.new_sequence()
         logits = eng.prefill(kv, second)
-        sampler = Sampler(Sampling(), lm.device)
-        assert list(decode(eng.decode_step(kv), logits, len(kv.seq), 24, sampler, frozenset())) == calm
+        gen = Generation(24, Sampler(Sampling(), lm.device))
+        assert decode(eng.decode_step(kv), logits, len(kv.seq), gen) == calm
         kv.free()

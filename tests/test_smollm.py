@@ -6,11 +6,15 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
 
-from kvflash.engine.generate import Sampler, Sampling, decode, eager_step, prefill
+from kvflash.cli.generate_cmd import dense_config
+from kvflash.config import ResidencyConfig
+from kvflash.engine.engine import Engine
+from kvflash.engine.generate import Generation, Sampler, Sampling, decode, eager_step
 from kvflash.kvcache import ContiguousKV
 from kvflash.models.loader import load_model
 
@@ -32,10 +36,9 @@ def greedy(lm, prompt: str, max_tokens: int = 24) -> str:
     tok = lm.tokenizer
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}]))
     kv = ContiguousKV(lm.config, len(ids) + max_tokens, lm.dtype, lm.device)
-    logits = prefill(lm.model, ids, kv)
-    step = eager_step(lm.model, kv)
-    out = decode(step, logits, len(ids), max_tokens, Sampler(Sampling(), lm.device), tok.eos_ids)
-    return tok.decode(list(out))
+    logits = lm.model(torch.tensor(ids), torch.arange(len(ids)), kv)[0]
+    gen = Generation(max_tokens, Sampler(Sampling(), lm.device), tok.eos_ids)
+    return tok.decode(decode(eager_step(lm.model, kv), logits, len(ids), gen))
 
 
 def test_capital_of_france(smollm) -> None:
@@ -51,13 +54,19 @@ def test_perplexity_on_prose_is_sane(smollm) -> None:
     assert 4.0 < ppl < 25.0, f"perplexity {ppl:.2f}"
 
 
-def test_prefill_in_slices_equals_one_shot(smollm) -> None:
+def test_generate_engine_prefills_in_pieces_what_the_dense_cache_computes(smollm) -> None:
+    """`kvflash generate`'s engine (`dense_config`), a chunk of 16 tokens per prefill piece, ends at
+    the logits of the dense cache's one-shot forward."""
     ids = smollm.tokenizer.encode(PROSE)
-    one = prefill(smollm.model, ids, ContiguousKV(smollm.config, len(ids), torch.float32, "cpu"))
-    sliced = prefill(
-        smollm.model, ids, ContiguousKV(smollm.config, len(ids), torch.float32, "cpu"), step_tokens=7
-    )
-    torch.testing.assert_close(sliced, one, rtol=1e-4, atol=1e-4)
+    dense = ContiguousKV(smollm.config, len(ids), torch.float32, "cpu")
+    one = smollm.model(torch.tensor(ids), torch.arange(len(ids)), dense)[0]
+    cfg = dense_config(smollm, len(ids))
+    cfg = replace(cfg, prefill_step_tokens=16, residency=ResidencyConfig(chunk_tokens=16, policy="full"))
+    eng = Engine(smollm, cfg, warm=False)
+    pieces = []
+    logits = eng.prefill(eng.new_sequence(), ids, pieces.append)
+    assert len(pieces) > 3 and set(pieces[:-1]) == {16}
+    torch.testing.assert_close(logits, one, rtol=1e-4, atol=1e-4)
 
 
 def kvflash(*args: str) -> subprocess.CompletedProcess:

@@ -1,4 +1,7 @@
-"""`kvflash generate`: plain generation from a prompt, streamed to the terminal."""
+"""`kvflash generate`: plain generation from a prompt, streamed to the terminal.
+
+It runs the engine's prefill and decode loops over one sequence whose pool holds the prompt and the
+answer (policy `full`, KV in the model's dtype): the dense computation, on the path every answer takes."""
 
 from __future__ import annotations
 
@@ -11,9 +14,10 @@ from rich.console import Console
 
 from kvflash import KVFlashError
 from kvflash.cli.options import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt
-from kvflash.engine.generate import Sampler, Sampling, decode, eager_step, prefill
-from kvflash.kvcache import ContiguousKV
-from kvflash.models.loader import load_model
+from kvflash.config import DTYPES, EngineConfig, ResidencyConfig
+from kvflash.engine.engine import Engine
+from kvflash.engine.generate import Generation, Sampler, Sampling, decode
+from kvflash.models.loader import LoadedModel, load_model
 from kvflash.models.tokenizer import StreamDecoder
 
 
@@ -40,34 +44,40 @@ def generate(
     ids = tok.encode(text)
     if not ids:
         raise KVFlashError("the prompt is empty")
-    kv = ContiguousKV(lm.config, len(ids) + max_tokens, lm.dtype, lm.device)
+    engine = Engine(lm, dense_config(lm, len(ids) + max_tokens), warm=False)
+    kv = engine.new_sequence()
     console = Console(highlight=False)
+    stream = StreamDecoder(tok)
+
+    def show(t: int) -> None:
+        if not as_json and (piece := stream.push(t)):
+            console.out(piece, end="")
 
     t0 = time.perf_counter()
-    logits = prefill(lm.model, ids, kv)
+    logits = engine.prefill(kv, ids)
     sampler = Sampler(Sampling(temperature, top_p, seed), lm.device)
-    stream = StreamDecoder(tok)
-    out: list[int] = []
-    ttft = None
-    for t in decode(eager_step(lm.model, kv), logits, len(ids), max_tokens, sampler, tok.eos_ids):
-        ttft = ttft or time.perf_counter() - t0
-        out.append(t)
-        piece = stream.push(t)
-        if not as_json and piece:
-            console.out(piece, end="")
-    elapsed = time.perf_counter() - t0
+    gen = Generation(max_tokens, sampler, tok.eos_ids, show, t0=t0)
+    out = decode(engine.decode_step(kv), logits, len(ids), gen)
     if as_json:
-        tok_s = (len(out) - 1) / (elapsed - ttft) if ttft and len(out) > 1 else None
         print(
             json.dumps(
                 {
                     "text": tok.decode(out),
                     "prompt_tokens": len(ids),
                     "completion_tokens": len(out),
-                    "ttft_s": ttft,
-                    "decode_tok_s": tok_s,
+                    "ttft_s": gen.ttft_s if out else None,
+                    "decode_tok_s": gen.decode_tok_s if len(out) > 1 else None,
                 }
             )
         )
     else:
         console.out(stream.flush())
+
+
+def dense_config(lm: LoadedModel, tokens: int) -> EngineConfig:
+    """An engine whose one sequence holds `tokens` tokens, all resident, in the model's dtype: what a
+    dense cache computes, with no host tier (nothing is evicted)."""
+    kv_dtype = next(name for name, dt in DTYPES.items() if dt == lm.dtype)
+    return EngineConfig(
+        pool_tokens=tokens, host_bytes=0, residency=ResidencyConfig(policy="full"), kv_dtype=kv_dtype
+    )

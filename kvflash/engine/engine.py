@@ -16,7 +16,7 @@ from kvflash import kernels
 from kvflash.config import KV_DTYPE_NAMES, EngineConfig, resolve_kv_dtype
 from kvflash.engine.batch_kv import BatchKV, padded_size
 from kvflash.engine.decode_graph import BatchGraphs
-from kvflash.engine.generate import Sampler, Sampling, Step, decode, eager_step
+from kvflash.engine.generate import Generation, Sampler, Sampling, Step, decode, eager_step
 from kvflash.engine.host_tier import HostTier
 from kvflash.engine.paged_kv import PagedKV
 from kvflash.engine.pool import ChunkPool, slots_for
@@ -86,8 +86,8 @@ class Engine:
                     logits = self.prefill(kv, [0] * n)
             # captures the graph a lone sequence of the pool's budget replays (the first capture in a
             # process is the slow one)
-            sampler = Sampler(Sampling(), self.lm.device)
-            list(decode(self.decode_step(kv), logits, len(kv.seq), 2, sampler))
+            gen = Generation(2, Sampler(Sampling(), self.lm.device))
+            decode(self.decode_step(kv), logits, len(kv.seq), gen)
         finally:
             kv.free()
         if self.cfg.residency.policy != "full":

@@ -1,9 +1,12 @@
-"""Prefill and token-by-token decoding over any KVCache, with greedy or nucleus sampling."""
+"""Token-by-token decoding over any KVCache: greedy or nucleus sampling, the per-token rule of an
+answer (`Generation`) and the decode loop of one sequence (`decode`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from math import inf
 
 import torch
 
@@ -48,27 +51,6 @@ class Sampler:
         return int(torch.multinomial(probs, 1, generator=self.gen))
 
 
-def prefill(
-    model: LlamaForCausalLM,
-    ids: list[int],
-    kv: KVCache,
-    start: int = 0,
-    step_tokens: int = 512,
-    on_progress: Callable[[int], None] | None = None,
-) -> torch.Tensor:
-    """Runs ids (placed at positions start..) in slices of step_tokens; returns the last logits [V]."""
-    device = model.lm_head.weight.device
-    logits = None
-    for lo in range(0, len(ids), step_tokens):
-        piece = torch.tensor(ids[lo : lo + step_tokens], device=device)
-        pos = torch.arange(start + lo, start + lo + piece.numel(), device=device)
-        logits = model(piece, pos, kv)[0]
-        if on_progress:
-            on_progress(piece.numel())
-    assert logits is not None, "prefill needs at least one token"
-    return logits
-
-
 Step = Callable[[int, int], torch.Tensor]
 """One decode step: (token id, its position) -> the logits [V] after it."""
 
@@ -84,22 +66,71 @@ def eager_step(model: LlamaForCausalLM, kv: KVCache) -> Step:
     return step
 
 
-def decode(
-    step: Step,
-    first_logits: torch.Tensor,
-    position: int,
-    max_tokens: int,
-    sampler: Sampler,
-    stop_ids: frozenset[int] = frozenset(),
-) -> Iterator[int]:
-    """Yields up to max_tokens ids; a stop id ends the stream and is not yielded. `position` is the
-    first generated token's; each step's logits are sampled before the next step runs."""
-    logits = first_logits
-    for i in range(max_tokens):
-        tok = sampler(logits)
-        if tok in stop_ids:
-            return
-        yield tok
-        if i + 1 < max_tokens:
-            logits = step(tok, position)
-            position += 1
+class Generation:
+    """One answer, a token at a time: `next` is the rule every decode loop runs per token (`decode`
+    over one sequence, the scheduler's steps over a batch). It samples each step's logits and ends
+    the answer at a stop id, at max_tokens or when `on_token` returns True (a stop string, a client
+    gone). Before `min_tokens` tokens no stop id is sampled (a benchmark's answers of a fixed length).
+    It times the answer from `t0` (when the request began; now if not given)."""
+
+    def __init__(
+        self,
+        max_tokens: int,
+        sampler: Sampler,
+        stop_ids: frozenset[int] = frozenset(),
+        on_token: Callable[[int], bool | None] | None = None,
+        min_tokens: int = 0,
+        t0: float | None = None,
+    ):
+        self.max_tokens, self.sampler, self.stop_ids = max_tokens, sampler, stop_ids
+        self.on_token, self.min_tokens = on_token, min_tokens
+        self.t0 = time.perf_counter() if t0 is None else t0
+        self.out: list[int] = []
+        self.t_first: float | None = None
+        """When the first token was sampled."""
+        self.t_end: float | None = None
+        """When the answer ended (`finish`)."""
+
+    def next(self, logits: torch.Tensor, argmax: int | None = None) -> int | None:
+        """The token to feed next, sampled from logits [V] (a greedy answer takes `argmax` where the
+        caller has it, read back for a whole batch at once), or None: the answer has ended (a stop
+        id is not kept)."""
+        greedy = argmax is not None and self.sampler.greedy
+        if len(self.out) < self.min_tokens and not (greedy and argmax not in self.stop_ids):
+            stops = torch.tensor(sorted(self.stop_ids), dtype=torch.long, device=logits.device)
+            logits, greedy = logits.index_fill(-1, stops, -inf), False
+        tok = argmax if greedy else self.sampler(logits)
+        if tok in self.stop_ids:
+            return None
+        if self.t_first is None:
+            self.t_first = time.perf_counter()
+        self.out.append(tok)
+        if (self.on_token and self.on_token(tok)) or len(self.out) >= self.max_tokens:
+            return None
+        return tok
+
+    def finish(self) -> list[int]:
+        """Ends the answer's timing; returns its ids."""
+        self.t_end = time.perf_counter()
+        return self.out
+
+    @property
+    def ttft_s(self) -> float:
+        """From t0 to the first token, or to the end of an answer that has none."""
+        return (self.t_end if self.t_first is None else self.t_first) - self.t0
+
+    @property
+    def decode_tok_s(self) -> float:
+        """Tokens per second after the first; 0 for an answer of fewer than two."""
+        if len(self.out) < 2:
+            return 0.0
+        return (len(self.out) - 1) / (self.t_end - self.t_first)
+
+
+def decode(step: Step, logits: torch.Tensor, position: int, gen: Generation) -> list[int]:
+    """The decode loop of one sequence: feeds each token `gen` chooses, from `position` on, until
+    its answer ends; returns the answer's ids. `logits` are the prompt's last."""
+    while (tok := gen.next(logits)) is not None:
+        logits = step(tok, position)
+        position += 1
+    return gen.finish()

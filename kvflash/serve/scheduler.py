@@ -44,12 +44,12 @@ import torch
 
 from kvflash import KVFlashError
 from kvflash.engine.engine import Engine
-from kvflash.engine.generate import Sampler, Sampling
+from kvflash.engine.generate import Generation, Sampler, Sampling
 from kvflash.engine.paged_kv import PagedKV
 from kvflash.engine.step import Piece, Prefill
 from kvflash.serve.prefix_cache import PrefixCache, common_prefix
 from kvflash.serve.snapshots import KVSnapshots
-from kvflash.serve.turn import Generation, TurnStats
+from kvflash.serve.turn import TurnStats
 from kvflash.storage import ChunkError
 
 RECOVERIES = 2
@@ -470,9 +470,7 @@ class Scheduler:
                 self._filling.remove(job)
                 self._failed(job, e)
                 return
-            job.gen = Generation(
-                job.max_tokens, sampler, self.stop_ids, job.stats, job.t0, job.on_token, job.min_tokens
-            )
+            job.gen = Generation(job.max_tokens, sampler, self.stop_ids, job.on_token, job.min_tokens, job.t0)
         going = self._advance(job, logits)  # held as filling meanwhile: a loop that dies answers it
         self._filling.remove(job)
         if going:
@@ -506,10 +504,11 @@ class Scheduler:
         return self._advance(job, logits)
 
     def _advance(self, job: Job, logits: torch.Tensor, argmax: int | None = None) -> bool:
-        """Samples the job's next token (a greedy job takes `argmax` where given); whether it goes on.
-        Nothing a job's callbacks raise may end this thread: every other request waits on it."""
+        """The job's next token (`Generation.next`, the decode loop's body; a greedy job takes `argmax`
+        where given); whether it goes on. Nothing a job's callbacks raise may end this thread: every
+        other request waits on it."""
         try:
-            tok = job.gen.push(job.gen.choose(logits, argmax))
+            tok = job.gen.next(logits, argmax)
         except Exception as e:
             self._failed(job, e)
             return False
@@ -517,7 +516,8 @@ class Scheduler:
             job.next = tok
             return True
         try:
-            out = job.gen.finish(job.kv)
+            out = job.gen.finish()
+            job.stats.answered(job.gen, job.kv)
             self.cache.keep(job.kv)  # before on_done: whoever hears of the answer finds it live
         except Exception as e:
             self._failed(job, e)

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from math import inf
 from typing import TYPE_CHECKING
 
-import torch
-
 from kvflash.engine.engine import Engine
-from kvflash.engine.generate import Sampler, Sampling
+from kvflash.engine.generate import Generation, Sampler, Sampling, decode
 from kvflash.engine.paged_kv import PagedKV
 
 if TYPE_CHECKING:
@@ -46,62 +42,15 @@ class TurnStats:
         self.source, self.restored_tokens = taken.source, taken.restored_tokens
         self.shared_host_tokens, self.restore_s = taken.shared_host_tokens, taken.restore_s
 
+    def answered(self, gen: Generation, kv: PagedKV) -> None:
+        """The finished answer's count and timing (`Generation`), and the traffic and residency of
+        its sequence."""
+        self.ttft_s, self.decode_tok_s, self.generated_tokens = gen.ttft_s, gen.decode_tok_s, len(gen.out)
+        self.bytes_moved = dict(kv.moved)
+        self.resident_chunks = len(kv.resident())
+
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-class Generation:
-    """One answer, a token at a time: samples each step's logits, ends at a stop id, at max_tokens
-    or when `on_token` returns True (a stop string, a client gone), and times it into `stats`. Before
-    `min_tokens` tokens no stop id is sampled (a benchmark's answers of a fixed length)."""
-
-    def __init__(
-        self,
-        max_tokens: int,
-        sampler: Sampler,
-        stop_ids: frozenset[int],
-        stats: TurnStats,
-        t0: float,
-        on_token: Callable[[int], bool | None] | None = None,
-        min_tokens: int = 0,
-    ):
-        self.max_tokens, self.sampler, self.stop_ids = max_tokens, sampler, stop_ids
-        self.stats, self.t0, self.on_token, self.min_tokens = stats, t0, on_token, min_tokens
-        self.out: list[int] = []
-        self._t_first: float | None = None
-
-    def choose(self, logits: torch.Tensor, argmax: int | None = None) -> int:
-        """The next token from logits [V]; a greedy answer takes `argmax` where the caller has it
-        (read back for a whole batch at once)."""
-        greedy = argmax is not None and self.sampler.greedy
-        if len(self.out) < self.min_tokens and not (greedy and argmax not in self.stop_ids):
-            stops = torch.tensor(sorted(self.stop_ids), dtype=torch.long, device=logits.device)
-            logits, greedy = logits.index_fill(-1, stops, -inf), False
-        return argmax if greedy else self.sampler(logits)
-
-    def push(self, tok: int) -> int | None:
-        """Takes the sampled token: the token to feed next, or None: the answer has ended (a stop id
-        is not kept)."""
-        if tok in self.stop_ids:
-            return None
-        if self._t_first is None:
-            self._t_first = time.perf_counter()
-            self.stats.ttft_s = self._t_first - self.t0
-        self.out.append(tok)
-        if (self.on_token and self.on_token(tok)) or len(self.out) >= self.max_tokens:
-            return None
-        return tok
-
-    def finish(self, kv: PagedKV) -> list[int]:
-        t_end = time.perf_counter()
-        if self._t_first is None:
-            self.stats.ttft_s = t_end - self.t0
-        self.stats.generated_tokens = len(self.out)
-        if len(self.out) > 1:
-            self.stats.decode_tok_s = (len(self.out) - 1) / (t_end - self._t_first)
-        self.stats.bytes_moved = dict(kv.moved)
-        self.stats.resident_chunks = len(kv.resident())
-        return self.out
 
 
 def answer(
@@ -116,8 +65,8 @@ def answer(
     on_token: Callable[[int], bool | None] | None = None,
     on_prefill: Callable[[int, int], None] | None = None,
 ) -> list[int]:
-    """Appends `rest` to kv, then generates up to max_tokens ids (`Generation`). Fills stats'
-    prefill, timing and traffic fields; t0 is when the turn began."""
+    """Appends `rest` to kv, then generates up to max_tokens ids (`Generation`, `decode`). Fills
+    stats' prefill, timing and traffic fields; t0 is when the turn began."""
     stats.prefilled_tokens = len(rest)
     done = 0
 
@@ -128,10 +77,7 @@ def answer(
             on_prefill(done, len(rest))
 
     logits = engine.prefill(kv, rest, progress)
-    sampler = Sampler(sampling, engine.lm.device)
-    gen = Generation(max_tokens, sampler, stop_ids, stats, t0, on_token)
-    step, position = engine.decode_step(kv), len(kv.seq)
-    while (tok := gen.push(gen.choose(logits))) is not None:
-        logits = step(tok, position)
-        position += 1
-    return gen.finish(kv)
+    gen = Generation(max_tokens, Sampler(sampling, engine.lm.device), stop_ids, on_token, t0=t0)
+    out = decode(engine.decode_step(kv), logits, len(kv.seq), gen)
+    stats.answered(gen, kv)
+    return out
