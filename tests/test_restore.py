@@ -215,11 +215,15 @@ DEVICES = [
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_staged_snapshot_keeps_what_it_copied_while_its_pool_slots_are_reused(store, device) -> None:
+def test_a_staged_snapshot_keeps_what_it_copied_while_its_pool_slots_are_reused(
+    store, device, monkeypatch
+) -> None:
     """A snapshot's resident chunks are staged into free host-tier slots (on CUDA without waiting for
     the copies): the sequence freed and its pool slots overwritten right after staging, the snapshot
     still writes the chunks' KV as staged; a chunk that already has a host copy is held, not copied;
-    and every host slot comes back once it is written."""
+    and every host slot comes back once it is written. (The tiny model's heads are below the Triton
+    kernels' smallest dot, so its attention runs the twins; the copies are what is tested.)"""
+    monkeypatch.setenv("KVFLASH_KERNELS", "torch")
     dev = torch.device(device)
     lm = LoadedModel(tiny_model(CFG).to(dev), None, CFG, Path("tiny"), torch.float32, dev)
     eng = engine(lm)

@@ -72,7 +72,9 @@ def to_e4m3(x, scale):
     # below 2^-6 e4m3 is subnormal, in steps of 2^-9: adding 2^23 rounds |y| * 2^9 to an integer
     sub = ((ay * 512.0 + 8388608.0).to(tl.int32, bitcast=True) & 0x7FFFFF).to(tl.float32) * 0.001953125
     r = tl.where(ay < 0.015625, sub, normal)
-    r = tl.where(y.to(tl.int32, bitcast=True) < 0, -r, r)
+    # the sign as a bit, not a negation: the compiled kernel negates as 0 - r, which turns -0 into +0
+    sign = y.to(tl.int32, bitcast=True) & -0x80000000
+    r = (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
     return r.to(tl.float8e4nv)
 
 
