@@ -160,8 +160,8 @@ def test_pool_map_keeps_order_and_raises_the_earliest_failure(store) -> None:
     """The pool's threads take indices as they go; whichever fails first in time, the caller gets
     the failure of the earliest index, as from running them one by one, and no thread takes a new
     index after a failure."""
-    assert store._map(lambda i: i * i, 7) == [i * i for i in range(7)]
-    assert store._map(lambda i: i, 0) == []
+    assert store.threads.map(lambda i: i * i, 7) == [i * i for i in range(7)]
+    assert store.threads.map(lambda i: i, 0) == []
     calls = []
 
     def fn(i: int) -> int:
@@ -173,7 +173,7 @@ def test_pool_map_keeps_order_and_raises_the_earliest_failure(store) -> None:
         return i
 
     with pytest.raises(ChunkCorrupt) as e:
-        store._map(fn, 100)
+        store.threads.map(fn, 100)
     assert e.value.chunk_hash == "0" * 64
     assert len(calls) < 100
 

@@ -267,7 +267,7 @@ def test_refcounts_of_zero_neither_list_nor_delete_live_chunks(store) -> None:
 def test_orphan_files_are_visible_to_du_and_verify(store) -> None:
     sid = store.put_snapshot("s", FP, make_chain(toks(2)))
     for blob in make_chain(toks(3, start=900)):  # a save killed between its files and its index row
-        store._store_one(blob)
+        store.writer._store_one(blob)
     tmp = chunk_path(store.root, "ab" * 32).parent / f".{'ab' * 32}.0123abcd.tmp"
     tmp.parent.mkdir(exist_ok=True)
     tmp.write_bytes(b"x" * 1000)

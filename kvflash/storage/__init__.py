@@ -17,7 +17,8 @@ from kvflash.storage.errors import (
     UnsupportedVersion,
 )
 from kvflash.storage.index import Snapshot, SnapshotInfo
-from kvflash.storage.store import DiskUsage, PruneReport, SnapshotStore, VerifyReport
+from kvflash.storage.maintenance import DiskUsage, PruneReport, VerifyReport
+from kvflash.storage.store import SnapshotStore
 
 __all__ = [
     "ROOT_HASH",

@@ -214,6 +214,11 @@ class Index:
         with self._lock:
             self.conn.close()
 
+    def size_bytes(self) -> int:
+        """Bytes of the index's files: the database, its WAL and its shared memory."""
+        files = [Path(f"{self.path}{s}") for s in ("", "-wal", "-shm")]
+        return sum(f.stat().st_size for f in files if f.exists())
+
     @contextmanager
     def _write(self, busy_s: float | None = None) -> Iterator[sqlite3.Connection]:
         """One write transaction; `busy_s` bounds the wait for another writer (best-effort writes

@@ -424,9 +424,9 @@ class RedisIndex:
         errors += [f"snapshot {sid}: meta is not a JSON object" for sid in bad]
         return errors
 
-    def memory_usage(self) -> int:
-        """Bytes Redis holds for the index's keys (every key of the store but the blobs and
-        summaries files)."""
+    def size_bytes(self) -> int:
+        """Bytes Redis holds for the index's keys, by its own count (MEMORY USAGE): every key of the
+        store but the blobs and summaries files."""
         files = (self.keys.blob(""), self.keys.sums(""))
         total, cursor = 0, 0
         while True:

@@ -27,9 +27,10 @@ import torch
 from kvflash.storage.chunk import ChunkBlob, ChunkSummary
 from kvflash.storage.errors import ChunkError, SnapshotNotFound, StoreError
 from kvflash.storage.index import Snapshot, SnapshotInfo
+from kvflash.storage.maintenance import PruneReport
 from kvflash.storage.redis_link import RedisConfig, SharedUnavailable
 from kvflash.storage.redis_store import RedisStore
-from kvflash.storage.store import PruneReport, SnapshotStore
+from kvflash.storage.store import SnapshotStore
 
 T = TypeVar("T")
 KEEP_RUN = 16
@@ -80,7 +81,7 @@ class TieredStore:
         self._last_read = 0.0
         self._cond = threading.Condition()
         self._closing = False
-        shared.fetched = self._keep
+        shared.reader.fetched = self._keep
         self._worker = threading.Thread(target=self._run, name="kvflash-tiers", daemon=True)
         self._worker.start()
 
