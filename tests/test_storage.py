@@ -226,7 +226,7 @@ def test_summary_blocks_round_trip(store, blocks) -> None:
 
 
 def test_index_is_wal(store) -> None:
-    assert store.index.conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert store.index.db.conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
 
 
 def test_shared_chunks_are_stored_once(store, monkeypatch) -> None:
@@ -309,7 +309,7 @@ def test_put_refuses_chunks_that_do_not_chain(store) -> None:
 
 
 def _age(store: SnapshotStore, sid: str, seconds: float) -> None:
-    store.index.conn.execute("UPDATE snapshots SET last_used = last_used - ? WHERE id = ?", (seconds, sid))
+    store.index.db.conn.execute("UPDATE snapshots SET last_used = last_used - ? WHERE id = ?", (seconds, sid))
 
 
 def test_a_snapshot_that_succeeds_others_starts_with_their_hits(store) -> None:

@@ -33,6 +33,10 @@ from kvflash.storage.errors import DiskFull, StoreError
 
 T = TypeVar("T")
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
+LEASE_TTL_S = 120.0
+"""A lease whose owner cannot be checked (its owner file is gone) is dead this long after its last
+heartbeat. A lease whose owner file exists lives exactly as long as the owner holds its lock, however
+late its heartbeat: a stalled process keeps what it reads."""
 RESERVE_BYTES = 1 << 20
 """`<root>/reserve`: space held back so that a removal on a full disk can write its index
 transaction (a WAL of a few hundred pages for thousands of chunks) and so free the rest."""

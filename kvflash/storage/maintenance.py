@@ -17,8 +17,8 @@ from kvflash.storage.chunk import ROOT_HASH
 from kvflash.storage.chunk_reader import ChunkReader
 from kvflash.storage.context import StoreContext
 from kvflash.storage.errors import ChunkError, StoreError
-from kvflash.storage.index import ChunkRow, PruneDecision, PruneInput
 from kvflash.storage.names import check_snapshot_id, is_hash
+from kvflash.storage.records import ChunkRow, PruneDecision, PruneInput
 from kvflash.storage.snapshot_writer import SnapshotWriter
 from kvflash.storage.summary_reader import SummaryReader
 

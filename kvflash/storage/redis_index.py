@@ -27,9 +27,10 @@ import json
 from collections.abc import Callable, Iterable, Sequence
 
 from kvflash.storage.errors import ChunkCorrupt, ChunkMissing, SnapshotNotFound, StoreError
-from kvflash.storage.index import (
+from kvflash.storage.locking import LEASE_TTL_S
+from kvflash.storage.names import is_hash, new_snapshot_id
+from kvflash.storage.records import (
     BAD_META,
-    LEASE_TTL_S,
     ChunkRow,
     PruneDecision,
     PruneInput,
@@ -37,7 +38,6 @@ from kvflash.storage.index import (
     SnapshotInfo,
     parse_meta,
 )
-from kvflash.storage.names import is_hash, new_snapshot_id
 from kvflash.storage.redis_link import Keys, RedisLink
 
 _NOW_MS = "local t = redis.call('TIME') local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)"
@@ -213,8 +213,6 @@ _SNAP_FIELDS = ("label", "fingerprint", "n_tokens", "n_chunks", "created", "last
 
 class RedisIndex:
     """The methods of kvflash/storage/index.py's `Index` that a store calls, over Redis."""
-
-    read_only = False
 
     def __init__(self, link: RedisLink, keys: Keys):
         self.link, self.keys, self.p = link, keys, keys.prefix

@@ -22,8 +22,8 @@ from kvflash.storage.codec import CODEC_NAMES
 from kvflash.storage.context import StoreContext
 from kvflash.storage.errors import ChunkMissing, InvalidChunk, StoreError
 from kvflash.storage.format import check_file, encode_chunk
-from kvflash.storage.index import ChunkRow, Snapshot
 from kvflash.storage.names import check_fingerprint, check_hash, check_label, check_snapshot_id
+from kvflash.storage.records import ChunkRow, Snapshot
 from kvflash.storage.summaries import check_summaries_file, entry_crc, pack_head
 from kvflash.storage.summary_reader import SummaryReader
 

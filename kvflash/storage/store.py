@@ -47,11 +47,13 @@ from kvflash.storage.codec import DEFAULT_LEVEL
 from kvflash.storage.context import StoreContext
 from kvflash.storage.errors import ChunkMissing, ChunkUnavailable, StoreError
 from kvflash.storage.format import ChunkHeader
-from kvflash.storage.index import LEASE_TTL_S, Index, IndexDamaged, Snapshot, SnapshotInfo
-from kvflash.storage.locking import Coordination, Heartbeat, LocalCoordination, StoreLock
+from kvflash.storage.index import Index
+from kvflash.storage.index_db import IndexDamaged
+from kvflash.storage.locking import LEASE_TTL_S, Coordination, Heartbeat, LocalCoordination, StoreLock
 from kvflash.storage.maintenance import DiskUsage, Maintenance, PruneReport, VerifyReport
 from kvflash.storage.names import check_hash, check_snapshot_id
 from kvflash.storage.rebuild import rebuild, set_aside
+from kvflash.storage.records import Snapshot, SnapshotInfo
 from kvflash.storage.snapshot_writer import SnapshotWriter, check_codec
 from kvflash.storage.summary_reader import SummaryReader
 from kvflash.storage.threads import Threads

@@ -26,8 +26,8 @@ import torch
 
 from kvflash.storage.chunk import ChunkBlob, ChunkSummary
 from kvflash.storage.errors import ChunkError, SnapshotNotFound, StoreError
-from kvflash.storage.index import Snapshot, SnapshotInfo
 from kvflash.storage.maintenance import PruneReport
+from kvflash.storage.records import Snapshot, SnapshotInfo
 from kvflash.storage.redis_link import RedisConfig, SharedUnavailable
 from kvflash.storage.redis_store import RedisStore
 from kvflash.storage.store import SnapshotStore
