@@ -28,7 +28,7 @@ from kvflash.storage import (
     codec,
     format,
 )
-from kvflash.storage.backend import LocalDirBackend
+from kvflash.storage.local_backend import LocalDirBackend
 from tests.store_util import (
     DTYPES,
     FP,

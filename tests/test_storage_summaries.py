@@ -17,7 +17,7 @@ import torch
 from kvflash.serve.prefix_cache import PrefixCache
 from kvflash.serve.snapshots import KVSnapshots
 from kvflash.storage import SnapshotStore
-from kvflash.storage.backend import LocalDirBackend
+from kvflash.storage.local_backend import LocalDirBackend
 from kvflash.storage.redis_store import RedisStore
 from kvflash.storage.summaries import SUMMARIES_HEADER_SIZE
 from kvflash.storage.tiered import TieredStore

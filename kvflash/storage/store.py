@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvflash.storage.backend import ChunkBackend, LocalDirBackend
+from kvflash.storage.backend import ChunkBackend
 from kvflash.storage.chunk import ChunkBlob, ChunkSummary
 from kvflash.storage.chunk_reader import ChunkReader
 from kvflash.storage.codec import DEFAULT_LEVEL
@@ -49,6 +49,7 @@ from kvflash.storage.errors import ChunkMissing, ChunkUnavailable, StoreError
 from kvflash.storage.format import ChunkHeader
 from kvflash.storage.index import Index
 from kvflash.storage.index_db import IndexDamaged
+from kvflash.storage.local_backend import LocalDirBackend
 from kvflash.storage.locking import LEASE_TTL_S, Coordination, Heartbeat, LocalCoordination, StoreLock
 from kvflash.storage.maintenance import DiskUsage, Maintenance, PruneReport, VerifyReport
 from kvflash.storage.names import check_hash, check_snapshot_id
