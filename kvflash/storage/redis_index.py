@@ -19,6 +19,9 @@ A Redis that evicts (maxmemory) may drop any of these keys: a reader takes a sna
 member list is gone, or shorter than it says, as absent, and a chunk whose row or blob is gone as not
 stored. Lookups go by chunk (content addressing), so they stop at the first missing one: a miss,
 never a half-restored prefix.
+
+The scripts and the `RedisIndex` that runs them are one module: a script's ARGV positions are fixed
+by the call that passes them, so a change to one is a change to both.
 """
 
 from __future__ import annotations

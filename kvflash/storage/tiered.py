@@ -8,6 +8,9 @@ with the same chunk bytes (write-back), then removes there what the save replace
 that is down or slow costs a warning: lookups and saves go on locally, and the copies wait (within
 `writeback_bytes`) until it answers again. The two stores keep their own indexes; a snapshot has
 one id in both.
+
+`TieredStore` is one class because its store methods and its copying thread share one state under
+one condition: the queue of copies, the chunks read through and the restores reading now.
 """
 
 from __future__ import annotations
