@@ -11,7 +11,7 @@ P = ParamSpec("P")
 
 
 class Threads:
-    """n threads named `name-<i>`; safe to use from any thread."""
+    """n threads (named `<name>_<i>`); safe to use from any thread."""
 
     def __init__(self, n: int, name: str):
         self.n = n
