@@ -61,7 +61,7 @@ def saved(lm, snapshots: KVSnapshots, ids: list[int], label: str = "doc", budget
 
 
 def live_leases(store: SnapshotStore) -> int:
-    return store.index.conn.execute("SELECT COUNT(*) FROM leases").fetchone()[0]
+    return store.index.db.conn.execute("SELECT COUNT(*) FROM leases").fetchone()[0]
 
 
 def damage_payloads(store: SnapshotStore, snapshot_id: str) -> None:

@@ -23,7 +23,9 @@ import uvicorn
 from kvflash.config import EngineConfig
 from kvflash.engine.engine import Engine
 from kvflash.models.loader import load_model
-from kvflash.serve.server import ChatRequest, Server, StopText, create_app
+from kvflash.serve.protocol import ChatRequest
+from kvflash.serve.routes import create_app
+from kvflash.serve.server import Server, StopText
 from kvflash.serve.snapshots import KVSnapshots
 from kvflash.storage import SnapshotStore
 

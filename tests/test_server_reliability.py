@@ -50,7 +50,7 @@ def stray(server: Server) -> tuple[int, int, int]:
     pool = eng.pool.n_used - len({ch.gpu for ch in chunks if ch.gpu is not None})
     host = eng.host.n_used - len({ch.host for ch in chunks if ch.host is not None})
     store = server.snapshots.store if server.snapshots else None
-    leases = store.index.conn.execute("SELECT COUNT(*) FROM leases").fetchone()[0] if store else 0
+    leases = store.index.db.conn.execute("SELECT COUNT(*) FROM leases").fetchone()[0] if store else 0
     return pool, host, leases - sum(kv.fetch is not None for kv in idle)
 
 

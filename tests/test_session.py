@@ -99,9 +99,9 @@ def test_restore_through_decode_workers_equals_cold(lm, cold, tmp_path) -> None:
     doc = document()
     with SnapshotStore(tmp_path, processes=2) as store:
         turns(Session(engine(lm), [doc], store), [Q1])
-        store.decoders.wait()
+        store.reader.decoders.wait()
         ((b, sb),) = turns(Session(engine(lm), [doc], store), [Q2])
-        assert sb.source == "disk" and store.decoders.decoded == sb.restored_tokens // 64 > 1
+        assert sb.source == "disk" and store.reader.decoders.decoded == sb.restored_tokens // 64 > 1
     assert b == cold["q2_only"]
 
 
@@ -351,7 +351,7 @@ def test_ask_and_chat_choose_the_position_scheme(smollm_path, tmp_path, absolute
     try:
         assert sess.engine.cfg.residency.cache_positions is not absolute
         if not absolute:  # the store's decode workers follow --decode-processes
-            assert sess.snapshots.store.decoders.n == 1
+            assert sess.snapshots.store.reader.decoders.n == 1
     finally:
         close_session(sess)
 

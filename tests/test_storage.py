@@ -28,7 +28,7 @@ from kvflash.storage import (
     codec,
     format,
 )
-from kvflash.storage.backend import LocalDirBackend
+from kvflash.storage.local_backend import LocalDirBackend
 from tests.store_util import (
     DTYPES,
     FP,
@@ -160,8 +160,8 @@ def test_pool_map_keeps_order_and_raises_the_earliest_failure(store) -> None:
     """The pool's threads take indices as they go; whichever fails first in time, the caller gets
     the failure of the earliest index, as from running them one by one, and no thread takes a new
     index after a failure."""
-    assert store._map(lambda i: i * i, 7) == [i * i for i in range(7)]
-    assert store._map(lambda i: i, 0) == []
+    assert store.threads.map(lambda i: i * i, 7) == [i * i for i in range(7)]
+    assert store.threads.map(lambda i: i, 0) == []
     calls = []
 
     def fn(i: int) -> int:
@@ -173,7 +173,7 @@ def test_pool_map_keeps_order_and_raises_the_earliest_failure(store) -> None:
         return i
 
     with pytest.raises(ChunkCorrupt) as e:
-        store._map(fn, 100)
+        store.threads.map(fn, 100)
     assert e.value.chunk_hash == "0" * 64
     assert len(calls) < 100
 
@@ -226,7 +226,7 @@ def test_summary_blocks_round_trip(store, blocks) -> None:
 
 
 def test_index_is_wal(store) -> None:
-    assert store.index.conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert store.index.db.conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
 
 
 def test_shared_chunks_are_stored_once(store, monkeypatch) -> None:
@@ -309,7 +309,7 @@ def test_put_refuses_chunks_that_do_not_chain(store) -> None:
 
 
 def _age(store: SnapshotStore, sid: str, seconds: float) -> None:
-    store.index.conn.execute("UPDATE snapshots SET last_used = last_used - ? WHERE id = ?", (seconds, sid))
+    store.index.db.conn.execute("UPDATE snapshots SET last_used = last_used - ? WHERE id = ?", (seconds, sid))
 
 
 def test_a_snapshot_that_succeeds_others_starts_with_their_hits(store) -> None:

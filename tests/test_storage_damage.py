@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from kvflash.storage import ChunkCorrupt, ChunkError, SnapshotStore, StoreError
-from kvflash.storage.index import LEASE_TTL_S
+from kvflash.storage.locking import LEASE_TTL_S
 from tests.store_util import FP, chunk_path, forkserver, make_chain, toks
 
 
@@ -62,7 +62,7 @@ def test_an_index_that_is_not_a_database_is_set_aside_and_rebuilt(tmp_path) -> N
 
 def test_meta_that_is_not_json_is_reported_not_fatal(store) -> None:
     sid = store.put_snapshot("s", FP, make_chain(toks(2)), meta={"docs": "x"})
-    store.index.conn.execute("UPDATE snapshots SET meta = '{not json' WHERE id = ?", (sid,))
+    store.index.db.conn.execute("UPDATE snapshots SET meta = '{not json' WHERE id = ?", (sid,))
     assert [s.meta for s in store.list_snapshots()] == [{}]
     assert store.get_snapshot(sid).n_chunks == 2
     report = store.verify()
@@ -73,7 +73,7 @@ def test_a_malformed_hash_row_is_reported_and_pruned_without_touching_files(stor
     blobs = make_chain(toks(2))
     sid = store.put_snapshot("s", FP, blobs)
     bad = "../../../outside"
-    store.index.conn.execute(
+    store.index.db.conn.execute(
         "INSERT INTO chunks (hash, fingerprint, chunk_index, parent_hash, n_tokens, codec, stored_bytes, "
         "raw_bytes, refcount, created, last_used) VALUES (?, ?, 0, ?, 16, 'lossless', 10, 10, 0, 0, 0)",
         (bad, FP, "0" * 64),
@@ -250,14 +250,14 @@ def test_refcounts_of_zero_neither_list_nor_delete_live_chunks(store) -> None:
     sid = store.put_snapshot("keep", FP, keep)
     old = store.put_snapshot("gone", FP, gone)
     store.pin(sid)
-    store.index.conn.execute("UPDATE chunks SET refcount = 0")
+    store.index.db.conn.execute("UPDATE chunks SET refcount = 0")
     plan = store.prune(max_bytes=0, dry_run=True)
     assert plan.snapshots == [old] and plan.chunks == 2  # gone's own chunks only
     report = store.prune(max_bytes=0)
     assert report.snapshots == [old] and report.chunks == 2
     assert store.verify().ok and _same_kv(store, sid, keep)
     store.unpin(sid)
-    store.index.conn.execute("UPDATE chunks SET refcount = 0")
+    store.index.db.conn.execute("UPDATE chunks SET refcount = 0")
     assert store.rm(sid).chunks == 3 and store.du().chunks == 0
 
 
@@ -267,7 +267,7 @@ def test_refcounts_of_zero_neither_list_nor_delete_live_chunks(store) -> None:
 def test_orphan_files_are_visible_to_du_and_verify(store) -> None:
     sid = store.put_snapshot("s", FP, make_chain(toks(2)))
     for blob in make_chain(toks(3, start=900)):  # a save killed between its files and its index row
-        store._store_one(blob)
+        store.writer._store_one(blob)
     tmp = chunk_path(store.root, "ab" * 32).parent / f".{'ab' * 32}.0123abcd.tmp"
     tmp.parent.mkdir(exist_ok=True)
     tmp.write_bytes(b"x" * 1000)
@@ -391,7 +391,7 @@ def test_a_lease_lives_as_long_as_its_owner_whatever_its_pid_or_heartbeat(store,
             time.sleep(0.05)
         dead_pid = _a_dead_pid()
         # as another pid namespace would show it, with a heartbeat stalled past its TTL
-        store.index.conn.execute(
+        store.index.db.conn.execute(
             "UPDATE leases SET pid = ?, heartbeat = ?", (dead_pid, time.time() - 10 * LEASE_TTL_S)
         )
         os.kill(p.pid, signal.SIGSTOP)  # a stalled process: its heartbeat thread stops too
@@ -418,5 +418,5 @@ def test_a_lease_without_an_owner_file_expires_with_its_heartbeat(store) -> None
         store.index.add_lease("0" * 16, "", hs, time.time())  # as an older writer left it
     store.rm(sid)
     assert store.prune().chunks == 0
-    store.index.conn.execute("UPDATE leases SET heartbeat = ?", (time.time() - LEASE_TTL_S - 1,))
+    store.index.db.conn.execute("UPDATE leases SET heartbeat = ?", (time.time() - LEASE_TTL_S - 1,))
     assert store.prune().chunks == 2

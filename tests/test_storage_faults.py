@@ -105,7 +105,7 @@ def test_corruption_is_detected_and_refused(store, kind) -> None:
 def test_index_rows_that_disagree_with_files_are_reported(store) -> None:
     blobs = make_chain(toks(2))
     sid = store.put_snapshot("s", FP, blobs)
-    store.index.conn.execute("UPDATE chunks SET refcount = 5 WHERE hash = ?", (blobs[0].chain_hash,))
+    store.index.db.conn.execute("UPDATE chunks SET refcount = 5 WHERE hash = ?", (blobs[0].chain_hash,))
     report = store.verify()
     assert any("refcount" in e and blobs[0].chain_hash in e for e in report.index_errors)
     assert store.verify(sid).index_errors == []  # refcounts are a whole-store check

@@ -17,7 +17,7 @@ import torch
 from kvflash.serve.prefix_cache import PrefixCache
 from kvflash.serve.snapshots import KVSnapshots
 from kvflash.storage import SnapshotStore
-from kvflash.storage.backend import LocalDirBackend
+from kvflash.storage.local_backend import LocalDirBackend
 from kvflash.storage.redis_store import RedisStore
 from kvflash.storage.summaries import SUMMARIES_HEADER_SIZE
 from kvflash.storage.tiered import TieredStore
@@ -153,7 +153,7 @@ def _damage(store: SnapshotStore, kind: str, blobs, other) -> str:
         return "holds the chain ending at"
     assert kind == "another fingerprint"
     entries = [(b.tokens, b.summary) for b in blobs]
-    store.backend.put_summaries(last, store._summaries_parts("fp-other", last, entries))
+    store.backend.put_summaries(last, store.writer.summaries_parts("fp-other", last, entries))
     return "made under fp-other"
 
 
@@ -226,7 +226,9 @@ def test_a_summaries_file_of_no_snapshot_is_an_orphan_that_prune_sweeps(store) -
     sid = store.put_snapshot("s", FP, make_chain(toks(2)))
     lost = make_chain(toks(3, start=900))
     last = lost[-1].chain_hash
-    store.backend.put_summaries(last, store._summaries_parts(FP, last, [(b.tokens, b.summary) for b in lost]))
+    store.backend.put_summaries(
+        last, store.writer.summaries_parts(FP, last, [(b.tokens, b.summary) for b in lost])
+    )
     usage, report = store.du(), store.verify()
     assert usage.orphan_files == 1 and report.orphan_files == 1 and usage.summaries_files == 1
     assert store.prune().swept_files == 1
@@ -314,7 +316,9 @@ def test_the_shared_tier_keeps_and_removes_summaries_files(redis_server, tmp_pat
         assert "checksum mismatch" in found.reason and "not written again" in found.reason
         lost = make_chain(toks(2, start=900))  # a save that never committed: its file expires
         last = lost[-1].chain_hash
-        st.backend.put_summaries(last, st._summaries_parts(FP, last, [(b.tokens, b.summary) for b in lost]))
+        st.backend.put_summaries(
+            last, st.writer.summaries_parts(FP, last, [(b.tokens, b.summary) for b in lost])
+        )
         assert 0 < r.ttl(f"kvflash:sums:{last}") <= 3600
         assert st.du().orphan_files == 1 and st.prune().swept_files == 0 and r.exists(f"kvflash:sums:{last}")
         st.rm(sid)

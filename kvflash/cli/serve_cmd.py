@@ -1,4 +1,4 @@
-"""`kvflash serve`: the OpenAI-compatible server (kvflash.serve.server) on uvicorn."""
+"""`kvflash serve`: the OpenAI-compatible server (kvflash.serve.routes) on uvicorn."""
 
 from __future__ import annotations
 
@@ -72,7 +72,8 @@ def serve(
     its next turn reaches; with --store as well, that directory is a local cache in front of it."""
     import uvicorn
 
-    from kvflash.serve.server import Server, create_app  # FastAPI loads only for `serve`
+    from kvflash.serve.routes import create_app  # FastAPI loads only for `serve`
+    from kvflash.serve.server import Server
 
     tiers = TierConfig(cache_bytes=parse_size(cache_bytes) if cache_bytes else None)  # before the load
     lm, eng = open_engine(engine)

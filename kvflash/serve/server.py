@@ -1,40 +1,25 @@
-"""An OpenAI-compatible HTTP server: /v1/chat/completions and /v1/completions (streamed or not) and
-/v1/models over one engine, with KV reused across requests.
+"""`Server`: the scheduler over the engine, the tokenizer and the snapshot store, behind the HTTP
+routes (kvflash/serve/routes.py).
 
 A chat request's prompt is the chat template over its messages; a text completion's is its prompt
 string, after the model's BOS. The prefix cache reuses a live sequence
 when the prompt extends a conversation served before (the client sent it back with one more
 question), else the longest prefix stored on disk; after the answer the sealed prefix is snapshotted,
 so a conversation's next turn, in this process or after a restart, restores instead of prefilling.
-`usage.prompt_tokens_details.cached_tokens` says how many prompt tokens were reused.
 
 Requests go to the scheduler (`kvflash/serve/scheduler.py`), whose thread decodes up to `max_batch` of them
-together; the event loop only renders prompts and relays text, and a client that goes away
-mid-stream ends its answer at the next step.
+together; a staged snapshot is written by a saver thread of its own.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
-import hmac
 import json
 import threading
 import time
-import uuid
 import warnings
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Annotated, Literal
-
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import AfterValidator, BaseModel, Field
-from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
-from starlette.types import Message as Message_
 
 from kvflash import KVFlashError, heap
 from kvflash.engine.engine import Engine
@@ -44,102 +29,10 @@ from kvflash.models.tokenizer import StreamDecoder, Tokenizer
 from kvflash.serve.content_ids import ContentIds
 from kvflash.serve.metrics import ServerMetrics
 from kvflash.serve.prompt import encode_messages
-from kvflash.serve.scheduler import Job, Scheduler, SchedulerDown
+from kvflash.serve.protocol import ChatRequest, Completion, CompletionRequest, Message
+from kvflash.serve.scheduler import Job, Scheduler
 from kvflash.serve.snapshots import KVSnapshots, StagedSnapshot
 from kvflash.serve.turn import TurnStats
-
-
-def _utf8(text: str) -> str:
-    """JSON can carry lone surrogates (`"\\ud800"`), which are no text: refused as bad input."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"not valid Unicode text ({e.reason} at {e.start})") from None
-    return text
-
-
-Text = Annotated[str, AfterValidator(_utf8)]
-MAX_STOPS = 16
-MAX_STOP_CHARS = 256
-"""Stop strings are searched for at every token: their number and length are bounded."""
-StopString = Annotated[Text, Field(max_length=MAX_STOP_CHARS)]
-
-
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: Text
-
-
-class Message(BaseModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Text | list[TextPart]
-
-    def as_template_message(self) -> dict[str, str]:
-        """`developer` is the newer name of `system`; text parts are joined."""
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
-
-
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-class Sampled(BaseModel):
-    """The fields the chat and the text completion requests share; others are ignored."""
-
-    model: Text
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
-    min_tokens: int = Field(0, ge=0, lt=2**31)
-    """vLLM's extension: the end-of-sequence ids are not sampled before this many tokens."""
-    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOPS)] | None = None
-    n: Literal[1] = 1
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-
-    def stop_strings(self) -> list[str]:
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return [s for s in stops if s]
-
-    def answer_tokens(self, default: int) -> int:
-        return self.max_tokens or default
-
-
-class ChatRequest(Sampled):
-    """OpenAI's chat completion request, as far as kvflash honours it."""
-
-    messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-
-    def answer_tokens(self, default: int) -> int:
-        return self.max_completion_tokens or self.max_tokens or default
-
-
-class CompletionRequest(Sampled):
-    """OpenAI's (legacy) text completion request: one prompt string, its continuation back."""
-
-    prompt: Text = Field(min_length=1)
-    max_tokens: int | None = Field(16, ge=1)
-    """OpenAI's default for this route."""
-
-
-@dataclass
-class Completion:
-    text: str
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    stats: TurnStats
-
-    def usage(self) -> dict:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.stats.restored_tokens},
-        }
 
 
 class StopText:
@@ -383,10 +276,6 @@ class Busy(KVFlashError):
     """The waiting queue is full."""
 
 
-RETRY_AFTER_S = 1
-"""What a refused client is told to wait (Retry-After): about one answer's time."""
-
-
 def conversation_label(messages: list[Message]) -> str:
     """The snapshot label of a conversation: a hash of its messages up to its first user message
     (the document and the first question, as a rule), which every later turn resends unchanged.
@@ -409,275 +298,3 @@ def prompt_label(prompt: str) -> str:
     (the document, as a rule), so a prompt that extends an earlier one replaces that one's snapshot;
     chunks are shared, so another question over the document still finds the document's."""
     return "complete:" + hashlib.sha256(prompt[:LABEL_CHARS].encode()).hexdigest()[:16]
-
-
-MAX_BODY_BYTES = 8 << 20
-"""Largest request body read: a 128K-token document is about 0.5 MB of JSON."""
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorBody(BaseModel):
-    error: ErrorDetail
-
-
-ERRORS = {status: {"model": ErrorBody, "description": why} for status, why in (
-    (400, "A bad request: the message names the field"),
-    (401, "A missing or wrong API key (a server started with --api-key)"),
-    (404, "The model is not served here"),
-    (413, f"The body is larger than {MAX_BODY_BYTES} bytes"),
-    (429, "Too many requests wait for the engine: retry after Retry-After seconds"),
-    (500, "The request failed in the engine"),
-    (503, "The scheduler has stopped: the server cannot answer"),
-)}  # fmt: skip
-"""What the routes answer besides 200, as the OpenAPI schema declares it."""
-
-
-def error(status: int, message: str, kind: str, param: str | None = None, code: str | None = None, **kw):
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, **kw)
-
-
-class BodyLimit:
-    """Refuses a body larger than max_bytes with 413: at once when Content-Length says so, else when
-    the bytes read pass it (a chunked body), before it is parsed or kept."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        length = dict(scope["headers"]).get(b"content-length", b"0")
-        if not length.isdigit():
-            return await error(400, "bad Content-Length", "invalid_request_error")(scope, receive, send)
-        too_large = f"the body is larger than {self.max_bytes} bytes"
-        if int(length) > self.max_bytes:
-            return await error(413, too_large, "invalid_request_error")(scope, receive, send)
-        seen = 0
-
-        async def counted() -> Message_:
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.max_bytes:
-                raise HTTPException(413, too_large)  # FastAPI passes HTTPExceptions through
-            return message
-
-        await self.app(scope, counted, send)
-
-
-class ApiKey:
-    """Every route but /health answers 401 unless the request carries `Authorization: Bearer KEY`
-    (as OpenAI clients send their api_key); checked before the body is read."""
-
-    def __init__(self, app: ASGIApp, key: str):
-        self.app, self.expected = app, f"Bearer {key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] != "/health":
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                why = "a missing or wrong API key (send Authorization: Bearer <the server's --api-key>)"
-                reply = error(401, why, "invalid_request_error", code="invalid_api_key",
-                              headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
-                return await reply(scope, receive, send)
-        await self.app(scope, receive, send)
-
-
-def create_app(server: Server, max_body_bytes: int = MAX_BODY_BYTES, api_key: str | None = None) -> FastAPI:
-    app = FastAPI(title="kvflash", docs_url=None, redoc_url=None)
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
-    if api_key:
-        app.add_middleware(ApiKey, key=api_key)  # added last: runs first
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0]
-        if first.get("type") == "json_invalid":
-            why = first.get("ctx", {}).get("error", "")
-            return error(400, f"the body is not valid JSON ({why})", "invalid_request_error")
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        return error(400, f"{where or 'body'}: {first.get('msg')}", "invalid_request_error", where or None)
-
-    @app.exception_handler(Exception)
-    async def failed(_: Request, exc: Exception) -> JSONResponse:
-        return error(500, f"{type(exc).__name__}: {exc}", "server_error")
-
-    @app.exception_handler(HTTPException)
-    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
-        return error(exc.status_code, str(exc.detail), "invalid_request_error", headers=exc.headers)
-
-    @app.get("/health", responses={503: ERRORS[503]})
-    async def health():
-        if not server.scheduler.healthy:
-            return error(503, f"the scheduler has stopped ({server.scheduler.failure})", "server_error")
-        return {"status": "ok", "requests": server.scheduler.in_flight}
-
-    @app.get("/metrics", response_class=PlainTextResponse)
-    async def metrics() -> str:
-        """Prometheus's text format."""
-        return server.metrics.render(server.readings())
-
-    @app.get("/v1/models")
-    async def models() -> dict:
-        card = {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "kvflash"}
-        return {"object": "list", "data": [card]}
-
-    ok = {"description": "The answer, or with `stream` its server-sent events",
-          "content": {"application/json": {}, "text/event-stream": {}}}  # fmt: skip
-
-    @app.post("/v1/chat/completions", responses={200: ok, **ERRORS})
-    async def chat(req: ChatRequest, request: Request):
-        return await _answer(server, req, request, CHAT)
-
-    @app.post("/v1/completions", responses={200: ok, **ERRORS})
-    async def complete(req: CompletionRequest, request: Request):
-        return await _answer(server, req, request, TEXT)
-
-    return app
-
-
-@dataclass(frozen=True)
-class Shape:
-    """How one route's answers look: the object names and a choice's text field."""
-
-    prefix: str
-    whole: str
-    """The object of an unstreamed answer."""
-    part: str
-    """The object of a streamed chunk."""
-    param: str
-    """The request field a bad prompt is blamed on."""
-
-    def choice(self, text: str, finish: str | None, first: bool = False, streamed: bool = False) -> dict:
-        if self is CHAT:
-            if not streamed:
-                body = {"message": {"role": "assistant", "content": text}}
-            else:
-                body = {
-                    "delta": {"role": "assistant", "content": ""}
-                    if first
-                    else {"content": text}
-                    if text
-                    else {}
-                }
-        else:
-            body = {"text": text}
-        return {"index": 0, **body, "finish_reason": finish, "logprobs": None}
-
-
-CHAT = Shape("chatcmpl", "chat.completion", "chat.completion.chunk", "messages")
-TEXT = Shape("cmpl", "text_completion", "text_completion", "prompt")
-
-
-async def _answer(server: Server, req: ChatRequest | CompletionRequest, request: Request, shape: Shape):
-    """A request of either route: refused up front, streamed, or answered whole."""
-    if req.model != server.model_name:
-        server.metrics.failed("refused")
-        msg = f"model {req.model!r} is not served here; this server serves {server.model_name!r}"
-        return error(404, msg, "invalid_request_error", "model", "model_not_found")
-    try:  # off the event loop: a long prompt takes a while to tokenise
-        ids = await asyncio.to_thread(server.prompt_ids, req)
-    except KVFlashError as e:
-        server.metrics.failed("refused")
-        code = "context_length_exceeded" if isinstance(e, ContextTooLong) else None
-        return error(400, str(e), "invalid_request_error", shape.param, code)
-    head = {
-        "id": f"{shape.prefix}-{uuid.uuid4().hex}",
-        "created": int(time.time()),
-        "model": server.model_name,
-    }
-    gone = threading.Event()
-    try:
-        items = _submit(server, req, ids, gone)
-    except SchedulerDown as e:
-        return error(503, str(e), "server_error")
-    except Busy as e:
-        server.metrics.failed("busy")
-        return error(429, str(e), "rate_limit_error", headers={"Retry-After": str(RETRY_AFTER_S)})
-    if req.stream:
-        return StreamingResponse(_stream(req, items, head, gone, shape), media_type="text/event-stream")
-    watch = asyncio.create_task(_watch_disconnect(request, gone))
-    try:
-        while isinstance(done := await items.get(), str):
-            pass
-    finally:
-        gone.set()  # a handler cancelled (the server stopping) ends its request too
-        watch.cancel()
-    if isinstance(done, SchedulerDown):
-        return error(503, str(done), "server_error")
-    if isinstance(done, KVFlashError):
-        return error(400, str(done), "invalid_request_error")
-    if isinstance(done, BaseException):
-        raise done
-    choice = shape.choice(done.text, done.finish_reason)
-    body = {**head, "object": shape.whole, "choices": [choice], "usage": done.usage()}
-    return {**body, "kvflash": done.stats.to_dict()}
-
-
-async def _watch_disconnect(request: Request, gone: threading.Event) -> None:
-    """Sets `gone` when the client of a non-streamed request disconnects: its request then ends at
-    the next prefill piece or token instead of decoding an answer nobody reads."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-    gone.set()
-
-
-async def _stream(
-    req: ChatRequest | CompletionRequest,
-    items: asyncio.Queue,
-    head: dict,
-    gone: threading.Event,
-    shape: Shape,
-) -> AsyncIterator[str]:
-    """Server-sent events: (for a chat) a role chunk, one chunk per text piece, the finish chunk,
-    usage if asked, then [DONE]. An error after the first byte can only be reported as an event. A
-    client that disconnects cancels this generator (Starlette listens for it), which ends the request
-    at its next prefill piece or token."""
-
-    def chunk(text: str, finish: str | None = None, first: bool = False, **extra) -> str:
-        choice = shape.choice(text, finish, first, streamed=True)
-        return _event({**head, "object": shape.part, "choices": [choice], **extra})
-
-    try:
-        if shape is CHAT:
-            yield chunk("", first=True)
-        while isinstance(piece := await items.get(), str):
-            yield chunk(piece)
-        if isinstance(piece, BaseException):  # headers are sent: the error goes in the stream
-            kind = "invalid_request_error" if isinstance(piece, KVFlashError) else "server_error"
-            yield _event({"error": {"message": str(piece), "type": kind, "param": None, "code": None}})
-            return
-        done = piece
-        yield chunk("", done.finish_reason, kvflash=done.stats.to_dict())  # the turn's stats, as unstreamed
-        if req.stream_options and req.stream_options.include_usage:
-            yield _event({**head, "object": shape.part, "choices": [], "usage": done.usage()})
-        yield "data: [DONE]\n\n"
-    finally:
-        gone.set()
-
-
-def _submit(
-    server: Server, req: ChatRequest | CompletionRequest, ids: list[int], gone: threading.Event
-) -> asyncio.Queue:
-    """Queues the request; its text pieces, then its Completion or error, arrive on the queue."""
-    loop, items = asyncio.get_running_loop(), asyncio.Queue()
-
-    def emit(item: str | Completion | BaseException) -> None:
-        try:
-            loop.call_soon_threadsafe(items.put_nowait, item)
-        except RuntimeError:  # the event loop has stopped (the server is stopping): nobody listens
-            pass
-
-    server.submit(req, ids, emit, gone)
-    return items
-
-
-def _event(obj: dict) -> str:
-    return f"data: {json.dumps(obj)}\n\n"

@@ -16,8 +16,9 @@ from kvflash.storage.errors import (
     StoreError,
     UnsupportedVersion,
 )
-from kvflash.storage.index import Snapshot, SnapshotInfo
-from kvflash.storage.store import DiskUsage, PruneReport, SnapshotStore, VerifyReport
+from kvflash.storage.maintenance import DiskUsage, PruneReport, VerifyReport
+from kvflash.storage.records import Snapshot, SnapshotInfo
+from kvflash.storage.store import SnapshotStore
 
 __all__ = [
     "ROOT_HASH",

@@ -11,6 +11,9 @@
   either process runs in, and however long the owner's heartbeat has stalled.
 - `Heartbeat`: keeps a restore's lease fresh while the restore runs (for leases whose owner file
   cannot be found).
+- `LocalCoordination`: the three above as a store on a local directory uses them, with its reserve
+  file; `Coordination` is what a store asks of them, which a store on Redis answers otherwise
+  (kvflash/storage/redis_store.py).
 """
 
 from __future__ import annotations
@@ -22,12 +25,21 @@ import secrets
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
+from typing import Protocol, TypeVar
 
-from kvflash.storage.errors import StoreError
+from kvflash.storage.errors import DiskFull, StoreError
 
+T = TypeVar("T")
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
+LEASE_TTL_S = 120.0
+"""A lease whose owner cannot be checked (its owner file is gone) is dead this long after its last
+heartbeat. A lease whose owner file exists lives exactly as long as the owner holds its lock, however
+late its heartbeat: a stalled process keeps what it reads."""
+RESERVE_BYTES = 1 << 20
+"""`<root>/reserve`: space held back so that a removal on a full disk can write its index
+transaction (a WAL of a few hundred pages for thousands of chunks) and so free the rest."""
 
 
 class StoreLock:
@@ -138,3 +150,92 @@ class Heartbeat:
                 self._beat()
             except (StoreError, sqlite3.Error):
                 pass  # a busy index delays one beat; the TTL spans several
+
+
+class Coordination(Protocol):
+    """How a store keeps out of the way of the other processes that share it, and what a removal
+    needs on a full disk. A local directory does it with flocks and a reserve file; Redis, whose
+    scripts check everything they rely on, needs none of them."""
+
+    failed_saves_expire: bool
+    """A failed save's files expire by themselves and may be another save's too, so the save leaves
+    them (Redis's TTL); otherwise it removes those no index row names."""
+
+    def saving(self) -> AbstractContextManager[None]:
+        """Held by a save from its "is this chunk stored?" checks to its index commit."""
+
+    def removing(self) -> AbstractContextManager[None]:
+        """Held by a removal: no save is then between writing a chunk and indexing it."""
+
+    def lease_owner(self) -> str:
+        """The token this store object writes into its leases."""
+
+    def owner_alive(self, token: str) -> bool | None:
+        """Whether a lease's owner still lives; None when this cannot tell (the heartbeat decides)."""
+
+    def after_removal(self, gone_owners: list[str]) -> None:
+        """After a removal has committed: the lease owners it found gone."""
+
+    def with_reserve(self, fn: Callable[[], T]) -> T:
+        """fn(), and on a full disk fn() again with the room the reserve held."""
+
+    def close(self) -> None: ...
+
+
+class LocalCoordination:
+    """A store directory's: `StoreLock` on `<root>/lock`, a `LeaseOwner` under `<root>/owners` and
+    the reserve file `<root>/reserve`."""
+
+    failed_saves_expire = False
+
+    def __init__(self, root: Path, read_only: bool):
+        self.lock = StoreLock(root / "lock", read_only)
+        self._owners = root / "owners"
+        self._owner = LeaseOwner(self._owners)
+        self._reserve = root / "reserve"
+
+    def saving(self) -> AbstractContextManager[None]:
+        return self.lock.shared()
+
+    def removing(self) -> AbstractContextManager[None]:
+        return self.lock.exclusive()
+
+    def lease_owner(self) -> str:
+        return self._owner.hold()
+
+    def owner_alive(self, token: str) -> bool | None:
+        return owner_alive(self._owners, token)
+
+    def after_removal(self, gone_owners: list[str]) -> None:
+        for token in gone_owners:
+            (self._owners / token).unlink(missing_ok=True)
+        self.make_reserve()
+
+    def with_reserve(self, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except DiskFull:
+            if not self._reserve.is_file():
+                raise
+            self._reserve.unlink()
+            return fn()
+
+    def make_reserve(self) -> None:
+        """Best effort: no reserve where there is no room for one."""
+        path = self._reserve
+        if path.is_file() and path.stat().st_size >= RESERVE_BYTES:
+            return
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError:
+            return
+        try:
+            os.posix_fallocate(fd, 0, RESERVE_BYTES)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                path.unlink(missing_ok=True)
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        self._owner.release()

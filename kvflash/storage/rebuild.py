@@ -12,11 +12,12 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from kvflash.storage.backend import LocalDirBackend
 from kvflash.storage.chunk import ROOT_HASH
 from kvflash.storage.errors import ChunkError
 from kvflash.storage.format import HEADER_SIZE, parse_header
-from kvflash.storage.index import ChunkRow, Index
+from kvflash.storage.index import Index
+from kvflash.storage.local_backend import LocalDirBackend
+from kvflash.storage.records import ChunkRow
 
 RECOVERED_PREFIX = "recovered:"
 

@@ -19,6 +19,9 @@ A Redis that evicts (maxmemory) may drop any of these keys: a reader takes a sna
 member list is gone, or shorter than it says, as absent, and a chunk whose row or blob is gone as not
 stored. Lookups go by chunk (content addressing), so they stop at the first missing one: a miss,
 never a half-restored prefix.
+
+The scripts and the `RedisIndex` that runs them are one module: a script's ARGV positions are fixed
+by the call that passes them, so a change to one is a change to both.
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ import json
 from collections.abc import Callable, Iterable, Sequence
 
 from kvflash.storage.errors import ChunkCorrupt, ChunkMissing, SnapshotNotFound, StoreError
-from kvflash.storage.index import (
+from kvflash.storage.locking import LEASE_TTL_S
+from kvflash.storage.names import is_hash, new_snapshot_id
+from kvflash.storage.records import (
     BAD_META,
-    LEASE_TTL_S,
     ChunkRow,
     PruneDecision,
     PruneInput,
@@ -37,7 +41,6 @@ from kvflash.storage.index import (
     SnapshotInfo,
     parse_meta,
 )
-from kvflash.storage.names import is_hash, new_snapshot_id
 from kvflash.storage.redis_link import Keys, RedisLink
 
 _NOW_MS = "local t = redis.call('TIME') local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)"
@@ -213,8 +216,6 @@ _SNAP_FIELDS = ("label", "fingerprint", "n_tokens", "n_chunks", "created", "last
 
 class RedisIndex:
     """The methods of kvflash/storage/index.py's `Index` that a store calls, over Redis."""
-
-    read_only = False
 
     def __init__(self, link: RedisLink, keys: Keys):
         self.link, self.keys, self.p = link, keys, keys.prefix
@@ -424,9 +425,9 @@ class RedisIndex:
         errors += [f"snapshot {sid}: meta is not a JSON object" for sid in bad]
         return errors
 
-    def memory_usage(self) -> int:
-        """Bytes Redis holds for the index's keys (every key of the store but the blobs and
-        summaries files)."""
+    def size_bytes(self) -> int:
+        """Bytes Redis holds for the index's keys, by its own count (MEMORY USAGE): every key of the
+        store but the blobs and summaries files."""
         files = (self.keys.blob(""), self.keys.sums(""))
         total, cursor = 0, 0
         while True:

@@ -1,7 +1,8 @@
 """A snapshot store whose chunks and index live in Redis, shared by every server that names it.
 
 It is a `SnapshotStore` (the same saving, reading, checking, leasing and removal code) over a
-`RedisBackend` and a `RedisIndex`; what a local store does with files and flocks it does so:
+`RedisBackend`, a `RedisIndex` and a `RedisCoordination`; what a local store does with files and
+flocks it does so:
 - a save needs no lock: its blobs are written with a TTL and its index commit is one script that
   checks they are all still there (kvflash/storage/redis_backend.py,
   kvflash/storage/redis_index.py);
@@ -14,15 +15,18 @@ It is a `SnapshotStore` (the same saving, reading, checking, leasing and removal
 from __future__ import annotations
 
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from typing import TypeVar
 
 from kvflash.storage.codec import DEFAULT_LEVEL
-from kvflash.storage.index import PruneDecision
 from kvflash.storage.redis_backend import RedisBackend
 from kvflash.storage.redis_index import RedisIndex
 from kvflash.storage.redis_link import Keys, RedisConfig, RedisLink
-from kvflash.storage.store import SnapshotStore, _check_codec
+from kvflash.storage.snapshot_writer import check_codec
+from kvflash.storage.store import SnapshotStore
+
+T = TypeVar("T")
 
 
 class RedisStore(SnapshotStore):
@@ -36,7 +40,7 @@ class RedisStore(SnapshotStore):
     ):
         """`check` makes one round trip first, so a wrong password or URL raises here; without it
         (a server that should come up before Redis does) the first use says so instead."""
-        _check_codec(codec, level)
+        check_codec(codec, level)
         self.cfg = url if isinstance(url, RedisConfig) else RedisConfig(url)
         self.link = RedisLink(self.cfg)
         self.where = self.link.where
@@ -48,39 +52,41 @@ class RedisStore(SnapshotStore):
                 self.link.close()
                 raise
         keys = Keys(self.cfg.prefix)
-        self.backend = RedisBackend(self.link, keys)
-        self.index = RedisIndex(self.link, keys)
-        self.read_only = False
-        self._token = secrets.token_hex(8)
-        self._start(codec, level, workers)
+        backend, index = RedisBackend(self.link, keys), RedisIndex(self.link, keys)
+        self._assemble(backend, index, RedisCoordination(), False, codec, level, workers)
 
     def close(self) -> None:
-        self.pool.shutdown()
-        self._hints.shutdown(cancel_futures=True)
+        super().close()
         self.link.close()
 
-    def _saving(self) -> AbstractContextManager:
+
+class RedisCoordination:
+    """A shared tier's `Coordination` (kvflash/storage/locking.py): its scripts keep saves and
+    removals apart, so there is no lock to hold, and a lease's owner may be on another machine, so
+    the lease lives by its heartbeat alone."""
+
+    failed_saves_expire = True
+
+    def __init__(self) -> None:
+        self._token = secrets.token_hex(8)
+
+    def saving(self) -> AbstractContextManager[None]:
         return nullcontext()
 
-    def _removing(self) -> AbstractContextManager:
+    def removing(self) -> AbstractContextManager[None]:
         return nullcontext()
 
-    def _remove_unindexed(self, hashes: list[str], summaries: Sequence[str] = ()) -> None:
-        """Nothing: a failed save's blobs and summaries file carry their TTL, and may be another
-        save's too."""
-
-    def _lease_owner(self) -> str:
+    def lease_owner(self) -> str:
         return self._token
 
-    def _owner_alive(self, token: str) -> bool | None:
+    def owner_alive(self, token: str) -> bool | None:
         return None
 
-    def _after_removal(self, decision: PruneDecision) -> None:
+    def after_removal(self, gone_owners: list[str]) -> None:
         pass
 
-    def _with_reserve(self, fn):
+    def with_reserve(self, fn: Callable[[], T]) -> T:
         return fn()
 
-    def _index_bytes(self) -> int:
-        """Redis's own count (MEMORY USAGE) of every key of the store but the blobs."""
-        return self.index.memory_usage()
+    def close(self) -> None:
+        pass

@@ -8,6 +8,9 @@ with the same chunk bytes (write-back), then removes there what the save replace
 that is down or slow costs a warning: lookups and saves go on locally, and the copies wait (within
 `writeback_bytes`) until it answers again. The two stores keep their own indexes; a snapshot has
 one id in both.
+
+`TieredStore` is one class because its store methods and its copying thread share one state under
+one condition: the queue of copies, the chunks read through and the restores reading now.
 """
 
 from __future__ import annotations
@@ -26,10 +29,11 @@ import torch
 
 from kvflash.storage.chunk import ChunkBlob, ChunkSummary
 from kvflash.storage.errors import ChunkError, SnapshotNotFound, StoreError
-from kvflash.storage.index import Snapshot, SnapshotInfo
+from kvflash.storage.maintenance import PruneReport
+from kvflash.storage.records import Snapshot, SnapshotInfo
 from kvflash.storage.redis_link import RedisConfig, SharedUnavailable
 from kvflash.storage.redis_store import RedisStore
-from kvflash.storage.store import PruneReport, SnapshotStore
+from kvflash.storage.store import SnapshotStore
 
 T = TypeVar("T")
 KEEP_RUN = 16
@@ -80,7 +84,7 @@ class TieredStore:
         self._last_read = 0.0
         self._cond = threading.Condition()
         self._closing = False
-        shared.fetched = self._keep
+        shared.reader.fetched = self._keep
         self._worker = threading.Thread(target=self._run, name="kvflash-tiers", daemon=True)
         self._worker.start()
 

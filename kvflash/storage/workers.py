@@ -35,10 +35,11 @@ import numpy as np
 import torch
 
 from kvflash.storage import errors
-from kvflash.storage.backend import LocalDirBackend, ReadBuffer
+from kvflash.storage.backend import ReadBuffer
 from kvflash.storage.chunk import ChunkBlob
 from kvflash.storage.codec import DTYPE_CODES, DTYPES_BY_CODE, held_shape, kv_shape
 from kvflash.storage.format import HEADER_SIZE, MAX_FILE_BYTES, decode_chunk, parse_header
+from kvflash.storage.local_backend import LocalDirBackend
 
 SEGMENT_BYTES = 32 << 20
 """Shared memory per worker: a run of ~20 SmolLM2 chunks or 3 of an 8B Llama's; a chunk larger than

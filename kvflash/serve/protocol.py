@@ -1,0 +1,154 @@
+"""The bodies of the OpenAI API as this server speaks it: the requests of its two routes (pydantic
+checks every field, so a bad one is refused with a 400 that names it), the shape of their answers,
+and the error body.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, Literal
+
+from pydantic import AfterValidator, BaseModel, Field
+
+if TYPE_CHECKING:
+    from kvflash.serve.turn import TurnStats
+
+
+def _utf8(text: str) -> str:
+    """JSON can carry lone surrogates (`"\\ud800"`), which are no text: refused as bad input."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"not valid Unicode text ({e.reason} at {e.start})") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
+MAX_STOPS = 16
+MAX_STOP_CHARS = 256
+"""Stop strings are searched for at every token: their number and length are bounded."""
+StopString = Annotated[Text, Field(max_length=MAX_STOP_CHARS)]
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: Text
+
+
+class Message(BaseModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Text | list[TextPart]
+
+    def as_template_message(self) -> dict[str, str]:
+        """`developer` is the newer name of `system`; text parts are joined."""
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class Sampled(BaseModel):
+    """The fields the chat and the text completion requests share; others are ignored."""
+
+    model: Text
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
+    min_tokens: int = Field(0, ge=0, lt=2**31)
+    """vLLM's extension: the end-of-sequence ids are not sampled before this many tokens."""
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOPS)] | None = None
+    n: Literal[1] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    def stop_strings(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return [s for s in stops if s]
+
+    def answer_tokens(self, default: int) -> int:
+        return self.max_tokens or default
+
+
+class ChatRequest(Sampled):
+    """OpenAI's chat completion request, as far as kvflash honours it."""
+
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    def answer_tokens(self, default: int) -> int:
+        return self.max_completion_tokens or self.max_tokens or default
+
+
+class CompletionRequest(Sampled):
+    """OpenAI's (legacy) text completion request: one prompt string, its continuation back."""
+
+    prompt: Text = Field(min_length=1)
+    max_tokens: int | None = Field(16, ge=1)
+    """OpenAI's default for this route."""
+
+
+@dataclass
+class Completion:
+    """A request's answer as the routes send it: its text, why it ended, its token counts and the
+    turn's stats."""
+
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    stats: TurnStats
+
+    def usage(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.stats.restored_tokens},
+        }
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+@dataclass(frozen=True)
+class Shape:
+    """How one route's answers look: the object names and a choice's text field."""
+
+    prefix: str
+    whole: str
+    """The object of an unstreamed answer."""
+    part: str
+    """The object of a streamed chunk."""
+    param: str
+    """The request field a bad prompt is blamed on."""
+
+    def choice(self, text: str, finish: str | None, first: bool = False, streamed: bool = False) -> dict:
+        if self is CHAT:
+            if not streamed:
+                body = {"message": {"role": "assistant", "content": text}}
+            else:
+                body = {
+                    "delta": {"role": "assistant", "content": ""}
+                    if first
+                    else {"content": text}
+                    if text
+                    else {}
+                }
+        else:
+            body = {"text": text}
+        return {"index": 0, **body, "finish_reason": finish, "logprobs": None}
+
+
+CHAT = Shape("chatcmpl", "chat.completion", "chat.completion.chunk", "messages")
+TEXT = Shape("cmpl", "text_completion", "text_completion", "prompt")
