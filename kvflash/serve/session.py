@@ -83,14 +83,18 @@ class Session:
         the first question: a caller that warms the engine after building the session overlaps
         the read with the warm-up (`kvflash ask` does)."""
         if self.snapshots and len(self.messages) == 1:
-            self._docs_ahead = Future()
-            threading.Thread(target=self._read_docs_ahead, daemon=True, name="kvflash-docs-ahead").start()
+            self._docs_ahead = ahead = Future()
+            threading.Thread(
+                target=self._read_docs_ahead, args=(ahead,), daemon=True, name="kvflash-docs-ahead"
+            ).start()
 
-    def _read_docs_ahead(self) -> None:
+    def _read_docs_ahead(self, ahead: Future) -> None:
+        """The future comes as an argument: the first question takes `_docs_ahead` (and sets it to
+        None) whenever it comes, possibly before this thread first runs."""
         try:
-            self._docs_ahead.set_result(self._stored_document_ids())
+            ahead.set_result(self._stored_document_ids())
         except BaseException as e:  # raised again where the result is taken
-            self._docs_ahead.set_exception(e)
+            ahead.set_exception(e)
 
     @property
     def kv(self) -> PagedKV | None:
