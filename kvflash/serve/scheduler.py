@@ -28,6 +28,10 @@ damaged when it is read sends its request back to prefill what it has (prompt an
 from the valid stored prefix, then cold, instead of failing it. Should the loop itself ever fail,
 every request it holds and every later one gets `SchedulerDown` at once: nothing waits on a thread
 that is gone.
+
+`Scheduler` is one class of some 380 lines because admission, the step and isolation read and
+change one state (the queue, the running requests, their reservations) that only its thread
+touches: split apart, each part would take that whole state as arguments.
 """
 
 from __future__ import annotations

@@ -34,7 +34,9 @@ tokens, so the host memory pinned ahead of its prefill is not more than the pref
 
 
 class Session:
-    """One conversation over fixed documents; `name` makes it resumable from another process."""
+    """One conversation over fixed documents; `name` makes it resumable from another process. One
+    class for a conversation's whole life (resume, prompt, turn, save), which shares its messages,
+    ids and live sequence throughout."""
 
     def __init__(
         self,
