@@ -218,9 +218,7 @@ class PagedKV:
         capture = self.selector.records(self.seq, t, scout, self.approximate)
         cand_rot = self.positions.candidates(n_cand) if capture else None
         exact, queries = capture and (scout or t == 1), [] if capture else None
-        return StepPlan(
-            ids, start, end, scout, listing, w_slot, w_off, mask, n_cand, cand_rot, exact, queries
-        )
+        return StepPlan(ids, start, scout, listing, w_slot, w_off, mask, n_cand, cand_rot, exact, queries)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         plan, kv = self.plan, self.pool.kv

@@ -37,8 +37,7 @@ class StepPlan:
     ids: list[int]
     """The step's token ids, appended to the sequence at `end` (unless a scout)."""
     start: int
-    end: int
-    """The step's positions: [start, end)."""
+    """The step's first position."""
     scout: bool
     """The step computes scores only: it neither advances the sequence nor seals chunks."""
     listing: Listing
@@ -57,3 +56,8 @@ class StepPlan:
     queries: list[torch.Tensor] | None
     """Each layer's scoring queries, on steps that score the chunks at `end`; a batch that attended
     for the sequence hands in its rows instead (`PagedKV.record_queries`)."""
+
+    @property
+    def end(self) -> int:
+        """One past the step's last position."""
+        return self.start + len(self.ids)
