@@ -11,9 +11,11 @@ writes the output itself. bench/decode_tune.py times both merges side by side. W
 (positions within the cache) each chunk is scored against the query turned back by that chunk's
 rotation, one chunk per tile.
 
-An fp8 pool's tiles are loaded as e4m3 bytes, widened to bf16 in registers (exactly: e4m3 is a
-subset of bf16) for bf16 dots, and their scales applied outside the dots: each key column's logit
-times its chunk's K scale, each probability times its chunk's V scale before the second dot.
+An fp8 pool's tiles are loaded as e4m3 bytes, widened to fp16 in registers (exactly: e4m3 is a
+subset of fp16, and the GPU converts e4m3 pairs to fp16 pairs in one instruction where bf16 takes
+several) for fp16 dots, and their scales applied outside the dots: each key column's logit times its
+chunk's K scale, each probability times its chunk's V scale before the second dot. Those weights are
+raised by `FP8_P_UP` (the output divided by it again) so that fp16 keeps small ones normal.
 """
 
 from __future__ import annotations
@@ -59,6 +61,11 @@ COUNTERS = 4096
 batch (64 x 8 kv-heads is 512), so the buffer exists before a CUDA graph is captured and never grows
 during capture, where a new allocation would belong to the graph's private pool."""
 _counters: dict[torch.device, torch.Tensor] = {}
+
+FP8_P_UP = tl.constexpr(256.0)
+"""What an fp8 pool's probability weights (probability times V scale) are multiplied by before their
+fp16 dot, and the output divided by after: a power of two, so exact, that lifts weights of about
+1/448 of a probability into fp16's normal range."""
 
 
 @triton.jit(do_not_specialize=["stride_tb", "stride_rb", "n_splits"])
@@ -127,7 +134,7 @@ def _decode_split_kernel(
         q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None], other=0.0
     )
     if FP8:
-        q = q.to(tl.bfloat16)
+        q = q.to(tl.float16)
     else:
         q = q.to(kv_ptr.dtype.element_ty)
     if F32_DOT:
@@ -174,12 +181,12 @@ def _decode_split_kernel(
         if F32_DOT:
             v = v.to(tl.float32)
         elif FP8:
-            v = v.to(tl.bfloat16)
+            v = v.to(tl.float16)
         if not SHIFTED:  # the order of the measured kernel: both loads issued before the dot
             if F32_DOT:
                 k = k.to(tl.float32)
             elif FP8:
-                k = k.to(tl.bfloat16)
+                k = k.to(tl.float16)
             qk = tl.dot(q, tl.trans(k), input_precision=PREC)
         if FP8:
             qk = qk * k_sc[None, :]
@@ -190,10 +197,12 @@ def _decode_split_kernel(
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if FP8:
-            p = p * v_sc[None, :]
+            p = p * (v_sc * FP8_P_UP)[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m_i = m_new
 
+    if FP8:
+        acc = acc * (1.0 / FP8_P_UP)
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     if DIRECT:
@@ -233,7 +242,7 @@ def _shifted_qk(
 ):
     """q . R(s) k over one chunk's keys, as R(-s) q . k: the query halves qa, qb (fp32) turned back
     by the chunk's rotation (cos, sin at rot_row: 2 x D/2 fp32), then one dot per half of the keys
-    (fp8 keys: unscaled, widened to bf16)."""
+    (fp8 keys: unscaled, widened to fp16)."""
     hd = tl.arange(0, D // 2)
     cos = tl.load(rot_row + hd)[None, :]
     sin = tl.load(rot_row + D // 2 + hd)[None, :]
@@ -245,10 +254,10 @@ def _shifted_qk(
         ka = ka.to(tl.float32)
         kb = kb.to(tl.float32)
     elif FP8:
-        ka = ka.to(tl.bfloat16)
-        kb = kb.to(tl.bfloat16)
-        ra = ra.to(tl.bfloat16)
-        rb = rb.to(tl.bfloat16)
+        ka = ka.to(tl.float16)
+        kb = kb.to(tl.float16)
+        ra = ra.to(tl.float16)
+        rb = rb.to(tl.float16)
     else:
         ra = ra.to(ka.dtype)
         rb = rb.to(kb.dtype)

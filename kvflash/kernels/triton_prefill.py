@@ -9,7 +9,7 @@ SmolLM2's 9 heads on 132 SMs), so then the unmasked slots are split between prog
 a partial output and its log-sum-exp, merged by the decode kernel's combine (`prefill_splits`). With
 `rot` (positions within the cache) each key chunk is scored against the queries turned back by that
 chunk's rotation, one chunk per tile. An fp8 pool is read as the decode kernel reads it (e4m3 tiles
-widened to bf16, scales applied to the logits and the probabilities).
+widened to fp16, scales applied to the logits and the probabilities).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from kvflash.kernels._common import (
     pool_strides,
     sm_count,
 )
-from kvflash.kernels.triton_decode import COMBINE_COLS, COMBINE_ROWS, _combine_kernel, _shifted_qk
+from kvflash.kernels.triton_decode import COMBINE_COLS, COMBINE_ROWS, FP8_P_UP, _combine_kernel, _shifted_qk
 
 BLOCK_TOKENS = 64
 """Keys per inner step: whole chunks, at least this many."""
@@ -120,12 +120,12 @@ def _attend_blocks(
             if F32_DOT:
                 k = k.to(tl.float32)
             elif FP8:
-                k = k.to(tl.bfloat16)
+                k = k.to(tl.float16)
             qk = tl.dot(q, tl.trans(k), input_precision=PREC)
         if F32_DOT:
             v = v.to(tl.float32)
         elif FP8:
-            v = v.to(tl.bfloat16)
+            v = v.to(tl.float16)
         if FP8:  # each key's chunk's scales
             sc_rows = sc_base + slot * stride_slot // 4
             qk = qk * tl.load(sc_rows, mask=live, other=0.0)[None, :]
@@ -137,7 +137,7 @@ def _attend_blocks(
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if FP8:
-            p = p * tl.load(sc_rows + stride_kv // 4, mask=live, other=0.0)[None, :]
+            p = p * (tl.load(sc_rows + stride_kv // 4, mask=live, other=0.0) * FP8_P_UP)[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m_i = m_new
     return acc, m_i, l_i
@@ -189,7 +189,7 @@ def _prefill_kernel(
     q_pos = q_start + r
     q = tl.load(q_ptr + r[:, None] * stride_qt + h * stride_qh + d[None, :], mask=(r < T)[:, None], other=0.0)
     if FP8:
-        q = q.to(tl.bfloat16)
+        q = q.to(tl.float16)
     else:
         q = q.to(kv_ptr.dtype.element_ty)
     if F32_DOT:
@@ -229,6 +229,8 @@ def _prefill_kernel(
             chunk_index_ptr, full_blocks, tl.cdiv(n_vis, CPI), n_vis, qk_scale, stride_slot, stride_kv,
             stride_tok, C, CPI, D, True, F32_DOT, PREC, 1, SHIFTED, FP8,
         )  # fmt: skip
+    if FP8:
+        acc = acc * (1.0 / FP8_P_UP)
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     if SPLIT:
