@@ -15,6 +15,8 @@ import os
 import platform
 import random
 import socket
+import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -182,15 +184,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_until_serving(proc, url: str, timeout_s: float = 600) -> None:
-    """Waits for a `kvflash serve` process started with stderr=PIPE to answer /health on url;
-    SystemExit with its stderr if it exits first, or (killing it) if it is not up in timeout_s."""
+def spawn_server(cmd: list[str], env: dict | None = None) -> subprocess.Popen:
+    """Starts a `kvflash serve` command with its stderr in a temporary file (`server_log`): a pipe
+    that nobody reads until the end would block the server once it had written a pipe's worth of
+    warnings, and every thread behind that write with it."""
+    log = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(
+        cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=log, text=True, env=env
+    )
+    proc.log = log
+    return proc
+
+
+def server_log(proc: subprocess.Popen) -> str:
+    """What a server from `spawn_server` has written to stderr so far."""
+    proc.log.seek(0)
+    return proc.log.read()
+
+
+def wait_until_serving(proc: subprocess.Popen, url: str, timeout_s: float = 600) -> None:
+    """Waits for a server from `spawn_server` to answer /health on url; SystemExit with its stderr
+    if it exits first, or (killing it) if it is not up in timeout_s."""
     import httpx
 
     deadline = time.monotonic() + timeout_s
     while True:
         if proc.poll() is not None:
-            raise SystemExit(f"kvflash serve failed: {proc.stderr.read()[-2000:]}")
+            raise SystemExit(f"kvflash serve failed: {server_log(proc)[-2000:]}")
         try:
             if httpx.get(f"{url}/health").status_code == 200:
                 return

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import platform
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,6 +33,7 @@ from bench.harness import (
     progress_bar,
     pyplot,
     save_png,
+    spawn_server,
     wait_until_serving,
     write_json,
 )
@@ -62,7 +62,7 @@ class Served:
             cmd += ["--model", args.model]
         if args.device:
             cmd += ["--device", args.device]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.proc = spawn_server(cmd)
         self.url = f"http://127.0.0.1:{self.port}"
         wait_until_serving(self.proc, self.url)
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=3600)

@@ -134,7 +134,8 @@ def run(args, docs: list[str], progress) -> tuple[list[dict], dict]:
         kind: {"n": len(xs), "p50_s": percentile(xs, 50), "p99_s": percentile(xs, 99)}
         for kind, xs in load.ttft.items()
     }
-    return rows, {"ttft": latency, "errors": dict(load.errors)}
+    warned = [line for line in err.splitlines() if "Warning" in line]
+    return rows, {"ttft": latency, "errors": dict(load.errors), "server_warnings": warned}
 
 
 def verdict(rows: list[dict], summary: dict) -> dict[str, bool]:
@@ -163,6 +164,8 @@ def report(args, rows: list[dict], summary: dict, checks: dict[str, bool]) -> No
             console.print(
                 f"{kind}: {v['n']} answered, first text p50 {v['p50_s']:.2f} s, p99 {v['p99_s']:.2f} s"
             )
+    warned = summary["server_warnings"]
+    console.print(f"the server warned {len(warned)} times" + "".join(f"\n  {w}" for w in warned[:5]))
     for name, ok in checks.items():
         console.print(f"{'met' if ok else 'MISSED'}: {name}")
 

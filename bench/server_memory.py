@@ -31,7 +31,6 @@ import os
 import re
 import signal
 import sqlite3
-import subprocess
 import sys
 import tempfile
 import threading
@@ -52,6 +51,8 @@ from bench.harness import (
     pyplot,
     run_meta,
     save_png,
+    server_log,
+    spawn_server,
     wait_until_serving,
     write_json,
 )
@@ -100,9 +101,7 @@ class ServerProcess:
             env["KVFLASH_TRACEMALLOC"] = "16"
         if args.arena_max:
             env["MALLOC_ARENA_MAX"] = str(args.arena_max)
-        self.proc = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
-        )
+        self.proc = spawn_server(cmd, env)
         self.url = f"http://127.0.0.1:{port}"
         wait_until_serving(self.proc, self.url)
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=3600)
@@ -134,9 +133,10 @@ class ServerProcess:
         return metrics(self.url)
 
     def stop(self, timeout_s: float = 120) -> str:
+        """Stops the server; returns what it wrote to stderr."""
         self.proc.send_signal(signal.SIGINT)
-        _, err = self.proc.communicate(timeout=timeout_s)
-        return err
+        self.proc.wait(timeout_s)
+        return server_log(self.proc)
 
 
 def documents(args) -> list[str]:

@@ -22,6 +22,7 @@ import uvicorn
 
 from kvflash.config import EngineConfig
 from kvflash.engine.engine import Engine
+from kvflash.engine.residency import chunks_of
 from kvflash.models.loader import load_model
 from kvflash.serve.protocol import ChatRequest
 from kvflash.serve.routes import create_app
@@ -282,7 +283,7 @@ def test_a_client_that_leaves_mid_stream_ends_its_answer(lm) -> None:
         whole = ask(url, story, max_tokens=80).usage.completion_tokens
         assert whole > 20, "the story must be long enough to leave in the middle of"
         ask(url, TURN1, max_tokens=1)  # the live sequence is another conversation's now
-        ids = server.prompt_ids(ChatRequest(model=MODEL, messages=story))
+        ids = server.prompt(ChatRequest(model=MODEL, messages=story)).ids
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
             for line in r.iter_lines():  # leaves at the first text: the answer has begun
                 if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
@@ -419,7 +420,7 @@ def test_a_non_streamed_client_that_leaves_ends_its_request(lm) -> None:
         whole = post(url, messages=STORY, temperature=0, max_tokens=80).json()["usage"]["completion_tokens"]
         assert whole > 20, "the story must be long enough to leave in the middle of"
         post(url, messages=TURN1, max_tokens=1)  # the live sequence is another conversation's now
-        ids = server.prompt_ids(ChatRequest(model=MODEL, messages=STORY))
+        ids = server.prompt(ChatRequest(model=MODEL, messages=STORY)).ids
         before = list(server.scheduler.cache.idle)
         with pytest.raises(httpx.ReadTimeout):
             post(url, timeout=0.5, messages=STORY, temperature=0, max_tokens=80)
@@ -435,7 +436,7 @@ def test_a_streamed_client_that_leaves_mid_prefill_ends_it_before_its_first_toke
     long_doc = [{"role": "system", "content": " ".join([DOC] * 40)}, {"role": "user", "content": "Who?"}]
     body = {"model": MODEL, "messages": long_doc, "max_tokens": 4, "stream": True}
     with serving(lm, None) as (url, server):
-        ids = server.prompt_ids(ChatRequest(model=MODEL, messages=long_doc))
+        ids = server.prompt(ChatRequest(model=MODEL, messages=long_doc)).ids
         assert len(ids) > 2500
         t0 = time.monotonic()
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
@@ -461,7 +462,7 @@ def test_health_and_new_requests_say_503_once_the_scheduler_has_stopped(lm) -> N
 
     with serving(lm, None) as (url, server):
         assert httpx.get(f"{url}/health").json()["status"] == "ok"
-        ids = server.prompt_ids(ChatRequest(model=MODEL, messages=TURN1))
+        ids = server.prompt(ChatRequest(model=MODEL, messages=TURN1)).ids
         errors: list[BaseException] = []
         server.scheduler.submit(Job(ids, 4, Sampling(), die, lambda *a: None, errors.append))
         deadline = time.monotonic() + 30
@@ -608,7 +609,7 @@ def test_concurrent_conversations_over_one_document_share_it_in_the_pool(lm) -> 
         with serving(lm, None) as (url, _):
             alone.append(ask(url, conv, max_tokens=8).choices[0].message.content)
     with serving(lm, None, max_batch=4) as (url, server):
-        ids = [server.prompt_ids(ChatRequest(model=MODEL, messages=c)) for c in convs]
+        ids = [server.prompt(ChatRequest(model=MODEL, messages=c)).ids for c in convs]
         with ThreadPoolExecutor(len(convs)) as pool:
             got = list(pool.map(lambda c: ask(url, c, max_tokens=8), convs))
         text = httpx.get(f"{url}/metrics").text
@@ -624,3 +625,37 @@ def test_concurrent_conversations_over_one_document_share_it_in_the_pool(lm) -> 
     assert doc_chunks <= _metric(text, "pool_slots_used_peak") < 2 * doc_chunks
     assert _metric(text, "pool_slots_shared") == doc_chunks  # the idle conversations still share it
     assert _metric(text, "pool_tokens_used") == 64 * _metric(text, "pool_slots_used")
+
+
+def test_pins_in_a_request_pin_their_spans_and_a_pin_past_the_floor_is_refused(lm) -> None:
+    """`kvflash.pin` over HTTP: `system`, a span of a message's characters and `last-turn` pin the
+    chunks that cover those tokens (the turn's stats and /metrics count them), and the conversation's
+    live sequence keeps no pin after the answer. Pins that would leave the policy no room below the
+    budget, or that name a message or characters the request lacks, get a 400 that says so."""
+    turn2 = [
+        *TURN1,
+        {"role": "assistant", "content": "Mara Quill built it."},
+        {"role": "user", "content": "When?"},
+    ]
+    cases = [(TURN1, "system", DOC), (TURN1, {"message": 0, "start": 40, "end": 200}, DOC[40:200]),
+             (turn2, "last-turn", "Who built the lighthouse?")]  # fmt: skip
+    with serving(lm, None) as (url, server):
+        total = 0
+        for messages, pin, text in cases:
+            prompt = server.prompt(ChatRequest(model=MODEL, messages=messages, kvflash={"pin": [pin]}))
+            ((lo, hi),) = prompt.pins
+            assert text in lm.tokenizer.decode(prompt.ids[lo:hi])
+            assert text not in lm.tokenizer.decode(prompt.ids[lo + 1 : hi - 1])
+            chunks = chunks_of(prompt.pins, 64)
+            got = ask(url, messages, max_tokens=4, extra_body={"kvflash": {"pin": [pin]}})
+            assert got.model_extra["kvflash"]["pinned_chunks"] == len(chunks)
+            assert all(kv.n_pinned == 0 for kv in server.scheduler.cache.idle)
+            total += len(chunks)
+        assert _metric(httpx.get(f"{url}/metrics").text, "pinned_chunks_total") == total
+        big = [{"role": "system", "content": LEDGER * 3}, TURN1[1]]  # 61 chunks: the floor needs 68 of 64
+        refused = [(big, "system", "would break the floor"), (TURN1, {"message": 5}, "no message 5"),
+                   (TURN1, {"message": 1, "end": 999}, "not within message 1")]  # fmt: skip
+        for messages, pin, says in refused:
+            with pytest.raises(openai.BadRequestError, match=says):
+                ask(url, messages, max_tokens=4, extra_body={"kvflash": {"pin": [pin]}})
+        assert _metric(httpx.get(f"{url}/metrics").text, 'requests_total{outcome="refused"}') == 3

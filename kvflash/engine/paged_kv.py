@@ -135,6 +135,10 @@ class PagedKV:
         for ch in self.seq.chunks:
             ch.pinned = False
 
+    @property
+    def n_pinned(self) -> int:
+        return sum(ch.pinned for ch in self.seq.chunks)
+
     # -- residency ---------------------------------------------------------------------------------
 
     def resident(self) -> list[Chunk]:

@@ -8,6 +8,8 @@ Sinks, the tail window, the chunks a step writes, and pinned chunks are required
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from kvflash import KVFlashError
@@ -24,21 +26,30 @@ def required_chunks(seq: Sequence, cfg: ResidencyConfig, first_touched: int, las
 
 def pin_chunks(seq: Sequence, cfg: ResidencyConfig, budget: int, lo: int, hi: int) -> None:
     """Pins the chunks covering token positions [lo, hi), which every selection then holds; refused
-    if the floor with them (sinks + tail + pins + 2) would exceed the budget."""
+    if the floor with them would exceed the budget (`check_pins`)."""
     if not 0 <= lo < hi:
         raise KVFlashError(f"bad pin range [{lo}, {hi})")
-    c = cfg.chunk_tokens
-    idx = range(lo // c, (hi - 1) // c + 1)
-    pinned = {ch.index for ch in seq.chunks if ch.pinned} | set(idx)
-    if cfg.floor_chunks(len(pinned)) > budget:
-        raise KVFlashError(
-            f"pinning {len(pinned)} chunks would break the floor: sinks + tail + pins + 2 = "
-            f"{cfg.floor_chunks(len(pinned))} > budget {budget} chunks (pin less, or a "
-            "larger --pool-tokens)"
-        )
-    seq.ensure_chunks(idx[-1] * c + 1)
+    idx = chunks_of([(lo, hi)], cfg.chunk_tokens)
+    check_pins(cfg, budget, len({ch.index for ch in seq.chunks if ch.pinned} | idx))
+    seq.ensure_chunks(max(idx) * cfg.chunk_tokens + 1)
     for i in idx:
         seq.chunks[i].pinned = True
+
+
+def chunks_of(ranges: Iterable[tuple[int, int]], chunk_tokens: int) -> set[int]:
+    """The indices of the chunks that cover token ranges [lo, hi)."""
+    return {i for lo, hi in ranges for i in range(lo // chunk_tokens, (hi - 1) // chunk_tokens + 1)}
+
+
+def check_pins(cfg: ResidencyConfig, budget: int, n_pinned: int) -> None:
+    """KVFlashError if n_pinned chunks would raise the floor (sinks + tail + pins + 2) above a
+    sequence's budget: no selection could then hold what a step needs."""
+    if cfg.floor_chunks(n_pinned) > budget:
+        raise KVFlashError(
+            f"pinning {n_pinned} chunks would break the floor: sinks + tail + pins + 2 = "
+            f"{cfg.floor_chunks(n_pinned)} > budget {budget} chunks (pin less, or a "
+            "larger --pool-tokens)"
+        )
 
 
 def select_resident(

@@ -24,6 +24,8 @@ class ServerMetrics:
     """Prompt tokens by where their KV came from ("cold" prefilled; "memory", the request's own live
     sequence; "gpu" and "host", chunks that other live sequences hold, shared from the pool or the
     host tier; "disk" and "lazy", the store), and "generated"."""
+    pinned_chunks: int = 0
+    """Chunks that answered requests pinned (`kvflash.pin`), summed over the requests."""
     ttft: list[int] = field(default_factory=lambda: [0] * (len(TTFT_BUCKETS) + 1))
     ttft_sum: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -38,6 +40,7 @@ class ServerMetrics:
             elif stats.restored_tokens:
                 self.tokens[stats.source] += stats.restored_tokens
             self.tokens["generated"] += stats.generated_tokens
+            self.pinned_chunks += stats.pinned_chunks
             self.ttft[sum(stats.ttft_s > b for b in TTFT_BUCKETS)] += 1
             self.ttft_sum += stats.ttft_s
 
@@ -58,11 +61,12 @@ class ServerMetrics:
 
         with self._lock:
             requests, tokens = dict(self.requests), dict(self.tokens)
-            ttft, ttft_sum = list(self.ttft), self.ttft_sum
+            ttft, ttft_sum, pinned = list(self.ttft), self.ttft_sum, self.pinned_chunks
         metric("requests_total", "counter", "Requests ended, by finish reason or error.",
                [(f'{{outcome="{k}"}}', v) for k, v in sorted(requests.items())])  # fmt: skip
         metric("tokens_total", "counter", "Prompt tokens by where their KV came from, and tokens generated.",
                [(f'{{kind="{k}"}}', v) for k, v in sorted(tokens.items())])  # fmt: skip
+        metric("pinned_chunks_total", "counter", "Chunks pinned by answered requests.", [("", pinned)])
         cumulative, samples = 0, []
         for bound, n in zip((*TTFT_BUCKETS, float("inf")), ttft, strict=True):
             cumulative += n

@@ -8,11 +8,16 @@ the first one if omitted). A pin that would leave the policy no room below the b
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from kvflash import KVFlashError
 from kvflash.models.tokenizer import Tokenizer
 from kvflash.serve.documents import Document, document_spans
+
+if TYPE_CHECKING:
+    from kvflash.serve.protocol import Pin as RequestPin
 
 
 @dataclass(frozen=True)
@@ -52,8 +57,47 @@ def char_tokens(tok: Tokenizer, documents: list[Document], content: str, pin: Pi
         raise KVFlashError(
             f"--pin: {documents[index].name} has {text_end - text_start} characters, not {pin.end}"
         )
-    a, b = text_start + pin.start, text_start + pin.end
+    return token_span(tok, content, text_start + pin.start, text_start + pin.end)
+
+
+def token_span(tok: Tokenizer, content: str, start: int, end: int) -> tuple[int, int]:
+    """Tokens [lo, hi) of `content` (as `Tokenizer.encode_plain` gives them) covering its characters
+    [start, end), which the caller has checked lie within it."""
     offsets = tok.offsets_plain(content)
-    lo = next(i for i, (_, e) in enumerate(offsets) if e > a)
-    hi = max(i for i, (s, _) in enumerate(offsets) if s < b) + 1
+    lo = next(i for i, (_, e) in enumerate(offsets) if e > start)
+    hi = max(i for i, (s, _) in enumerate(offsets) if s < end) + 1
     return lo, hi
+
+
+def request_pins(
+    tok: Tokenizer,
+    messages: list[dict[str, Any]],
+    spans: dict[int, tuple[int, int]],
+    pins: Sequence[RequestPin],
+) -> list[tuple[int, int]]:
+    """The token ranges [lo, hi) of a chat request's `kvflash.pin` entries, given where each
+    message's content lies in its ids (`encode_messages`' spans). KVFlashError naming the entry for
+    a message or a character range that the request does not have."""
+    out: list[tuple[int, int]] = []
+    for k, pin in enumerate(pins):
+        if pin == "system":
+            out += [spans[i] for i, m in enumerate(messages) if m["role"] == "system"]
+        elif pin == "last-turn":
+            answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+            if answers:  # the previous question (if any) and its answer
+                first = answers[-1] - (answers[-1] > 0 and messages[answers[-1] - 1]["role"] == "user")
+                out.append((spans[first][0], spans[answers[-1]][1]))
+        else:
+            if pin.message >= len(messages):
+                raise KVFlashError(f"kvflash.pin[{k}]: no message {pin.message} ({len(messages)} messages)")
+            content = str(messages[pin.message]["content"])
+            end = len(content) if pin.end is None else pin.end
+            if not pin.start < end <= len(content):
+                raise KVFlashError(
+                    f"kvflash.pin[{k}]: characters {pin.start}:{end} are not within message "
+                    f"{pin.message}, which has {len(content)}"
+                )
+            lo, hi = token_span(tok, content, pin.start, end)
+            base = spans[pin.message][0]
+            out.append((base + lo, base + hi))
+    return [(lo, hi) for lo, hi in out if lo < hi]

@@ -21,12 +21,14 @@ def encode_messages(
     messages: list[dict[str, Any]],
     add_generation_prompt: bool = True,
     known: Mapping[int, Sequence[int]] | None = None,
+    spans: dict[int, tuple[int, int]] | None = None,
 ) -> list[int]:
     """Ids of the whole rendered conversation. `known` maps a message's index to the ids of its
-    content, already encoded (each content is encoded on its own, so they are the same ids)."""
+    content, already encoded (each content is encoded on its own, so they are the same ids); `spans`,
+    where given, receives each message's content as ids [start, end) of the result."""
     tag = uuid.uuid4().hex
     rendered = _render(tok, messages, add_generation_prompt, tag)
-    return _encode_rendered(tok, rendered, messages, tag, bos=True, known=known)
+    return _encode_rendered(tok, rendered, messages, tag, bos=True, known=known, spans=spans)
 
 
 def content_start(tok: Tokenizer, messages: list[dict[str, Any]]) -> int:
@@ -71,13 +73,16 @@ def _encode_rendered(
     tag: str,
     bos: bool,
     known: Mapping[int, Sequence[int]] | None = None,
+    spans: dict[int, tuple[int, int]] | None = None,
 ) -> list[int]:
     parts = re.split(f"\x00{tag}:(\\d+)\x00", rendered)
     ids: list[int] = []
     for j, part in enumerate(parts):
         if j % 2:
-            i = int(part)
+            i, start = int(part), len(ids)
             ids += known[i] if known and i in known else tok.encode_plain(str(messages[i]["content"]))
+            if spans is not None:
+                spans[i] = (start, len(ids))
         elif part:
             ids += (
                 tok.encode(part) if (bos and not ids) else tok.hf.encode(part, add_special_tokens=False).ids

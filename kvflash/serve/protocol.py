@@ -72,11 +72,32 @@ class Sampled(BaseModel):
         return self.max_tokens or default
 
 
+class MessageSpan(BaseModel):
+    """Characters [start, end) of one message's content (the whole content by default)."""
+
+    message: int = Field(ge=0)
+    start: int = Field(0, ge=0)
+    end: int | None = Field(None, ge=1)
+
+
+MAX_PINS = 64
+Pin = Literal["system", "last-turn"] | MessageSpan
+
+
+class Extras(BaseModel):
+    """The `kvflash` field of a chat request: what only this server does."""
+
+    pin: list[Pin] = Field(default_factory=list, max_length=MAX_PINS)
+    """Spans whose chunks stay on the GPU whatever the residency policy selects: `system` (every
+    system message), `last-turn` (the previous question and its answer) or a message's characters."""
+
+
 class ChatRequest(Sampled):
-    """OpenAI's chat completion request, as far as kvflash honours it."""
+    """OpenAI's chat completion request, as far as kvflash honours it, and kvflash's own `kvflash`."""
 
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    kvflash: Extras = Field(default_factory=Extras)
 
     def answer_tokens(self, default: int) -> int:
         return self.max_completion_tokens or self.max_tokens or default

@@ -26,7 +26,7 @@ from starlette.types import Message as Message_
 from kvflash import KVFlashError
 from kvflash.serve.protocol import CHAT, TEXT, ChatRequest, Completion, CompletionRequest, ErrorBody, Shape
 from kvflash.serve.scheduler import SchedulerDown
-from kvflash.serve.server import Busy, ContextTooLong, Server
+from kvflash.serve.server import Busy, ContextTooLong, Prompt, Server
 
 RETRY_AFTER_S = 1
 """What a refused client is told to wait (Retry-After): about one answer's time."""
@@ -160,7 +160,7 @@ async def _answer(server: Server, req: ChatRequest | CompletionRequest, request:
         msg = f"model {req.model!r} is not served here; this server serves {server.model_name!r}"
         return error(404, msg, "invalid_request_error", "model", "model_not_found")
     try:  # off the event loop: a long prompt takes a while to tokenise
-        ids = await asyncio.to_thread(server.prompt_ids, req)
+        prompt = await asyncio.to_thread(server.prompt, req)
     except KVFlashError as e:
         server.metrics.failed("refused")
         code = "context_length_exceeded" if isinstance(e, ContextTooLong) else None
@@ -172,7 +172,7 @@ async def _answer(server: Server, req: ChatRequest | CompletionRequest, request:
     }
     gone = threading.Event()
     try:
-        items = _submit(server, req, ids, gone)
+        items = _submit(server, req, prompt, gone)
     except SchedulerDown as e:
         return error(503, str(e), "server_error")
     except Busy as e:
@@ -241,7 +241,7 @@ async def _stream(
 
 
 def _submit(
-    server: Server, req: ChatRequest | CompletionRequest, ids: list[int], gone: threading.Event
+    server: Server, req: ChatRequest | CompletionRequest, prompt: Prompt, gone: threading.Event
 ) -> asyncio.Queue:
     """Queues the request; its text pieces, then its Completion or error, arrive on the queue."""
     loop, items = asyncio.get_running_loop(), asyncio.Queue()
@@ -252,7 +252,7 @@ def _submit(
         except RuntimeError:  # the event loop has stopped (the server is stopping): nobody listens
             pass
 
-    server.submit(req, ids, emit, gone)
+    server.submit(req, prompt, emit, gone)
     return items
 
 

@@ -162,6 +162,8 @@ class Job:
     recoveries: int = 0
     min_tokens: int = 0
     """Stop ids are not sampled before this many tokens."""
+    pins: tuple[tuple[int, int], ...] = ()
+    """Token ranges [lo, hi) of its prompt whose chunks stay resident while it runs."""
     need: Room | None = None
     """The slots it reserved when it was admitted."""
 
@@ -231,6 +233,11 @@ class Scheduler:
     def in_flight(self) -> int:
         """Requests submitted and not yet answered (a snapshot: the loop moves on meanwhile)."""
         return self.waiting + len(self._filling) + len(self._running)
+
+    @property
+    def pinned_chunks(self) -> int:
+        """Chunks the admitted requests have pinned (a snapshot)."""
+        return sum(j.kv.n_pinned for j in [*self._filling, *self._running] if j.kv is not None)
 
     @property
     def waiting(self) -> int:
@@ -401,6 +408,9 @@ class Scheduler:
             taken = self.cache.take(context, reuse=job.recoveries < RECOVERIES)
             job.stats.took(taken)
             job.kv = taken.kv
+            for lo, hi in job.pins:
+                job.kv.pin_range(lo, hi)
+            job.stats.pinned_chunks = job.kv.n_pinned
             rest = context[len(job.kv.seq) :]
             job.stats.prefilled_tokens = len(rest)
             job.prefill = self.engine.plan_prefill(job.kv, rest)
@@ -522,6 +532,7 @@ class Scheduler:
         try:
             out = job.gen.finish()
             job.stats.answered(job.gen, job.kv)
+            job.kv.unpin_all()  # a request's pins are its own, not the next turn's
             self.cache.keep(job.kv)  # before on_done: whoever hears of the answer finds it live
         except Exception as e:
             self._failed(job, e)

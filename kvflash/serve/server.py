@@ -20,14 +20,17 @@ import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from kvflash import KVFlashError, heap
 from kvflash.engine.engine import Engine
 from kvflash.engine.generate import Sampling
 from kvflash.engine.paged_kv import PagedKV
+from kvflash.engine.residency import check_pins, chunks_of
 from kvflash.models.tokenizer import StreamDecoder, Tokenizer
 from kvflash.serve.content_ids import ContentIds
 from kvflash.serve.metrics import ServerMetrics
+from kvflash.serve.pins import request_pins
 from kvflash.serve.prompt import encode_messages
 from kvflash.serve.protocol import ChatRequest, Completion, CompletionRequest, Message
 from kvflash.serve.scheduler import Job, Scheduler
@@ -75,6 +78,14 @@ IDLE_TRIM_S = 1.0
 (`heap.trim`): a burst of requests leaves its buffers free in malloc's arenas, in the process's RSS."""
 
 
+@dataclass(frozen=True)
+class Prompt:
+    """A request's prompt ids and the token ranges [lo, hi) it pins."""
+
+    ids: list[int]
+    pins: tuple[tuple[int, int], ...] = ()
+
+
 class Server:
     """The scheduler over the engine, the tokenizer and the snapshot store behind the HTTP routes."""
 
@@ -116,26 +127,32 @@ class Server:
         self.scheduler.close(cancel=True, timeout=timeout)
         self._saver.shutdown()
 
-    def prompt_ids(self, req: ChatRequest | CompletionRequest) -> list[int]:
+    def prompt(self, req: ChatRequest | CompletionRequest) -> Prompt:
         """The prompt's ids (a chat's rendered by the model's template; a completion's prompt is
-        user text after the model's BOS); KVFlashError for a template that refuses the messages or
-        a prompt longer than `max_prompt_tokens` (refused before it takes the engine's time)."""
+        user text after the model's BOS) and the token ranges it pins; KVFlashError for a template
+        that refuses the messages, a prompt longer than `max_prompt_tokens` or pins that no
+        sequence could hold (refused before they take the engine's time)."""
+        pins: list[tuple[int, int]] = []
         if isinstance(req, CompletionRequest):
             ids = [self.tok.bos_id] * self.tok.add_bos + self.tok.encode_plain(req.prompt)
         else:
-            messages = [m.as_template_message() for m in req.messages]
-            ids = encode_messages(self.tok, messages, known=self.content_ids.known(messages))
+            messages, spans = [m.as_template_message() for m in req.messages], {}
+            ids = encode_messages(self.tok, messages, known=self.content_ids.known(messages), spans=spans)
+            pins = request_pins(self.tok, messages, spans, req.kvflash.pin)
         if len(ids) > self.max_prompt_tokens:
             raise ContextTooLong(
                 f"context too long: the prompt has {len(ids)} tokens, this server takes at most "
                 f"{self.max_prompt_tokens} (kvflash serve --max-prompt-tokens)"
             )
-        return ids
+        if pins:
+            cfg = self.scheduler.engine.cfg.residency
+            check_pins(cfg, self.scheduler.budget, len(chunks_of(pins, cfg.chunk_tokens)))
+        return Prompt(ids, tuple(pins))
 
     def submit(
         self,
         req: ChatRequest | CompletionRequest,
-        ids: list[int],
+        prompt: Prompt,
         emit: Callable[[str | Completion | BaseException], None],
         gone: threading.Event,
     ) -> None:
@@ -150,7 +167,7 @@ class Server:
                 f"{self.scheduler.waiting} requests are waiting, the most this server queues "
                 f"(kvflash serve --max-waiting); retry later"
             )
-        max_tokens = req.answer_tokens(self.default_max_tokens)
+        ids, max_tokens = prompt.ids, req.answer_tokens(self.default_max_tokens)
         stop, decoder = StopText(req.stop_strings()), StreamDecoder(self.tok)
         label = conversation_label(req.messages) if isinstance(req, ChatRequest) else prompt_label(req.prompt)
 
@@ -193,7 +210,8 @@ class Server:
             host = self.scheduler.engine.host
             host.reserve(host.n_used + len(ids) // host.pool.chunk_tokens)
         sampling = Sampling(req.temperature, req.top_p, req.seed)
-        job = Job(ids, max_tokens, sampling, on_token, on_done, relay, gone, min_tokens=req.min_tokens)
+        job = Job(ids, max_tokens, sampling, on_token, on_done, relay, gone)
+        job.min_tokens, job.pins = req.min_tokens, prompt.pins
         self.scheduler.submit(job)
 
     def readings(self) -> dict[str, tuple[str, str, float]]:
@@ -226,6 +244,7 @@ class Server:
                 "Host memory the host tier has allocated (it keeps its blocks; at most --host-bytes).",
                 host.n_allocated * host.slot_bytes,
             ),
+            "pinned_chunks": ("gauge", "Chunks the requests in flight have pinned.", sched.pinned_chunks),
             "snapshots_unsaved": ("gauge", "Staged snapshots waiting for the disk.", self.unsaved),
             "forward_steps_total": ("counter", "Forwards run (decode and prefill).", sched.steps),
             "batched_tokens_total": ("counter", "Tokens those forwards decoded.", sched.batched),

@@ -275,7 +275,7 @@ class Session:
                 span = (self._doc_span[0] + lo, self._doc_span[0] + hi) if self._doc_span else None
             if span is not None:
                 kv.pin_range(*span)
-        return sum(ch.pinned for ch in kv.seq.chunks)
+        return kv.n_pinned
 
     def _answer(
         self,
