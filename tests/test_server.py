@@ -107,9 +107,17 @@ def test_a_conversation_reuses_its_kv_from_memory_and_after_a_restart_from_disk(
         live = ask(url, turn2)
     assert live.model_extra["kvflash"]["source"] == "memory"
     assert live.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
-    with serving(lm, store) as (url, _):  # a restarted server: the snapshot is all it has
+    with serving(lm, store) as (url, server):  # a restarted server: the snapshot is all it has
         restored = ask(url, turn2)
+        deadline = time.monotonic() + 60
+        while server.unsaved:  # the saver thread writes the turn's snapshot after the answer
+            assert time.monotonic() < deadline, "the snapshot was never written"
+            time.sleep(0.05)
+        text = httpx.get(f"{url}/metrics").text
     assert restored.model_extra["kvflash"]["source"] in ("disk", "lazy")
+    read = restored.model_extra["kvflash"]["bytes_moved"]["disk"]
+    assert read > 0 and _metric(text, 'bytes_moved_total{tier="disk"}') == read
+    assert _metric(text, 'snapshot_saves_total{outcome="saved"}') == 1
     assert restored.usage.prompt_tokens_details.cached_tokens >= 64
     with serving(lm, None) as (url, _):
         cold = ask(url, turn2)
@@ -523,7 +531,9 @@ def test_metrics_count_requests_tokens_and_pool_use(lm) -> None:
     generated = first.usage.completion_tokens + second.usage.completion_tokens
     assert _metric(text, 'tokens_total{kind="generated"}') == generated
     assert _metric(text, "ttft_seconds_count") == 2
+    assert _metric(text, "inter_token_seconds_count") == generated - 2  # the gaps after each first token
     assert _metric(text, "live_sequences") >= 1 and _metric(text, "pool_slots_used") > 0
+    assert _metric(text, "requests_waiting") == 0 and _metric(text, "evicted_chunks_total") == 0
 
 
 def test_an_api_key_is_required_everywhere_but_health(lm) -> None:

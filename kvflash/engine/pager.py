@@ -34,6 +34,8 @@ class Pager:
         self.chunk_nbytes = pool.kv[0].numel() * pool.kv.element_size()
         self.moved = {"disk": 0, "host_to_gpu": 0, "gpu_to_host": 0}
         """Bytes of chunk KV moved per tier since the sequence began (for stats lines)."""
+        self.evicted = 0
+        """Chunks sent out of the pool since the sequence began."""
 
     def evict(self, chunks: list[Chunk]) -> None:
         """Sends chunks to the host tier (those without a host copy yet) in one batch, and frees
@@ -46,6 +48,7 @@ class Pager:
             if ch.key is not None:
                 self.host.publish(ch.key, h)
         self.moved["gpu_to_host"] += len(out) * self.chunk_nbytes
+        self.evicted += len(chunks)
         for ch in chunks:
             self.pool.release(ch.gpu)
             ch.gpu = None

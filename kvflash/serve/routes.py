@@ -132,7 +132,7 @@ def create_app(server: Server, max_body_bytes: int = MAX_BODY_BYTES, api_key: st
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> str:
         """Prometheus's text format."""
-        return server.metrics.render(server.readings())
+        return server.metrics.render()
 
     @app.get("/v1/models")
     async def models() -> dict:

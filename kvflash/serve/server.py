@@ -109,7 +109,7 @@ class Server:
         self.scheduler = Scheduler(engine, snapshots, tokenizer.eos_ids, max_batch, sequence_tokens)
         engine.pool.reset_peak()  # the warm-up's scratch sequences are not the server's use
         self.content_ids = ContentIds(tokenizer)
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(self.readings)
         self.max_prompt_tokens = max_prompt_tokens or self.scheduler.max_context_tokens - default_max_tokens
         self.created = int(time.time())
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvflash-save")
@@ -176,7 +176,14 @@ class Server:
                 self.metrics.failed()
             emit(item)
 
+        last = 0.0
+
         def on_token(tok: int) -> bool:
+            nonlocal last
+            now = time.perf_counter()
+            if last:
+                self.metrics.itl.observe(now - last)
+            last = now
             if piece := stop.push(decoder.push(tok)):
                 relay(piece)
             return stop.stopped
@@ -192,11 +199,13 @@ class Server:
                 if not kv.seq.n_sealed:  # a short chat: no whole chunk to save
                     return
                 if not self._take_unsaved():
+                    self.metrics.saves.labels("skipped").inc()
                     warnings.warn("snapshot writes are behind: this answer is not saved", stacklevel=2)
                     return
                 try:
                     staged = self.snapshots.stage(kv)  # a store error here only costs the reuse
                 except BaseException:
+                    self.metrics.saves.labels("failed").inc()
                     self._saved()
                     raise
                 try:
@@ -219,6 +228,7 @@ class Server:
         sched, pool, host = self.scheduler, self.scheduler.engine.pool, self.scheduler.engine.host
         return {
             "requests_in_flight": ("gauge", "Requests submitted and not yet answered.", sched.in_flight),
+            "requests_waiting": ("gauge", "Requests submitted and not yet admitted.", sched.waiting),
             "live_sequences": (
                 "gauge",
                 "Sequences kept live on the GPU for a next turn.",
@@ -281,7 +291,9 @@ class Server:
         its snapshot still finds the document's. A full disk only warns."""
         try:
             self.snapshots.replace(staged, label, {"prompt_tokens": prompt_tokens})
+            self.metrics.saves.labels("saved").inc()
         except Exception as e:  # on the saver thread: nobody else would hear of it
+            self.metrics.saves.labels("failed").inc()
             warnings.warn(f"could not save the snapshot: {e}", stacklevel=2)
         finally:
             self._saved()

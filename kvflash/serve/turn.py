@@ -31,6 +31,9 @@ class TurnStats:
     """Of a shared prefix, the tokens whose chunks only the host tier held (the rest were in the
     pool)."""
     bytes_moved: dict[str, int] = field(default_factory=dict)
+    """Bytes of chunk KV this turn moved, by tier (a restore's reads included)."""
+    evicted_chunks: int = 0
+    """Chunks this turn evicted from the pool."""
     resident_chunks: int = 0
     pinned_chunks: int = 0
     """Chunks the turn's pins keep resident."""
@@ -41,12 +44,17 @@ class TurnStats:
         reused, of a shared prefix those only the host tier held, and a restore's time."""
         self.source, self.restored_tokens = taken.source, taken.restored_tokens
         self.shared_host_tokens, self.restore_s = taken.shared_host_tokens, taken.restore_s
+        before = taken.source == "memory"  # a live sequence goes on: earlier turns' traffic is theirs
+        self._moved_before = dict(taken.kv.moved) if before else {}
+        self._evicted_before = taken.kv.pager.evicted if before else 0
 
     def answered(self, gen: Generation, kv: PagedKV) -> None:
         """The finished answer's count and timing (`Generation`), and the traffic and residency of
         its sequence."""
         self.ttft_s, self.decode_tok_s, self.generated_tokens = gen.ttft_s, gen.decode_tok_s, len(gen.out)
-        self.bytes_moved = dict(kv.moved)
+        before = getattr(self, "_moved_before", {})
+        self.bytes_moved = {tier: n - before.get(tier, 0) for tier, n in kv.moved.items()}
+        self.evicted_chunks = kv.pager.evicted - getattr(self, "_evicted_before", 0)
         self.resident_chunks = len(kv.resident())
 
     def to_dict(self) -> dict:
