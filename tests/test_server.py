@@ -54,6 +54,7 @@ def serving(
     max_batch: int = 4,
     max_waiting: int = 256,
     host_bytes: int = EngineConfig.host_bytes,
+    request_timeout: float | None = None,
     **app,
 ) -> Iterator[tuple[str, Server]]:
     """A server on a free port of 127.0.0.1, in a thread of this process, over a new engine whose
@@ -62,9 +63,8 @@ def serving(
     engine = Engine(lm, EngineConfig(pool_tokens=4096, host_bytes=host_bytes))
     st = SnapshotStore(store) if isinstance(store, Path) else store
     snapshots = KVSnapshots(st, engine.fingerprint) if st else None
-    server = Server(
-        engine, lm.tokenizer, MODEL, snapshots, max_tokens, max_batch, max_prompt_tokens, max_waiting
-    )
+    server = Server(engine, lm.tokenizer, MODEL, snapshots, max_tokens, max_batch, max_prompt_tokens,
+                    max_waiting, request_timeout=request_timeout)  # fmt: skip
     config = uvicorn.Config(create_app(server, **app), host="127.0.0.1", port=0, log_level="warning")
     uv = uvicorn.Server(config)
     thread = threading.Thread(target=uv.run, daemon=True)
@@ -669,3 +669,22 @@ def test_pins_in_a_request_pin_their_spans_and_a_pin_past_the_floor_is_refused(l
             with pytest.raises(openai.BadRequestError, match=says):
                 ask(url, messages, max_tokens=4, extra_body={"kvflash": {"pin": [pin]}})
         assert _metric(httpx.get(f"{url}/metrics").text, 'requests_total{outcome="refused"}') == 3
+
+
+def test_a_request_past_its_time_limit_gets_504_or_has_its_answer_ended(lm) -> None:
+    """--request-timeout: a request with no token by its limit fails with 504 naming the limit, and
+    frees what it held; one that is answering by then ends its answer there (finish reason
+    `length`, fewer tokens than it asked for). The server goes on answering."""
+    with serving(lm, None, request_timeout=0.001) as (url, server):
+        with pytest.raises(openai.APIStatusError, match="time limit") as e:
+            ask(url, TURN1, max_tokens=4)
+        assert e.value.status_code == 504
+        settled(server)
+        assert server.scheduler.engine.pool.n_used == sum(
+            len(kv.resident()) for kv in server.scheduler.cache.idle
+        )
+        server.request_timeout = 1.5
+        got = ask(url, TURN1, max_tokens=2000, extra_body={"min_tokens": 2000})
+        assert got.choices[0].finish_reason == "length" and 0 < got.usage.completion_tokens < 2000
+        server.request_timeout = None
+        assert ask(url, TURN1, max_tokens=4).choices[0].message.content

@@ -61,6 +61,12 @@ def serve(
         min=1,
         help="Longest prompt; longer ones get 400 (default: what one sequence can hold).",
     ),
+    request_timeout: float = typer.Option(
+        None,
+        "--request-timeout",
+        min=0.001,
+        help="Seconds a request may take: one with no token by then gets 504, an answer ends there.",
+    ),
     api_key: str = typer.Option(
         None, "--api-key", envvar="KVFLASH_API_KEY", help="Require `Authorization: Bearer KEY` (not /health)."
     ),
@@ -93,6 +99,7 @@ def serve(
         max_prompt_tokens,
         max_waiting,
         sequence_tokens,
+        request_timeout,
     )
     # uvicorn stops on SIGTERM, then raises it again: the default action would end the process
     # before the answers in flight are ended and their snapshots written (Server.close, below).

@@ -25,7 +25,7 @@ from starlette.types import Message as Message_
 
 from kvflash import KVFlashError
 from kvflash.serve.protocol import CHAT, TEXT, ChatRequest, Completion, CompletionRequest, ErrorBody, Shape
-from kvflash.serve.scheduler import SchedulerDown
+from kvflash.serve.scheduler import SchedulerDown, TimedOut
 from kvflash.serve.server import Busy, ContextTooLong, Prompt, Server
 
 RETRY_AFTER_S = 1
@@ -44,6 +44,7 @@ ERRORS = {status: {"model": ErrorBody, "description": why} for status, why in (
     (429, "Too many requests wait for the engine: retry after Retry-After seconds"),
     (500, "The request failed in the engine"),
     (503, "The scheduler has stopped: the server cannot answer"),
+    (504, "The request reached its time limit (--request-timeout) before its first token"),
 )}  # fmt: skip
 """What the routes answer besides 200, as the OpenAPI schema declares it."""
 
@@ -189,6 +190,8 @@ async def _answer(server: Server, req: ChatRequest | CompletionRequest, request:
         watch.cancel()
     if isinstance(done, SchedulerDown):
         return error(503, str(done), "server_error")
+    if isinstance(done, TimedOut):
+        return error(504, str(done), "timeout_error")
     if isinstance(done, KVFlashError):
         return error(400, str(done), "invalid_request_error")
     if isinstance(done, BaseException):
@@ -228,7 +231,11 @@ async def _stream(
         while isinstance(piece := await items.get(), str):
             yield chunk(piece)
         if isinstance(piece, BaseException):  # headers are sent: the error goes in the stream
-            kind = "invalid_request_error" if isinstance(piece, KVFlashError) else "server_error"
+            kind = (
+                "timeout_error" if isinstance(piece, TimedOut)
+                else "invalid_request_error" if isinstance(piece, KVFlashError)
+                else "server_error"
+            )  # fmt: skip
             yield _event({"error": {"message": str(piece), "type": kind, "param": None, "code": None}})
             return
         done = piece

@@ -69,6 +69,10 @@ class Cancelled(KVFlashError):
     """The request ended before its first token: its client left, or the server is stopping."""
 
 
+class TimedOut(KVFlashError):
+    """The request reached its time limit before its first token."""
+
+
 MAX_SEQUENCE_TOKENS = 262_144
 """The default budget of a sequence when the pool is larger: a sequence's decode buffers and every
 batch's stacked slot tables are as wide as its budget, so the budget of a whole large pool would cost
@@ -164,8 +168,14 @@ class Job:
     """Stop ids are not sampled before this many tokens."""
     pins: tuple[tuple[int, int], ...] = ()
     """Token ranges [lo, hi) of its prompt whose chunks stay resident while it runs."""
+    timeout_s: float | None = None
+    """From t0: a request still waiting or prefilling then fails (`TimedOut`); one answering ends
+    its answer there."""
     need: Room | None = None
     """The slots it reserved when it was admitted."""
+
+    def expired(self) -> bool:
+        return self.timeout_s is not None and time.perf_counter() - self.t0 > self.timeout_s
 
     @property
     def context(self) -> list[int]:
@@ -391,7 +401,12 @@ class Scheduler:
         return job
 
     def _ended_early(self, job: Job) -> bool:
-        """Fails a job whose client left, or every job when the server stops, before it decodes."""
+        """Fails a job whose client left or whose time is up, or every job when the server stops,
+        before it decodes."""
+        if job.expired():
+            self._fail(job, TimedOut(f"the request reached its time limit of {job.timeout_s:g} s before "
+                                     "its first token (kvflash serve --request-timeout)"))  # fmt: skip
+            return True
         if not (job.gone.is_set() or self._cancel.is_set()):
             return False
         why = "the server is stopping" if self._cancel.is_set() else "the client went away"
@@ -526,7 +541,7 @@ class Scheduler:
         except Exception as e:
             self._failed(job, e)
             return False
-        if tok is not None and not (job.gone.is_set() or self._cancel.is_set()):
+        if tok is not None and not (job.gone.is_set() or self._cancel.is_set() or job.expired()):
             job.next = tok
             return True
         try:

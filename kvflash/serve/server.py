@@ -100,12 +100,16 @@ class Server:
         max_prompt_tokens: int | None = None,
         max_waiting: int = 256,
         sequence_tokens: int | None = None,
+        request_timeout: float | None = None,
     ):
         self.tok, self.model_name, self.snapshots = tokenizer, model_name, snapshots
         self.max_waiting = max_waiting
         """Requests that may wait for admission; past them a request is refused (429): a client
         that is told to come back later loses less than one whose request waits without bound."""
         self.default_max_tokens = default_max_tokens
+        self.request_timeout = request_timeout
+        """Seconds a request may take from its arrival: one not yet answering then fails (504), one
+        answering ends its answer there (finish reason `length`)."""
         self.scheduler = Scheduler(engine, snapshots, tokenizer.eos_ids, max_batch, sequence_tokens)
         engine.pool.reset_peak()  # the warm-up's scratch sequences are not the server's use
         self.content_ids = ContentIds(tokenizer)
@@ -191,7 +195,7 @@ class Server:
         def on_done(out: list[int], stats: TurnStats, kv: PagedKV) -> None:
             if not stop.stopped and (tail := stop.push(decoder.flush()) + stop.flush()):
                 relay(tail)
-            finish = "length" if len(out) >= max_tokens and not stop.stopped else "stop"
+            finish = "length" if (len(out) >= max_tokens or job.expired()) and not stop.stopped else "stop"
             self.metrics.answered(finish, stats)
             relay(Completion(stop.text, finish, len(ids), len(out), stats))
             if self.snapshots:
@@ -220,7 +224,7 @@ class Server:
             host.reserve(host.n_used + len(ids) // host.pool.chunk_tokens)
         sampling = Sampling(req.temperature, req.top_p, req.seed)
         job = Job(ids, max_tokens, sampling, on_token, on_done, relay, gone)
-        job.min_tokens, job.pins = req.min_tokens, prompt.pins
+        job.min_tokens, job.pins, job.timeout_s = req.min_tokens, prompt.pins, self.request_timeout
         self.scheduler.submit(job)
 
     def readings(self) -> dict[str, tuple[str, str, float]]:
