@@ -139,21 +139,14 @@ def seeded(smollm_path, tmp_path_factory) -> tuple[Path, Path, str]:
     return doc, store, answer
 
 
+def _ask_argv(smollm_path: Path, doc: Path, store: Path, *more: str) -> list[str]:
+    """`kvflash ask` of the question about doc over store, four tokens, JSON out."""
+    return ["ask", str(doc), QUESTION, "-n", "4", "--json", "--store", str(store), *more,
+            "--model", str(smollm_path)]  # fmt: skip
+
+
 def _ask(smollm_path: Path, doc: Path, store: Path, monkeypatch, capfd=None) -> str:
-    argv = [
-        "ask",
-        str(doc),
-        QUESTION,
-        "-n",
-        "4",
-        "--json",
-        "--store",
-        str(store),
-        "--pool-tokens",
-        "1024",
-        "--model",
-        str(smollm_path),
-    ]
+    argv = _ask_argv(smollm_path, doc, store, "--pool-tokens", "1024")
     if capfd is None:  # a module fixture has no capfd: the real command in a process of its own
         cmd = [sys.executable, "-m", "kvflash.cli.app", *argv, "--device", "cpu"]
         r = subprocess.run(cmd, capture_output=True, text=True)
@@ -206,18 +199,7 @@ def test_ask_answers_over_a_read_only_store(seeded, smollm_path, tmp_path, capfd
     _mount(["--bind", str(root), str(ro)], "bind-mount")
     try:
         _mount(["-o", "remount,bind,ro", str(ro)], "remount read-only")
-        argv = [
-            "ask",
-            str(doc),
-            QUESTION,
-            "-n",
-            "4",
-            "--json",
-            "--store",
-            str(ro),
-            "--model",
-            str(smollm_path),
-        ]
+        argv = _ask_argv(smollm_path, doc, ro)
         code, out, err = kvflash([*argv, "--device", "cpu"], capfd, monkeypatch)
         assert code == 0 and "Traceback" not in err, err
         result = json.loads(out)
@@ -248,18 +230,7 @@ def test_ask_answers_on_a_full_disk_and_prune_frees_it(
                 pass
         os.close(fd)
         assert os.statvfs(mnt).f_bavail == 0
-        argv = [
-            "ask",
-            str(doc),
-            QUESTION,
-            "-n",
-            "4",
-            "--json",
-            "--store",
-            str(root),
-            "--model",
-            str(smollm_path),
-        ]
+        argv = _ask_argv(smollm_path, doc, root)
         code, out, err = kvflash([*argv, "--device", "cpu"], capfd, monkeypatch)
         assert code == 0 and "Traceback" not in err, err
         assert json.loads(out)["answer"] == cold

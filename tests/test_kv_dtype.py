@@ -43,6 +43,19 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
+def assert_host_round_trip(eng: Engine, kv, n: int) -> None:
+    """One of the first n chunks' pool slots, paged out to the host tier and into another slot,
+    keeps its bits in both."""
+    slot = next(ch.gpu for ch in kv.seq.chunks[:n] if ch.gpu is not None)
+    host = eng.host.page_out(slot)
+    other = eng.pool.alloc()
+    eng.host.page_in(host, other)
+    assert torch.equal(bits(eng.host.view(host)), bits(eng.pool.kv[slot]))
+    assert torch.equal(bits(eng.pool.kv[other]), bits(eng.pool.kv[slot]))
+    eng.host.release(host)
+    eng.pool.release(other)
+
+
 def test_auto_keeps_bf16_kv_under_fp32_compute_on_the_cpu_and_the_models_dtype_elsewhere(lm) -> None:
     cuda = torch.device("cuda")
     assert resolve_kv_dtype("auto", torch.float32, CPU) == torch.bfloat16
@@ -68,15 +81,7 @@ def test_each_kv_dtype_round_trips_bit_exact_through_pool_host_tier_and_store(
     before = [kv.chunk_kv(i).clone() for i in range(n)]
     assert all(t.dtype == dt for t in before)
 
-    # host tier: out of one pool slot and back into another
-    slot = next(ch.gpu for ch in kv.seq.chunks[:n] if ch.gpu is not None)
-    host = eng.host.page_out(slot)
-    other = eng.pool.alloc()
-    eng.host.page_in(host, other)
-    assert torch.equal(bits(eng.host.view(host)), bits(eng.pool.kv[slot]))
-    assert torch.equal(bits(eng.pool.kv[other]), bits(eng.pool.kv[slot]))
-    eng.host.release(host)
-    eng.pool.release(other)
+    assert_host_round_trip(eng, kv, n)
 
     # disk store: the chunk header records the dtype; eager and lazy restores give the same bits
     with SnapshotStore(tmp_path / "store") as store, contextlib.ExitStack() as leases:

@@ -19,7 +19,7 @@ from kvflash.models.loader import LoadedModel
 from kvflash.serve.snapshots import KVSnapshots
 from kvflash.storage import SnapshotStore, codec, format
 from kvflash.storage.errors import ChunkCorrupt
-from tests.test_kv_dtype import CFG, C, bits, engine, prompt, turn
+from tests.test_kv_dtype import CFG, C, assert_host_round_trip, bits, engine, prompt, turn
 from tests.tiny import tiny_model
 
 FP8 = torch.float8_e4m3fn
@@ -55,14 +55,7 @@ def test_fp8_round_trips_bit_exact_through_host_tier_and_store(lm, tmp_path) -> 
     before = [kv.chunk_kv(i).clone() for i in range(n)]
     assert all(t.dtype == FP8 and (fp8_scales(t) > 0).all() for t in before)
 
-    slot = next(ch.gpu for ch in kv.seq.chunks[:n] if ch.gpu is not None)
-    host = eng.host.page_out(slot)
-    other = eng.pool.alloc()
-    eng.host.page_in(host, other)
-    assert torch.equal(bits(eng.host.view(host)), bits(eng.pool.kv[slot]))
-    assert torch.equal(bits(eng.pool.kv[other]), bits(eng.pool.kv[slot]))
-    eng.host.release(host)
-    eng.pool.release(other)
+    assert_host_round_trip(eng, kv, n)
 
     with SnapshotStore(tmp_path / "store") as store, contextlib.ExitStack() as leases:
         snapshots = KVSnapshots(store, eng.fingerprint, prefetch=False)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import tracemalloc
 import zlib
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -67,15 +68,21 @@ ORIGINAL = {c: decode_chunk(data, h, FP) for c, (data, h) in FILES.items()}
 CODECS = st.sampled_from(list(FILES))
 
 
-def _refused(data: bytes, h: str, stored_crc: bool, codec: Codec = Codec.LOSSLESS) -> None:
+def peak_bytes(fn: Callable[[], object], refused: type[BaseException] | tuple = ()) -> tuple[object, int]:
+    """fn's result (None where it raised `refused`) and the most bytes it held allocated at once."""
     tracemalloc.start()
     try:
-        blob = decode_chunk(data, h, FP, stored_crc=stored_crc)
-    except ChunkError:
-        blob = None
+        out = fn()
+    except refused:
+        out = None
     finally:
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
+    return out, peak
+
+
+def _refused(data: bytes, h: str, stored_crc: bool, codec: Codec = Codec.LOSSLESS) -> None:
+    blob, peak = peak_bytes(lambda: decode_chunk(data, h, FP, stored_crc=stored_crc), ChunkError)
     assert peak < ALLOC_BOUND + 4 * len(data), f"refusing a {len(data)}-byte file allocated {peak} bytes"
     if blob is not None:
         assert not stored_crc, "verify's full check accepted a mutated file"
@@ -128,21 +135,13 @@ def headers_of_noise(header, size) -> None:
     data, h = FILES[Codec.LOSSLESS]
     forged = bytearray(data[:10]) + header[10 : HEADER_SIZE - 4]
     forged += zlib.crc32(forged).to_bytes(4, "little")
-    tracemalloc.start()
-    try:
-        parse_header(bytes(forged), size, h)
-    except ChunkError:
-        pass
-    finally:
-        peak = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
-    assert peak < ALLOC_BOUND
+    assert peak_bytes(lambda: parse_header(bytes(forged), size, h), ChunkError)[1] < ALLOC_BOUND
 
 
 def _summaries_refused(data: bytes) -> None:
     """By the full check and by a restore's read of every entry, within the allocation bound."""
-    tracemalloc.start()
-    try:
+
+    def both() -> None:
         with pytest.raises(ChunkError):
             check_summaries_file(data, CHAIN[-1], FP, CHAIN)
         with pytest.raises(ChunkError):
@@ -151,9 +150,8 @@ def _summaries_refused(data: bytes) -> None:
                 dest[:] = data[at : at + len(dest)]
             read.check_tokens()
             read.check_entries(0, len(CHAIN))
-    finally:
-        peak = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
+
+    peak = peak_bytes(both)[1]
     assert peak < ALLOC_BOUND + 4 * len(data), f"refusing a {len(data)}-byte file allocated {peak} bytes"
 
 
@@ -178,28 +176,19 @@ def summaries_truncations_and_extensions(cut, tail) -> None:
 def summaries_headers_of_noise(header, size) -> None:
     forged = bytearray(SUMMARIES[:10]) + header[10 : SUMMARIES_HEADER_SIZE - 4]
     forged += zlib.crc32(forged).to_bytes(4, "little")
-    tracemalloc.start()
-    try:
-        parse_summaries_header(bytes(forged), size, CHAIN[-1])
-    except ChunkError:
-        pass
-    finally:
-        peak = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
-    assert peak < ALLOC_BOUND
+    assert (
+        peak_bytes(lambda: parse_summaries_header(bytes(forged), size, CHAIN[-1]), ChunkError)[1]
+        < ALLOC_BOUND
+    )
 
 
 def codec_payloads(payload, codec, shape, raw_len, crc) -> None:
     """Any payload under any claimed shape and length: a ValueError at most, within the bound."""
-    tracemalloc.start()
-    try:
-        decode(payload, codec, torch.bfloat16, (shape[0], 2, *shape[2:]), raw_len, crc)
-    except ValueError:
-        pass
-    finally:
-        peak = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
-    assert peak < ALLOC_BOUND
+    shape = (shape[0], 2, *shape[2:])
+    assert (
+        peak_bytes(lambda: decode(payload, codec, torch.bfloat16, shape, raw_len, crc), ValueError)[1]
+        < ALLOC_BOUND
+    )
 
 
 PROPERTIES = {
