@@ -58,6 +58,8 @@ class Served:
         cmd += ["--shared-store", shared] if shared else []
         if getattr(args, "max_prompt_tokens", None):
             cmd += ["--max-prompt-tokens", str(args.max_prompt_tokens)]
+        if getattr(args, "step_tokens", None):
+            cmd += ["--step-tokens", str(args.step_tokens)]
         if args.model:
             cmd += ["--model", args.model]
         if args.device:

@@ -211,6 +211,7 @@ def main() -> None:
     ap.add_argument("--pool-tokens", default="auto")
     ap.add_argument("--model", default=None)
     ap.add_argument("--device", default=None)
+    ap.add_argument("--step-tokens", type=int, default=None, help="the servers' --step-tokens")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers peer")
     ap.add_argument("--shared-only", action="store_true", help="only the conversations over one document")
     ap.add_argument("--out", default="out/serve_batch")

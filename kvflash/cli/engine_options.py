@@ -40,6 +40,11 @@ PolicyOpt = typer.Option("qk", "--policy", help=f"Residency policy: {', '.join(P
 AbsolutePositionsOpt = typer.Option(
     False, "--absolute-positions", help="Attend at absolute positions, not positions within the cache."
 )
+StepTokensOpt = typer.Option(
+    None, "--step-tokens", min=64,
+    help="Most prompt tokens one forward computes, of one prompt or several (default: 8192 on CUDA, "
+    "512 on a CPU).",
+)  # fmt: skip
 GraphsOpt = typer.Option(
     True, "--cuda-graphs/--no-cuda-graphs", help="Replay each decode step from a CUDA graph (on CUDA)."
 )
@@ -58,6 +63,7 @@ class EngineOptions:
     host_bytes: int | None = None
     policy: str = "qk"
     absolute_positions: bool = False
+    step_tokens: int | None = None
     cuda_graphs: bool = True
 
     def pool(self, default: int | None = DEFAULT_POOL_TOKENS) -> int | str | None:
@@ -70,7 +76,11 @@ class EngineOptions:
         from kvflash.config import EngineConfig, ResidencyConfig
 
         res = ResidencyConfig(policy=self.policy, cache_positions=not self.absolute_positions)
-        given = {"host_bytes": self.host_bytes, "kv_dtype": self.kv_dtype}
+        given = {
+            "host_bytes": self.host_bytes,
+            "kv_dtype": self.kv_dtype,
+            "prefill_step_tokens": self.step_tokens,
+        }
         return EngineConfig(
             pool_tokens=self.pool() if pool_tokens is None else pool_tokens,
             residency=res,
@@ -88,6 +98,7 @@ OPTIONS: dict[str, Any] = {
     "host_bytes": HostBytesOpt,
     "policy": PolicyOpt,
     "absolute_positions": AbsolutePositionsOpt,
+    "step_tokens": StepTokensOpt,
     "cuda_graphs": GraphsOpt,
 }
 """Each EngineOptions field's typer option, in the order `--help` lists them."""
