@@ -32,7 +32,8 @@ from kvflash.config import EngineConfig
 from kvflash.engine.engine import Engine
 from kvflash.engine.generate import Sampling, eager_step
 from kvflash.models.loader import load_model
-from kvflash.serve.scheduler import Job, Scheduler
+from kvflash.serve.job import Job
+from kvflash.serve.scheduler import Scheduler
 
 MODES = {
     "alone": "one at a time",

@@ -25,6 +25,8 @@ from typing import Any
 from rich.console import Console
 from rich.progress import Progress
 
+from kvflash.eval.niah_report import fmt_length
+
 
 def out_dir(path: str | Path) -> Path:
     """The folder a run writes into, made if missing."""
@@ -219,11 +221,6 @@ def wait_until_serving(proc: subprocess.Popen, url: str, timeout_s: float = 600)
                 proc.kill()
                 raise SystemExit("kvflash serve did not come up") from None
             time.sleep(0.2)
-
-
-def fmt_length(n: int | str) -> str:
-    """A token count as a label: 131072 -> "128K"; counts that are not whole K as they are."""
-    return f"{int(n) // 1024}K" if int(n) % 1024 == 0 else str(n)
 
 
 def make_document(n_tokens: int, count, seed: int = 0) -> str:

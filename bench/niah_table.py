@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-from bench.harness import fmt_length
+from kvflash.eval.niah_report import fmt_length
 
 ANSWER_FIELDS = ("mode", "out", "lengths", "depths", "trials")
 """Settings that may differ between a restore arm and the cold arm it must reproduce."""

@@ -233,7 +233,8 @@ def test_a_parked_conversation_continues_from_the_host_tier_on_cuda(lm) -> None:
     """Chats kept live, then a long prompt that needs the pool: the older chats are parked in the
     host tier with their summaries cut to a row per chunk (on the device), a chat shorter than a
     chunk is freed, and the next turn of a parked chat pages it back and answers from memory."""
-    from kvflash.serve.scheduler import Job, Scheduler
+    from kvflash.serve.job import Job
+    from kvflash.serve.scheduler import Scheduler
     from kvflash.serve.turn import TurnStats
 
     tok = lm.tokenizer

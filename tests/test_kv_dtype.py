@@ -43,6 +43,19 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
+def teacher_forced(lm: LoadedModel, kv_dtype: str, steps: int) -> torch.Tensor:
+    """The logits of a 300-token prefill and `steps` teacher-forced decode steps with KV in kv_dtype."""
+    ids, forced = prompt(300, seed=2), prompt(steps, seed=3)
+    eng = engine(lm, kv_dtype)
+    kv = eng.new_sequence()
+    out = [eng.prefill(kv, ids)]
+    step = eng.decode_step(kv)
+    for i, tok in enumerate(forced):
+        out.append(step(tok, len(ids) + i).reshape(-1).clone())
+    kv.free()
+    return torch.stack(out)
+
+
 def assert_host_round_trip(eng: Engine, kv, n: int) -> None:
     """One of the first n chunks' pool slots, paged out to the host tier and into another slot,
     keeps its bits in both."""
@@ -134,18 +147,7 @@ def test_16_bit_kv_under_fp32_compute_stays_close_to_fp32_kv(lm, kv_dtype: str) 
     run's, relative to the largest logit magnitude, and every step picks the same token. (Measured:
     a tenth of that.)"""
     tolerance = torch.finfo(DTYPES[kv_dtype]).eps / 2
-    ids, forced = prompt(300, seed=2), prompt(32, seed=3)
-    runs = []
-    for name in ("fp32", kv_dtype):
-        eng = engine(lm, name)
-        kv = eng.new_sequence()
-        out = [eng.prefill(kv, ids)]
-        step = eng.decode_step(kv)
-        for i, tok in enumerate(forced):
-            out.append(step(tok, len(ids) + i).reshape(-1).clone())
-        runs.append(torch.stack(out))
-        kv.free()
-    ref, got = runs
+    ref, got = (teacher_forced(lm, name, 32) for name in ("fp32", kv_dtype))
     assert ((got - ref).abs().amax() / ref.abs().amax()).item() < tolerance
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
 

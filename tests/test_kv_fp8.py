@@ -19,7 +19,7 @@ from kvflash.models.loader import LoadedModel
 from kvflash.serve.snapshots import KVSnapshots
 from kvflash.storage import SnapshotStore, codec, format
 from kvflash.storage.errors import ChunkCorrupt
-from tests.test_kv_dtype import CFG, C, assert_host_round_trip, bits, engine, prompt, turn
+from tests.test_kv_dtype import CFG, C, assert_host_round_trip, bits, engine, prompt, teacher_forced, turn
 from tests.tiny import tiny_model
 
 FP8 = torch.float8_e4m3fn
@@ -148,18 +148,7 @@ def test_fp8_kv_under_fp32_compute_stays_close_to_bf16_kv(lm) -> None:
     relative to the largest logit magnitude, and at least 90 % of the steps pick the same token (a
     random tiny model's top logits are close). (Measured: 2**-7.2 and 97-100 %; e4m3 keeps 3
     mantissa bits, bf16 8.)"""
-    ids, forced = prompt(300, seed=2), prompt(40, seed=3)
-    runs = []
-    for name in ("bf16", "fp8"):
-        eng = engine(lm, name)
-        kv = eng.new_sequence()
-        out = [eng.prefill(kv, ids)]
-        step = eng.decode_step(kv)
-        for i, tok in enumerate(forced):
-            out.append(step(tok, len(ids) + i).reshape(-1).clone())
-        runs.append(torch.stack(out))
-        kv.free()
-    ref, got = runs
+    ref, got = (teacher_forced(lm, name, 40) for name in ("bf16", "fp8"))
     assert ((got - ref).abs().amax() / ref.abs().amax()).item() < 2**-5
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9
 

@@ -18,8 +18,9 @@ from kvflash.engine.generate import Sampling
 from kvflash.engine.pool import chunk_bytes
 from kvflash.models.loader import LoadedModel
 from kvflash.serve import snapshots
+from kvflash.serve.job import Job
 from kvflash.serve.prefix_cache import PrefixCache
-from kvflash.serve.scheduler import Job, Scheduler
+from kvflash.serve.scheduler import Scheduler
 from kvflash.serve.snapshots import KVSnapshots
 from kvflash.serve.turn import TurnStats
 from kvflash.storage import SnapshotStore, chain_hashes

@@ -14,7 +14,8 @@ from kvflash.config import EngineConfig, ResidencyConfig
 from kvflash.engine.engine import Engine
 from kvflash.engine.generate import Sampling
 from kvflash.models.loader import LoadedModel
-from kvflash.serve.scheduler import Job, Scheduler
+from kvflash.serve.job import Job
+from kvflash.serve.scheduler import Scheduler
 from kvflash.serve.turn import TurnStats, answer
 from tests.tiny import tiny_config, tiny_model
 

@@ -463,7 +463,7 @@ def test_health_and_new_requests_say_503_once_the_scheduler_has_stopped(lm) -> N
     """The scheduler's thread stopped by a callback that raises past every handler (SystemExit):
     /health turns unhealthy, and requests are refused with 503 instead of hanging."""
     from kvflash.engine.generate import Sampling
-    from kvflash.serve.scheduler import Job
+    from kvflash.serve.job import Job
 
     def die(tok: int) -> bool:
         raise SystemExit("stopped")

@@ -22,7 +22,7 @@ import schemathesis
 from schemathesis import GenerationMode
 
 from kvflash.engine.paged_kv import PagedKV
-from kvflash.serve.scheduler import Job
+from kvflash.serve.job import Job
 from kvflash.serve.server import IDLE_TRIM_S, Server
 from kvflash.serve.snapshots import StagedSnapshot
 from kvflash.storage import ChunkBlob

@@ -18,8 +18,9 @@ from kvflash.engine.engine import Engine
 from kvflash.engine.generate import Generation, Sampler, Sampling, decode
 from kvflash.engine.paged_kv import PagedKV
 from kvflash.models.loader import LoadedModel
+from kvflash.serve.job import Job
 from kvflash.serve.prefix_cache import PrefixCache, Taken
-from kvflash.serve.scheduler import Job, Scheduler
+from kvflash.serve.scheduler import Scheduler
 from kvflash.storage import chain_hashes
 from tests.tiny import tiny_config, tiny_model
 

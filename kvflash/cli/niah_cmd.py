@@ -12,7 +12,8 @@ from kvflash import KVFlashError
 from kvflash.cli.engine_options import ENGINE, EngineOptions, engine_command, load_model
 from kvflash.cli.options import JsonOpt
 from kvflash.eval.haystack import TEMPLATES
-from kvflash.eval.niah import MODES, NiahConfig, run, table
+from kvflash.eval.niah import MODES, NiahConfig, run
+from kvflash.eval.niah_report import table
 
 
 def parse_lengths(value: str) -> tuple[int, ...]:

@@ -16,6 +16,9 @@ subset of fp16, and the GPU converts e4m3 pairs to fp16 pairs in one instruction
 several) for fp16 dots, and their scales applied outside the dots: each key column's logit times its
 chunk's K scale, each probability times its chunk's V scale before the second dot. Those weights are
 raised by `FP8_P_UP` (the output divided by it again) so that fp16 keeps small ones normal.
+
+One module of some 500 lines: the split kernel, the two ways of merging its splits and the launch
+rule that picks the split count and tile are tuned together (bench/decode_tune.py times them as one).
 """
 
 from __future__ import annotations

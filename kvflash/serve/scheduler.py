@@ -29,9 +29,10 @@ from the valid stored prefix, then cold, instead of failing it. Should the loop 
 every request it holds and every later one gets `SchedulerDown` at once: nothing waits on a thread
 that is gone.
 
-`Scheduler` is one class of some 380 lines because admission, the step and isolation read and
-change one state (the queue, the running requests, their reservations) that only its thread
-touches: split apart, each part would take that whole state as arguments.
+`Scheduler` is one class of some 400 lines, and this module holds little else, because admission,
+the step and isolation read and change one state (the queue, the running requests, their
+reservations) that only its thread touches: split apart, each part would take that whole state as
+arguments. A request is a `Job` (kvflash/serve/job.py); what it reserves, `admission.py`.
 """
 
 from __future__ import annotations
@@ -41,19 +42,17 @@ import queue
 import threading
 import time
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
 from kvflash import KVFlashError
 from kvflash.engine.engine import Engine
-from kvflash.engine.generate import Generation, Sampler, Sampling
-from kvflash.engine.paged_kv import PagedKV
-from kvflash.engine.step import Piece, Prefill
+from kvflash.engine.generate import Generation, Sampler
+from kvflash.engine.step import Piece
+from kvflash.serve.admission import Holdings, Room, holds_any, owed
+from kvflash.serve.job import Job
 from kvflash.serve.prefix_cache import PrefixCache, common_prefix
 from kvflash.serve.snapshots import KVSnapshots
-from kvflash.serve.turn import TurnStats
 from kvflash.storage import ChunkError
 
 RECOVERIES = 2
@@ -77,110 +76,6 @@ MAX_SEQUENCE_TOKENS = 262_144
 """The default budget of a sequence when the pool is larger: a sequence's decode buffers and every
 batch's stacked slot tables are as wide as its budget, so the budget of a whole large pool would cost
 device memory per batch row that no sequence uses."""
-
-
-@dataclass(frozen=True)
-class Room:
-    """Slots of the pool and of the host tier."""
-
-    gpu: int
-    host: int
-
-    def __sub__(self, other: Room) -> Room:
-        return Room(self.gpu - other.gpu, self.host - other.host)
-
-    def __add__(self, other: Room) -> Room:
-        return Room(self.gpu + other.gpu, self.host + other.host)
-
-    def covers(self, other: Room) -> bool:
-        return self.gpu >= other.gpu and self.host >= other.host
-
-
-@dataclass
-class Holdings:
-    """The slots some sequences hold, a slot several of them read counted once: slots that more than
-    one sequence reads are kept in sets, the others just counted."""
-
-    sole: Room = Room(0, 0)
-    """Slots no other sequence reads."""
-    gpu: set[int] = field(default_factory=set)
-    host: set[int] = field(default_factory=set)
-
-    def add(self, kv: PagedKV | None) -> None:
-        if kv is not None:
-            g = [ch.gpu for ch in kv.seq.chunks if ch.gpu is not None]
-            h = [ch.host for ch in kv.seq.chunks if ch.host is not None]
-            shared_g, shared_h = [s for s in g if kv.pool.refs(s) > 1], [s for s in h if kv.host.refs(s) > 1]
-            self.sole += Room(len(g) - len(shared_g), len(h) - len(shared_h))
-            self.gpu.update(shared_g)
-            self.host.update(shared_h)
-
-    def beyond(self, *others: Holdings) -> Room:
-        """The slots held here and in none of `others`: what freeing these sequences frees."""
-        gpu, host = set(self.gpu), set(self.host)
-        for o in others:
-            gpu -= o.gpu
-            host -= o.host
-        return self.sole + Room(len(gpu), len(host))
-
-
-def owed(need: Room, kv: PagedKV | None, lent: tuple[list[int], list[int]] = ([], [])) -> Room:
-    """The most slots a job may still take from the free ones: its reservation less the slots it
-    holds (and those it is about to share, `lent`). A job that evicts may also give up a pool slot it
-    shares, which its other readers keep, and page the chunk back into a new one: one more each."""
-    g = [ch.gpu for ch in kv.seq.chunks if ch.gpu is not None] if kv is not None else []
-    h = sum(ch.host is not None for ch in kv.seq.chunks) if kv is not None else 0
-    shared = len(lent[0]) + (sum(kv.pool.refs(s) > 1 for s in g) if kv is not None else 0)
-    has = Room(len(g) + len(lent[0]), h + len(lent[1]))
-    evicts = need.host > 0
-    return Room(max(0, need.gpu - has.gpu) + (shared if evicts else 0), max(0, need.host - has.host))
-
-
-def _holds_any(kv: PagedKV, gpu: set[int], host: set[int]) -> bool:
-    """Whether a sequence holds any of these slots."""
-    return any(ch.gpu in gpu or ch.host in host for ch in kv.seq.chunks)
-
-
-@dataclass
-class Job:
-    """One request: its prompt ids and how to answer; the callbacks run on the scheduler's thread."""
-
-    ids: list[int]
-    max_tokens: int
-    sampling: Sampling
-    on_token: Callable[[int], bool]
-    """Each generated id as it comes; True ends the answer (a stop string)."""
-    on_done: Callable[[list[int], TurnStats, PagedKV], None]
-    """The answer's ids and stats, with its sequence (kept live by then, to snapshot)."""
-    on_error: Callable[[BaseException], None]
-    gone: threading.Event = field(default_factory=threading.Event)
-    """Set when the client has left: the request ends at its next prefill piece or token."""
-    stats: TurnStats = field(default_factory=TurnStats)
-    t0: float = field(default_factory=time.perf_counter)
-    kv: PagedKV | None = None
-    prefill: Prefill | None = None
-    """Its prefill, a piece per step."""
-    gen: Generation | None = None
-    next: int = 0
-    """The token to feed at the next step."""
-    recoveries: int = 0
-    min_tokens: int = 0
-    """Stop ids are not sampled before this many tokens."""
-    pins: tuple[tuple[int, int], ...] = ()
-    """Token ranges [lo, hi) of its prompt whose chunks stay resident while it runs."""
-    timeout_s: float | None = None
-    """From t0: a request still waiting or prefilling then fails (`TimedOut`); one answering ends
-    its answer there."""
-    need: Room | None = None
-    """The slots it reserved when it was admitted."""
-
-    def expired(self) -> bool:
-        return self.timeout_s is not None and time.perf_counter() - self.t0 > self.timeout_s
-
-    @property
-    def context(self) -> list[int]:
-        """The ids its sequence must hold before its next step: the prompt and the answer so far."""
-        return self.ids + (self.gen.out if self.gen else [])
 
 
 class Scheduler:
@@ -356,7 +251,7 @@ class Scheduler:
         taken.add(live)
         free = Room(self.engine.pool.n_free, self.engine.host.max_slots - self.engine.host.n_used)
         lent_sets = set(lent[0]), set(lent[1])
-        kept = [kv for kv in self.cache.idle if kv is live or _holds_any(kv, *lent_sets)]
+        kept = [kv for kv in self.cache.idle if kv is live or holds_any(kv, *lent_sets)]
         idle, lenders = Holdings(), Holdings()
         for kv in self.cache.idle:
             if kv is not live:

@@ -29,11 +29,12 @@ from kvflash.engine.paged_kv import PagedKV
 from kvflash.engine.residency import check_pins, chunks_of
 from kvflash.models.tokenizer import StreamDecoder, Tokenizer
 from kvflash.serve.content_ids import ContentIds
+from kvflash.serve.job import Job
 from kvflash.serve.metrics import ServerMetrics
 from kvflash.serve.pins import request_pins
 from kvflash.serve.prompt import encode_messages
 from kvflash.serve.protocol import ChatRequest, Completion, CompletionRequest, Message
-from kvflash.serve.scheduler import Job, Scheduler
+from kvflash.serve.scheduler import Scheduler
 from kvflash.serve.snapshots import KVSnapshots, StagedSnapshot
 from kvflash.serve.turn import TurnStats
 
