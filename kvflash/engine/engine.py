@@ -148,8 +148,7 @@ class Engine:
         cap = max(1, self.step_tokens // c)
         if -(-(len(kv.seq) + remaining) // c) <= kv.budget:
             return cap
-        pins = sum(ch.pinned for ch in kv.seq.chunks)
-        room = kv.budget - kv.cfg.floor_chunks(pins) + 1
+        room = kv.budget - kv.cfg.floor_chunks(kv.n_pinned) + 1
         return max(1, min(cap, room // 2 + 1))
 
     def prefill(

@@ -44,6 +44,8 @@ class Job:
     timeout_s: float | None = None
     """From t0: a request still waiting or prefilling then fails (`TimedOut`); one answering ends
     its answer there."""
+    timed_out: bool = False
+    """Its answer ended at `timeout_s`."""
     need: Room | None = None
     """The slots it reserved when it was admitted."""
 

@@ -84,9 +84,10 @@ def request_pins(
             out += [spans[i] for i, m in enumerate(messages) if m["role"] == "system"]
         elif pin == "last-turn":
             answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-            if answers:  # the previous question (if any) and its answer
-                first = answers[-1] - (answers[-1] > 0 and messages[answers[-1] - 1]["role"] == "user")
-                out.append((spans[first][0], spans[answers[-1]][1]))
+            if answers:  # the previous answer, and its question where one comes right before it
+                a = answers[-1]
+                q = a - 1 if a > 0 and messages[a - 1]["role"] == "user" else a
+                out.append((spans[q][0], spans[a][1]))
         else:
             if pin.message >= len(messages):
                 raise KVFlashError(f"kvflash.pin[{k}]: no message {pin.message} ({len(messages)} messages)")

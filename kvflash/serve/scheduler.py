@@ -436,7 +436,8 @@ class Scheduler:
         except Exception as e:
             self._failed(job, e)
             return False
-        if tok is not None and not (job.gone.is_set() or self._cancel.is_set() or job.expired()):
+        job.timed_out = tok is not None and job.expired()
+        if tok is not None and not (job.gone.is_set() or self._cancel.is_set() or job.timed_out):
             job.next = tok
             return True
         try:

@@ -196,7 +196,7 @@ class Server:
         def on_done(out: list[int], stats: TurnStats, kv: PagedKV) -> None:
             if not stop.stopped and (tail := stop.push(decoder.flush()) + stop.flush()):
                 relay(tail)
-            finish = "length" if (len(out) >= max_tokens or job.expired()) and not stop.stopped else "stop"
+            finish = "length" if (len(out) >= max_tokens or job.timed_out) and not stop.stopped else "stop"
             self.metrics.answered(finish, stats)
             relay(Completion(stop.text, finish, len(ids), len(out), stats))
             if self.snapshots:
@@ -224,8 +224,8 @@ class Server:
             host = self.scheduler.engine.host
             host.reserve(host.n_used + len(ids) // host.pool.chunk_tokens)
         sampling = Sampling(req.temperature, req.top_p, req.seed)
-        job = Job(ids, max_tokens, sampling, on_token, on_done, relay, gone)
-        job.min_tokens, job.pins, job.timeout_s = req.min_tokens, prompt.pins, self.request_timeout
+        job = Job(ids, max_tokens, sampling, on_token, on_done, relay, gone, min_tokens=req.min_tokens,
+                  pins=prompt.pins, timeout_s=self.request_timeout)  # fmt: skip
         self.scheduler.submit(job)
 
     def readings(self) -> dict[str, tuple[str, str, float]]:

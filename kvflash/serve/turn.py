@@ -38,27 +38,28 @@ class TurnStats:
     pinned_chunks: int = 0
     """Chunks the turn's pins keep resident."""
     snapshot_id: str | None = None
+    _moved_before: dict[str, int] = field(default_factory=dict, repr=False)
+    """A continued live sequence's traffic before this turn (`took`), which is not this turn's."""
+    _evicted_before: int = field(default=0, repr=False)
 
     def took(self, taken: Taken) -> None:
         """Where the turn's sequence came from (`PrefixCache.take`): its source, the tokens it
         reused, of a shared prefix those only the host tier held, and a restore's time."""
         self.source, self.restored_tokens = taken.source, taken.restored_tokens
         self.shared_host_tokens, self.restore_s = taken.shared_host_tokens, taken.restore_s
-        before = taken.source == "memory"  # a live sequence goes on: earlier turns' traffic is theirs
-        self._moved_before = dict(taken.kv.moved) if before else {}
-        self._evicted_before = taken.kv.pager.evicted if before else 0
+        if taken.source == "memory":  # a live sequence goes on: earlier turns' traffic is theirs
+            self._moved_before, self._evicted_before = dict(taken.kv.moved), taken.kv.pager.evicted
 
     def answered(self, gen: Generation, kv: PagedKV) -> None:
         """The finished answer's count and timing (`Generation`), and the traffic and residency of
         its sequence."""
         self.ttft_s, self.decode_tok_s, self.generated_tokens = gen.ttft_s, gen.decode_tok_s, len(gen.out)
-        before = getattr(self, "_moved_before", {})
-        self.bytes_moved = {tier: n - before.get(tier, 0) for tier, n in kv.moved.items()}
-        self.evicted_chunks = kv.pager.evicted - getattr(self, "_evicted_before", 0)
+        self.bytes_moved = {tier: n - self._moved_before.get(tier, 0) for tier, n in kv.moved.items()}
+        self.evicted_chunks = kv.pager.evicted - self._evicted_before
         self.resident_chunks = len(kv.resident())
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if not k.startswith("_")}
 
 
 def answer(
