@@ -675,9 +675,10 @@ def test_a_request_past_its_time_limit_gets_504_or_has_its_answer_ended(lm) -> N
     """--request-timeout: a request with no token by its limit fails with 504 naming the limit, and
     frees what it held; one that is answering by then ends its answer there (finish reason
     `length`, fewer tokens than it asked for). The server goes on answering."""
+    long_doc = [{"role": "system", "content": LEDGER}, TURN1[1]]  # pieces of 512: checked between them
     with serving(lm, None, request_timeout=0.001) as (url, server):
         with pytest.raises(openai.APIStatusError, match="time limit") as e:
-            ask(url, TURN1, max_tokens=4)
+            ask(url, long_doc, max_tokens=4)
         assert e.value.status_code == 504
         settled(server)
         assert server.scheduler.engine.pool.n_used == sum(
