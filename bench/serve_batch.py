@@ -27,8 +27,7 @@ import re
 import statistics
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import httpx
@@ -36,6 +35,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from bench.clients import Ask, Users, default_processes, now
 from bench.document import reference_text
 from bench.harness import out_dir, progress_bar, pyplot, save_png, write_json
 from bench.serve import QUESTIONS, Served
@@ -43,49 +43,11 @@ from kvflash.models.loader import load_model
 from kvflash.serve.prompt import encode_messages
 
 
-@dataclass
-class Stream:
-    """One streamed answer as its client saw it: times from the request, server-side stats."""
-
-    sent: float
-    times: list[float] = field(default_factory=list)
-    """perf_counter of each content delta."""
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-    server_prefill_s: float = 0.0
-    """The server's TTFT less the request's wait for a sequence: its restore, prefill and first token."""
-
-    @property
-    def ttft(self) -> float:
-        return self.times[0] - self.sent
-
-
-def stream(server: Served, messages: list[dict], tokens: int) -> tuple[Stream, str]:
-    s, text = Stream(time.perf_counter()), ""
-    chunks = server.client.chat.completions.create(
-        model=server.model, messages=messages, temperature=0, max_tokens=tokens, stream=True,
-        stream_options={"include_usage": True}, extra_body={"min_tokens": tokens},
-    )  # fmt: skip
-    for chunk in chunks:
-        if chunk.choices and chunk.choices[0].delta.content:
-            s.times.append(time.perf_counter())
-            text += chunk.choices[0].delta.content
-        if chunk.usage:
-            s.prompt_tokens, s.completion_tokens = chunk.usage.prompt_tokens, chunk.usage.completion_tokens
-            s.cached_tokens = chunk.usage.prompt_tokens_details.cached_tokens
-        if stats := (chunk.model_extra or {}).get("kvflash"):
-            s.server_prefill_s = stats["ttft_s"] - stats["queued_s"]
-    return s, text
-
-
-def together(server: Served, convs: list[list[dict]], tokens: int) -> tuple[dict, list[str]]:
+def together(users: Users, asks: list[Ask]) -> tuple[dict, list[str]]:
     """Every conversation's next turn at once: wall, TTFT, and the decode rate while all stream."""
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(len(convs)) as pool:
-        got = list(pool.map(lambda c: stream(server, c, tokens), convs))
-    wall = time.perf_counter() - t0
-    streams = [s for s, _ in got]
+    t0 = now()
+    streams = users.stream(asks)
+    wall = now() - t0
     ttfts = sorted(s.ttft for s in streams)
     lo, hi = max(s.times[0] for s in streams), min(s.times[-1] for s in streams)
     inside = sum(lo < t <= hi for s in streams for t in s.times)
@@ -100,7 +62,7 @@ def together(server: Served, convs: list[list[dict]], tokens: int) -> tuple[dict
         "prompt_tokens": sum(s.prompt_tokens for s in streams),
         "server_prefill_sum_s": sum(s.server_prefill_s for s in streams),
     }
-    return row, [t for _, t in got]
+    return row, [s.text for s in streams]
 
 
 def metric(server: Served, name: str) -> int:
@@ -121,16 +83,18 @@ def conversations(args, docs: list[str], max_batch: int) -> dict:
     restores its turn 2 from disk instead of prefilling it again."""
     store = tempfile.TemporaryDirectory()
     server = Served(args, Path(store.name) / "store", max_batch)
+    convs = [
+        [{"role": "system", "content": d}, {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]
+        for i, d in enumerate(docs)
+    ]
     try:
-        stream(server, [{"role": "user", "content": "Hello."}], 2)  # warm
-        convs = [
-            [{"role": "system", "content": d}, {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]
-            for i, d in enumerate(docs)
-        ]
-        turn1, answers = together(server, convs, args.max_tokens)
-        for i, (c, a) in enumerate(zip(convs, answers, strict=True)):
-            c += [{"role": "assistant", "content": a}, {"role": "user", "content": QUESTIONS[(i + 1) % 5]}]
-        turn2, _ = together(server, convs, args.decode_tokens)
+        with Users(server.url, server.model, args.client_processes or default_processes(len(docs))) as users:
+            users.stream([Ask([{"role": "user", "content": "Hello."}], 2)])  # warm
+            turn1, answers = together(users, [Ask(c, args.max_tokens) for c in convs])
+            for i, (c, a) in enumerate(zip(convs, answers, strict=True)):
+                nxt = QUESTIONS[(i + 1) % len(QUESTIONS)]
+                c += [{"role": "assistant", "content": a}, {"role": "user", "content": nxt}]
+            turn2, _ = together(users, [Ask(c, args.decode_tokens) for c in convs])
     finally:
         server.stop()
         store.cleanup()
@@ -143,11 +107,12 @@ def shared(args, doc: str, n: int) -> dict:
     holds one), against n times the document's chunks."""
     server = Served(args, None, n)
     try:
-        stream(server, [{"role": "user", "content": "Hello."}], 2)
-        before, gpu_before = computed_tokens(server), metric(server, 'tokens_total{kind="gpu"}')
-        convs = [[{"role": "system", "content": doc}, {"role": "user", "content": QUESTIONS[i % 5]}]
-                 for i in range(n)]  # fmt: skip
-        row, _ = together(server, convs, args.max_tokens)
+        with Users(server.url, server.model, args.client_processes or default_processes(n)) as users:
+            users.stream([Ask([{"role": "user", "content": "Hello."}], 2)])
+            before, gpu_before = computed_tokens(server), metric(server, 'tokens_total{kind="gpu"}')
+            asks = [Ask([{"role": "system", "content": doc}, {"role": "user", "content": QUESTIONS[i % 5]}],
+                        args.max_tokens) for i in range(n)]  # fmt: skip
+            row, _ = together(users, asks)
         row["computed_tokens"] = computed_tokens(server) - before
         row["gpu_shared_tokens"] = metric(server, 'tokens_total{kind="gpu"}') - gpu_before
         row["pool_slots_peak"] = metric(server, "pool_slots_used_peak")
@@ -212,6 +177,12 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--device", default=None)
     ap.add_argument("--step-tokens", type=int, default=None, help="the servers' --step-tokens")
+    ap.add_argument(
+        "--client-processes",
+        type=int,
+        default=None,
+        help="processes the clients stream from (default: one per two conversations, up to half the cores)",
+    )
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers peer")
     ap.add_argument("--shared-only", action="store_true", help="only the conversations over one document")
     ap.add_argument("--out", default="out/serve_batch")
