@@ -7,8 +7,9 @@ client. The load runs in --phases phases of --seconds each. After each phase, on
 flight and no snapshot waits for the disk, the row records /metrics (pool and host-tier slots in
 use, live sequences kept for reuse, pool slots shared) and the store (bytes, leases). The server
 keeps idle sequences for reuse (they fill the pool and host tier, and give way to new requests), so
-"back to baseline" means: no request, lease or staged snapshot left after any phase, and the slots
-in use within the pool's and the host tier's capacity. Errors are counted per kind (an answer
+"back to baseline" means: no request, lease or staged snapshot left after any phase, every pool and
+host-tier slot in use held by an idle sequence (/metrics `*_slots_idle`), and the slots in use
+within the pool's and the host tier's capacity. Errors are counted per kind (an answer
 that is an error, or a connection that fails); the target is none.
 
   python -m bench.serve_load --streams 64 --seconds 60 --phases 2 --device cuda --out out/serve_load
@@ -34,6 +35,8 @@ from bench.server_memory import QUESTIONS, ServerProcess, documents, store_usage
 
 KEPT = ("pool_slots_used", "host_tier_slots_used", "live_sequences")
 """What a phase leaves: the idle sequences kept for reuse and the slots they hold."""
+IDLE = ("pool_slots_idle", "host_tier_slots_idle")
+"""Of those slots, the ones idle sequences hold: with nothing in flight, all of them."""
 CAPACITY = ("pool_slots", "host_tier_slots")
 SETTLED = ("requests_in_flight", "snapshots_unsaved")
 
@@ -121,7 +124,7 @@ def run(args, docs: list[str], progress) -> tuple[list[dict], dict]:
             for p in range(1, args.phases + 1):
                 figures = load.phase()
                 m = server.settle(args.settle_s)
-                state = {k: m[k] for k in (*KEPT, *CAPACITY, *SETTLED, "pool_slots_shared")}
+                state = {k: m[k] for k in (*KEPT, *IDLE, *CAPACITY, *SETTLED, "pool_slots_shared")}
                 rows.append({"phase": p, **figures, **state, **store_usage(store)})
                 progress.console.print(f"phase {p}: " + ", ".join(f"{k} {v:g}" for k, v in rows[-1].items()
                                        if isinstance(v, (int, float))))  # fmt: skip
@@ -142,6 +145,9 @@ def verdict(rows: list[dict], summary: dict) -> dict[str, bool]:
     return {
         "no errors": not summary["errors"],
         "nothing in flight, staged or leased": all(not any(r[k] for k in (*SETTLED, "leases")) for r in rows),
+        "every slot in use held by an idle sequence": all(
+            r[used] == r[idle] for r in rows for used, idle in zip(KEPT[:2], IDLE, strict=True)
+        ),
         "slots in use within capacity": all(
             r["pool_slots_used"] <= r["pool_slots"] and r["host_tier_slots_used"] <= r["host_tier_slots"]
             for r in rows

@@ -533,6 +533,8 @@ def test_metrics_count_requests_tokens_and_pool_use(lm) -> None:
     assert _metric(text, "ttft_seconds_count") == 2
     assert _metric(text, "inter_token_seconds_count") == generated - 2  # the gaps after each first token
     assert _metric(text, "live_sequences") >= 1 and _metric(text, "pool_slots_used") > 0
+    assert _metric(text, "pool_slots_idle") == _metric(text, "pool_slots_used")  # nothing else holds one
+    assert _metric(before, "pool_slots_idle") == 0 == _metric(text, "host_tier_slots_idle")
     assert _metric(text, "requests_waiting") == 0 and _metric(text, "evicted_chunks_total") == 0
 
 
@@ -634,6 +636,7 @@ def test_concurrent_conversations_over_one_document_share_it_in_the_pool(lm) -> 
     assert _metric(text, 'tokens_total{kind="gpu"}') == 3 * doc_chunks * 64
     assert doc_chunks <= _metric(text, "pool_slots_used_peak") < 2 * doc_chunks
     assert _metric(text, "pool_slots_shared") == doc_chunks  # the idle conversations still share it
+    assert _metric(text, "pool_slots_idle") == _metric(text, "pool_slots_used")  # each shared slot once
     assert _metric(text, "pool_tokens_used") == 64 * _metric(text, "pool_slots_used")
 
 

@@ -28,6 +28,7 @@ from kvflash.engine.generate import Sampling
 from kvflash.engine.paged_kv import PagedKV
 from kvflash.engine.residency import check_pins, chunks_of
 from kvflash.models.tokenizer import StreamDecoder, Tokenizer
+from kvflash.serve.admission import Holdings
 from kvflash.serve.content_ids import ContentIds
 from kvflash.serve.job import Job
 from kvflash.serve.metrics import ServerMetrics
@@ -231,6 +232,10 @@ class Server:
     def readings(self) -> dict[str, tuple[str, str, float]]:
         """The engine's and the scheduler's state for /metrics: name -> (type, help, value)."""
         sched, pool, host = self.scheduler, self.scheduler.engine.pool, self.scheduler.engine.host
+        idle = Holdings()
+        for kv in list(sched.cache.idle):
+            idle.add(kv)
+        kept = idle.beyond()
         return {
             "requests_in_flight": ("gauge", "Requests submitted and not yet answered.", sched.in_flight),
             "requests_waiting": ("gauge", "Requests submitted and not yet admitted.", sched.waiting),
@@ -247,6 +252,12 @@ class Server:
                 pool.n_used * pool.chunk_tokens,
             ),
             "pool_slots_shared": ("gauge", "GPU pool slots read by more than one sequence.", pool.n_shared),
+            "pool_slots_idle": (
+                "gauge",
+                "GPU pool slots that idle live sequences hold, a shared one once: a cache that gives way "
+                "to new requests. With nothing in flight, every slot in use is one of them.",
+                kept.gpu,
+            ),
             "pool_slots_used_peak": (
                 "gauge",
                 "The most GPU pool slots in use at once since the server started.",
@@ -254,6 +265,11 @@ class Server:
             ),
             "host_tier_slots": ("gauge", "Chunk slots the host tier may grow to.", host.max_slots),
             "host_tier_slots_used": ("gauge", "Host tier slots holding a chunk.", host.n_used),
+            "host_tier_slots_idle": (
+                "gauge",
+                "Host tier slots that idle live sequences hold, a shared one once.",
+                kept.host,
+            ),
             "host_tier_bytes_allocated": (
                 "gauge",
                 "Host memory the host tier has allocated (it keeps its blocks; at most --host-bytes).",
