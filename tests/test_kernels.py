@@ -769,6 +769,7 @@ INTERP_DECODE_FP8 = [
     Decode(2, 2, 3, 64, 16, 5, torch.float32, splits=3),
     Decode(3, 1, 4, 128, 64, 3, torch.bfloat16),
     Decode(2, 3, 3, 64, 16, 9, torch.bfloat16, splits=1, seed=1),
+    Decode(1, 2, 3, 64, 64, 3, torch.bfloat16, seed=2),  # one chunk a tile: the scales are scalars
 ]
 INTERP_PREFILL_FP8 = [
     Prefill(37, 21, 2, 3, 64, 16, 2, torch.float32),

@@ -13,9 +13,11 @@ rotation, one chunk per tile.
 
 An fp8 pool's tiles are loaded as e4m3 bytes, widened to fp16 in registers (exactly: e4m3 is a
 subset of fp16, and the GPU converts e4m3 pairs to fp16 pairs in one instruction where bf16 takes
-several) for fp16 dots, and their scales applied outside the dots: each key column's logit times its
-chunk's K scale, each probability times its chunk's V scale before the second dot. Those weights are
-raised by `FP8_P_UP` (the output divided by it again) so that fp16 keeps small ones normal.
+several) for fp16 dots, and their scales applied outside the dots. A tile of one chunk has one K and
+one V scale: the logits and the probability-weighted values are scaled once each, after their dots.
+A tile of several chunks scales each key column's logit by its chunk's K scale and each probability
+by its chunk's V scale before the second dot, those weights raised by `FP8_P_UP` (the output
+divided by it again) so that fp16 keeps small ones normal.
 
 One module of some 500 lines: the split kernel, the two ways of merging its splits and the launch
 rule that picks the split count and tile are tuned together (bench/decode_tune.py times them as one).
@@ -177,7 +179,11 @@ def _decode_split_kernel(
         else:
             k = tl.load(k_base + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         v = tl.load(k_base + stride_kv + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        if FP8:  # each token's chunk's scales (one slot per chunk: cached after the first column)
+        if FP8 and CPI == 1:  # one chunk a block: its two scales, applied to the dots' results
+            sc_one = sc_base + tl.load(table_ptr + b * stride_tb + blk).to(tl.int64) * stride_slot // 4
+            k_sc = tl.load(sc_one)
+            v_sc = tl.load(sc_one + stride_kv // 4)
+        elif FP8:  # each token's chunk's scales (one slot per chunk: cached after the first column)
             sc_rows = sc_base + slot * stride_slot // 4
             k_sc = tl.load(sc_rows, mask=valid, other=0.0)
             v_sc = tl.load(sc_rows + stride_kv // 4, mask=valid, other=0.0)
@@ -191,20 +197,26 @@ def _decode_split_kernel(
             elif FP8:
                 k = k.to(tl.float16)
             qk = tl.dot(q, tl.trans(k), input_precision=PREC)
-        if FP8:
-            qk = qk * k_sc[None, :]
-        qk = qk * qk_scale
+        if FP8 and CPI == 1:
+            qk = qk * (qk_scale * k_sc)
+        elif FP8:
+            qk = qk * k_sc[None, :] * qk_scale
+        else:
+            qk = qk * qk_scale
         qk = tl.where(valid[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if FP8:
+        if FP8 and CPI > 1:
             p = p * (v_sc * FP8_P_UP)[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        pv = tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        if FP8 and CPI == 1:
+            pv = pv * v_sc
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
 
-    if FP8:
+    if FP8 and CPI > 1:
         acc = acc * (1.0 / FP8_P_UP)
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
