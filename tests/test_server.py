@@ -175,6 +175,28 @@ def test_snapshots_waiting_for_the_disk_are_bounded(lm, tmp_path, monkeypatch) -
         assert len(st.list_snapshots()) == MAX_UNSAVED < 7
 
 
+def test_requests_in_flight_have_host_memory_pinned_for_all_their_snapshots(lm, tmp_path) -> None:
+    """Four conversations over distinct documents at once: the host tier is grown ahead for all
+    four snapshots together (more chunks than one block of the tier), not for each request's own
+    beside what the tier already held, so each stages into free host slots; once all have staged
+    none is still counted as about to."""
+    from kvflash.engine.host_tier import BLOCK_SLOTS
+
+    docs = [f"Ledger {i}. " + DOC * 18 for i in range(4)]
+    convs = [[{"role": "system", "content": d}, {"role": "user", "content": "Who built it?"}] for d in docs]
+    with serving(lm, tmp_path / "store", max_tokens=2) as (url, server):
+        with ThreadPoolExecutor(len(convs)) as pool:
+            got = list(pool.map(lambda c: ask(url, c), convs))
+        host = server.scheduler.engine.host
+        chunks = sum(r.usage.prompt_tokens // 64 for r in got)
+        assert chunks > BLOCK_SLOTS
+        assert host.n_allocated >= chunks
+        deadline = time.monotonic() + 30  # the last answer is out before its snapshot is staged
+        while server._staging and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server._staging == 0
+
+
 def test_streamed_deltas_make_the_whole_answer(lm) -> None:
     with serving(lm, None, max_tokens=24) as (url, _):
         whole = ask(url, TURN1)

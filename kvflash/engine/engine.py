@@ -99,12 +99,15 @@ class Engine:
 
     def warm_batches(self, max_batch: int, budget_tokens: int) -> None:
         """Captures the decode graphs a scheduler of up to `max_batch` sequences of this budget
-        replays (one per padded batch size), on scratch sequences of one token each, so that no
-        request waits for a capture."""
+        replays (one per padded batch size), on scratch sequences of one token each, and compiles
+        the decode kernel's variants its mixed steps launch outside the graphs, so that no request
+        waits for a capture or a compile."""
         seqs = [self.new_sequence(budget_tokens) for _ in range(max_batch)]
         try:
             if not all(map(self.replays, seqs)):
                 return
+            hq, budget = self.lm.config.n_heads, seqs[0].budget
+            kernels.warm_decode(self.pool.kv, hq, self.lm.dtype, max_batch, budget)
             for kv in seqs:
                 self.prefill(kv, [0])
             sizes = sorted({padded_size(n) for n in range(1, max_batch + 1)})

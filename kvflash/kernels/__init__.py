@@ -159,6 +159,16 @@ def warm(kv_pool: torch.Tensor, hq: int, dtype: torch.dtype) -> None:
     importlib.import_module("kvflash.kernels.triton_scoring").warm_lse(kv_pool, hq, dtype)
 
 
+def warm_decode(kv_pool: torch.Tensor, hq: int, dtype: torch.dtype, max_batch: int, width: int) -> None:
+    """Compiles, or loads from Triton's cache, every variant of the decode kernel that batches of 1 to
+    `max_batch` sequences with slot tables `width` chunks wide can launch outside a CUDA graph: the
+    decode rows of a mixed step are as many as run, not padded to a captured graph's size, so they
+    meet launch rules no graph ran. Nothing to do where the twins run."""
+    if _pick("paged_decode_attention", kv_pool) is reference.paged_decode_attention:
+        return
+    importlib.import_module("kvflash.kernels.triton_decode").warm_decode(kv_pool, hq, dtype, max_batch, width)
+
+
 def chunk_summaries(kv_pool: torch.Tensor, slots: torch.Tensor, blocks: int) -> torch.Tensor:
     """[n, L, Hkv, blocks, D] fp32: the mean key of each of `blocks` equal runs of tokens of each
     listed (full) chunk."""

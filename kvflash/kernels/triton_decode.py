@@ -430,6 +430,20 @@ def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
+def warm_decode(kv_pool: torch.Tensor, hq: int, dtype: torch.dtype, max_batch: int, width: int) -> None:
+    """Launches the kernel once per batch size up to `max_batch`, keys rotated or not, on scratch
+    queries over slot 0 (read only): each launch rule and split count a batch can meet compiles
+    now (kernels.warm_decode says why)."""
+    d, dev = kv_pool.shape[5], kv_pool.device
+    q = torch.zeros(max_batch, hq, d, dtype=dtype, device=dev)
+    table = torch.zeros(max_batch, width, dtype=torch.int32, device=dev)
+    one = torch.ones(max_batch, dtype=torch.int32, device=dev)
+    rot = torch.zeros(max_batch, width, 2, d // 2, dtype=torch.float32, device=dev)
+    for b in range(1, max_batch + 1):
+        for r in (None, rot[:b]):
+            paged_decode_attention(q[:b], kv_pool, 0, table[:b], one[:b], one[:b], 1.0, rot=r)
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     kv_pool: torch.Tensor,

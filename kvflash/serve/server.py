@@ -122,7 +122,9 @@ class Server:
         """Writes staged snapshots in order, off the scheduler's thread."""
         self.unsaved = 0
         """Staged snapshots not yet written (at most MAX_UNSAVED)."""
-        self._unsaved_lock = threading.Lock()
+        self._staging = 0
+        """Host slots the requests in flight will stage their snapshots in (`_promise_host`)."""
+        self._counts = threading.Lock()
         self._closing = threading.Event()
         threading.Thread(target=self._trim_when_idle, daemon=True, name="kvflash-trim").start()
 
@@ -177,8 +179,18 @@ class Server:
         stop, decoder = StopText(req.stop_strings()), StreamDecoder(self.tok)
         label = conversation_label(req.messages) if isinstance(req, ChatRequest) else prompt_label(req.prompt)
 
+        chunks = len(ids) // self.scheduler.engine.cfg.residency.chunk_tokens if self.snapshots else 0
+        staged = False
+
+        def stage_done() -> None:
+            nonlocal staged
+            if not staged:
+                staged = True
+                self._promise_host(-chunks)
+
         def relay(item: str | Completion | BaseException) -> None:
             if isinstance(item, BaseException):
+                stage_done()
                 self.metrics.failed()
             emit(item)
 
@@ -201,33 +213,56 @@ class Server:
             self.metrics.answered(finish, stats)
             relay(Completion(stop.text, finish, len(ids), len(out), stats))
             if self.snapshots:
-                self.snapshots.start_prefetch(kv)
-                if not kv.seq.n_sealed:  # a short chat: no whole chunk to save
-                    return
-                if not self._take_unsaved():
-                    self.metrics.saves.labels("skipped").inc()
-                    warnings.warn("snapshot writes are behind: this answer is not saved", stacklevel=2)
-                    return
                 try:
-                    staged = self.snapshots.stage(kv)  # a store error here only costs the reuse
-                except BaseException:
-                    self.metrics.saves.labels("failed").inc()
-                    self._saved()
-                    raise
-                try:
-                    self._saver.submit(self._save, staged, label, len(ids))
-                except BaseException:  # the saver has stopped: the staged copy's host slots come back
-                    self._saved()
-                    staged.release()
-                    raise
+                    self._stage(kv, label, len(ids))
+                finally:
+                    stage_done()
 
-        if self.snapshots:  # host memory to stage the answer's snapshot in, pinned while it prefills
-            host = self.scheduler.engine.host
-            host.reserve(host.n_used + len(ids) // host.pool.chunk_tokens)
         sampling = Sampling(req.temperature, req.top_p, req.seed)
         job = Job(ids, max_tokens, sampling, on_token, on_done, relay, gone, min_tokens=req.min_tokens,
                   pins=prompt.pins, timeout_s=self.request_timeout)  # fmt: skip
-        self.scheduler.submit(job)
+        self._promise_host(chunks)  # host memory to stage the answer's snapshot in, pinned meanwhile
+        try:
+            self.scheduler.submit(job)
+        except BaseException:
+            stage_done()
+            raise
+
+    def _stage(self, kv: PagedKV, label: str, prompt_tokens: int) -> None:
+        """Stages an answered sequence's sealed prefix (its new chunks copied) for the saver thread."""
+        self.snapshots.start_prefetch(kv)
+        if not kv.seq.n_sealed:  # a short chat: no whole chunk to save
+            return
+        if not self._take_unsaved():
+            self.metrics.saves.labels("skipped").inc()
+            warnings.warn("snapshot writes are behind: this answer is not saved", stacklevel=3)
+            return
+        try:
+            staged = self.snapshots.stage(kv)  # a store error here only costs the reuse
+        except BaseException:
+            self.metrics.saves.labels("failed").inc()
+            self._saved()
+            raise
+        try:
+            self._saver.submit(self._save, staged, label, prompt_tokens)
+        except BaseException:  # the saver has stopped: the staged copy's host slots come back
+            self._saved()
+            staged.release()
+            raise
+
+    def _promise_host(self, chunks: int) -> None:
+        """Counts the host slots that requests in flight will stage their snapshots in (`chunks`
+        more, or fewer once one has staged) and has the host tier pin memory for all of them ahead:
+        pinning for each request's own chunks alone would leave concurrent requests staging into a
+        tier without free slots, whose chunks are then copied on the scheduler's thread."""
+        if not chunks:
+            return
+        with self._counts:
+            self._staging += chunks
+            want = self._staging
+        if chunks > 0:
+            host = self.scheduler.engine.host
+            host.reserve(host.n_used + want)
 
     def readings(self) -> dict[str, tuple[str, str, float]]:
         """The engine's and the scheduler's state for /metrics: name -> (type, help, value)."""
@@ -296,14 +331,14 @@ class Server:
 
     def _take_unsaved(self) -> bool:
         """Counts a snapshot about to be staged; False if MAX_UNSAVED already wait."""
-        with self._unsaved_lock:
+        with self._counts:
             if self.unsaved >= MAX_UNSAVED:
                 return False
             self.unsaved += 1
             return True
 
     def _saved(self) -> None:
-        with self._unsaved_lock:
+        with self._counts:
             self.unsaved -= 1
 
     def _save(self, staged: StagedSnapshot, label: str, prompt_tokens: int) -> None:
