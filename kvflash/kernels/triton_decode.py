@@ -380,7 +380,10 @@ def decode_launch(head_dim: int, batch: int, kv_bytes: int = 2) -> Launch:
     head_dim 128 merges in the split kernel: over two waves at batch 16-31, six from batch 32.
     head_dim 64 keeps the two-kernel merge below batch 16 (the fused merge is slower there at every
     split count tried) and takes 128-token tiles from batch 2; at batch 2-8 five stages deep in one
-    wave of two programs per SM."""
+    wave of two programs per SM. An fp8 pool at head_dim 128 from batch 16 takes 128-token tiles,
+    the bytes of bf16's 64, over two waves (62 % of copy bandwidth at 64K, 55 % with 64-token tiles)."""
+    if head_dim >= 128 and batch >= 16 and kv_bytes == 1:
+        return Launch(2 * BLOCK_TOKENS, 2, 2, True)
     if head_dim >= 128 and batch >= 16:
         return Launch(BLOCK_TOKENS, 2, 2 if batch < 32 else 6, True)
     if batch >= 16:
