@@ -252,14 +252,15 @@ class Server:
 
     def _promise_host(self, chunks: int) -> None:
         """Counts the host slots that requests in flight will stage their snapshots in (`chunks`
-        more, or fewer once one has staged) and has the host tier pin memory for all of them ahead:
-        pinning for each request's own chunks alone would leave concurrent requests staging into a
-        tier without free slots, whose chunks are then copied on the scheduler's thread."""
+        more, or fewer once one has staged) and has the host tier pin memory for them ahead, up to
+        MAX_UNSAVED snapshots of this size (no more are staged at once): pinning for each request's
+        own chunks alone would leave concurrent requests staging into a tier without free slots,
+        whose chunks are then copied on the scheduler's thread."""
         if not chunks:
             return
         with self._counts:
             self._staging += chunks
-            want = self._staging
+            want = min(self._staging, MAX_UNSAVED * chunks)
         if chunks > 0:
             host = self.scheduler.engine.host
             host.reserve(host.n_used + want)
