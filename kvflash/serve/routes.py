@@ -225,11 +225,14 @@ async def _stream(
         choice = shape.choice(text, finish, first, streamed=True)
         return _event({**head, "object": shape.part, "choices": [choice], **extra})
 
+    # A text piece's event is rendered once around a placeholder and filled per piece: every token
+    # of every stream passes here, on the thread the scheduler shares the interpreter with.
+    before, after = chunk(TEXT_SLOT).split(json.dumps(TEXT_SLOT), 1)
     try:
         if shape is CHAT:
             yield chunk("", first=True)
         while isinstance(piece := await items.get(), str):
-            yield chunk(piece)
+            yield before + json.dumps(piece) + after
         if isinstance(piece, BaseException):  # headers are sent: the error goes in the stream
             kind = (
                 "timeout_error" if isinstance(piece, TimedOut)
@@ -261,6 +264,10 @@ def _submit(
 
     server.submit(req, prompt, emit, gone)
     return items
+
+
+TEXT_SLOT = "\ue000kvflash-text\ue000"
+"""A placeholder no event holds but where a text piece goes (private-use characters around a name)."""
 
 
 def _event(obj: dict) -> str:
