@@ -1,8 +1,9 @@
 """Many conversations on one server at once, against HF transformers' batched `generate`.
 
 For each count N of --conversations: N clients (the official `openai` client, streaming, on
-127.0.0.1), each with its own document of --doc-tokens tokens (windows of the reference document at
-different offsets, so no two share a prefix), ask turn 1 together on a server with its own store;
+127.0.0.1, from client processes of their own: bench/clients.py), each with its own document of
+--doc-tokens tokens (windows of the reference document at different offsets, so no two share a
+prefix), ask turn 1 together on a server with its own store;
 then each resends its conversation with one more question (turn 2, whose document KV the server
 holds live or on disk) and all decode --decode-tokens tokens together. The same runs on a server at
 `--max-batch 1` (one request at a time: the sum of the prefills alone, and the throughput batching
