@@ -177,11 +177,17 @@ def _scratch(name: str, n: int) -> memoryview:
     return memoryview(buf)[:n]
 
 
-def _split_planes(kv: torch.Tensor) -> bytes:
+def _split_planes(kv: torch.Tensor) -> memoryview:
+    """kv's words as byte planes, most significant first, written by numpy into this thread's
+    scratch buffer (a server's store threads encode beside its scheduler: the shifts release the
+    interpreter, where a copy of each plane into bytes and their join held it)."""
     size = kv.element_size()
     words = _as_uint(kv)
-    planes = [(words >> (8 * (size - 1 - j))).astype(np.uint8) for j in range(size)]
-    return b"".join(p.tobytes() for p in planes)
+    raw = _scratch("planes", size * words.size)
+    planes = np.frombuffer(raw, dtype=np.uint8).reshape(size, -1)
+    for j in range(size):  # the narrowing cast keeps each shifted word's low byte
+        np.right_shift(words, 8 * (size - 1 - j), out=planes[j], casting="unsafe")
+    return raw
 
 
 def _merge_planes(raw: memoryview, words: np.ndarray) -> None:
