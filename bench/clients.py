@@ -4,8 +4,9 @@ One Python process cannot stand in for many users: the `openai` client spends a 
 microseconds of interpreter time on each streamed chunk, and its threads share one GIL, so 32 streams
 from one process top out at a few thousand chunks a second whatever the server does, and each
 request's first chunk waits its turn behind the others' parsing. `Users` spreads the streams over
-worker processes (threads within each), as separate users are. Times are CLOCK_MONOTONIC, one clock
-for every process on the machine, so the streams' times compare across workers.
+worker processes (threads within each), as separate users are: `stream` for one request each,
+`map` for any function of a client (a load test's streams that each ask until a deadline). Times
+are CLOCK_MONOTONIC, one clock for every process on the machine, so they compare across workers.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -49,7 +51,7 @@ class Stream:
         return self.times[0] - self.sent
 
 
-def stream(client, model: str, ask: Ask) -> Stream:
+def stream(client, model: str, ask: Ask, shared: object = None) -> Stream:
     """One request through the `openai` client, timed as it streams."""
     s = Stream(now())
     chunks = client.chat.completions.create(
@@ -68,23 +70,33 @@ def stream(client, model: str, ask: Ask) -> Stream:
     return s
 
 
+@dataclass(frozen=True)
+class Failed:
+    """What a user's function raised (as text: an exception object may not pickle)."""
+
+    error: str
+
+
 def _work(conn, url: str, model: str) -> None:
-    """A worker process: streams each batch of asks it receives, one thread each, and sends back
-    each one's Stream or the error it raised (as text: an exception object may not pickle)."""
+    """A worker process: with its client of url and the data its `Users` shares (sent once), runs
+    each batch of (function, items) it receives, one thread an item, and sends back each call's
+    result or `Failed`."""
     import openai
 
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=3600)
     conn.send("ready")
+    shared = conn.recv()
 
-    def one(ask: Ask) -> Stream | str:
+    def call(fn: Callable, item):
         try:
-            return stream(client, model, ask)
+            return fn(client, model, item, shared)
         except Exception as e:
-            return f"{type(e).__name__}: {e}"
+            return Failed(f"{type(e).__name__}: {e}")
 
-    while (asks := conn.recv()) is not None:
-        with ThreadPoolExecutor(len(asks)) as pool:
-            conn.send(list(pool.map(one, asks)))
+    while (batch := conn.recv()) is not None:
+        fn, items = batch
+        with ThreadPoolExecutor(len(items)) as pool:
+            conn.send(list(pool.map(lambda item: call(fn, item), items)))  # noqa: B023 (waited for here)
 
 
 def default_processes(streams: int) -> int:
@@ -93,10 +105,11 @@ def default_processes(streams: int) -> int:
 
 
 class Users:
-    """`processes` client processes, each with an `openai` client of `url`, started once (their
-    imports are not timed) and reused for every round of requests."""
+    """`processes` client processes, each with an `openai` client of `url` and `shared` (sent to
+    each once: documents, say), started once (their imports are not timed) and reused for every
+    round of requests."""
 
-    def __init__(self, url: str, model: str, processes: int):
+    def __init__(self, url: str, model: str, processes: int, shared: object = None):
         ctx = multiprocessing.get_context("spawn")
         self._workers = []
         for _ in range(processes):
@@ -106,22 +119,28 @@ class Users:
             self._workers.append((proc, mine))
         for _, conn in self._workers:
             conn.recv()
+            conn.send(shared)
 
-    def stream(self, asks: list[Ask]) -> list[Stream]:
-        """Every ask at once, dealt round-robin over the workers; the Streams in the asks' order.
-        RuntimeError if any request failed."""
+    def map(self, fn: Callable, items: list) -> list:
+        """fn(client, model, item, shared) for every item at once, dealt round-robin over the
+        workers (fn: a module-level function, which a worker imports); the results in the items'
+        order. RuntimeError if any call raised."""
         n = len(self._workers)
-        parts = [asks[i::n] for i in range(n)]
+        parts = [items[i::n] for i in range(n)]
         for (_, conn), part in zip(self._workers, parts, strict=True):
             if part:
-                conn.send(part)
-        got: list[Stream | str] = [None] * len(asks)  # type: ignore[list-item]
+                conn.send((fn, part))
+        got: list = [None] * len(items)
         for i, ((_, conn), part) in enumerate(zip(self._workers, parts, strict=True)):
             if part:
                 got[i::n] = conn.recv()
-        if errors := [g for g in got if isinstance(g, str)]:
-            raise RuntimeError(f"{len(errors)} of {len(asks)} requests failed: {errors[0]}")
-        return got  # type: ignore[return-value]
+        if errors := [g.error for g in got if isinstance(g, Failed)]:
+            raise RuntimeError(f"{len(errors)} of {len(items)} calls failed: {errors[0]}")
+        return got
+
+    def stream(self, asks: list[Ask]) -> list[Stream]:
+        """Every ask at once (`stream`); the Streams in the asks' order."""
+        return self.map(stream, asks)
 
     def close(self) -> None:
         for proc, conn in self._workers:

@@ -3,14 +3,15 @@ asking one request after another, a mix of long prompts (a new document of --lon
 system message, then a question) and short chats (a greeting), every other one streamed.
 
 A real `kvflash serve` on 127.0.0.1 with a store in a temporary folder; the official `openai`
-client. The load runs in --phases phases of --seconds each. After each phase, once nothing is in
-flight and no snapshot waits for the disk, the row records /metrics (pool and host-tier slots in
-use, live sequences kept for reuse, pool slots shared) and the store (bytes, leases). The server
-keeps idle sequences for reuse (they fill the pool and host tier, and give way to new requests), so
-"back to baseline" means: no request, lease or staged snapshot left after any phase, every pool and
-host-tier slot in use held by an idle sequence (/metrics `*_slots_idle`), and the slots in use
-within the pool's and the host tier's capacity. Errors are counted per kind (an answer
-that is an error, or a connection that fails); the target is none.
+client, its streams in client processes of their own (bench/clients.py). The load runs in --phases
+phases of --seconds each. After each phase, once nothing is in flight and no snapshot waits for the
+disk, the row records /metrics (pool and host-tier slots in use, live sequences kept for reuse, pool
+slots shared) and the store (bytes, leases). The server keeps idle sequences for reuse (they fill
+the pool and host tier, and give way to new requests), so "back to baseline" means: no request,
+lease or staged snapshot left after any phase, every pool and host-tier slot in use held by an idle
+sequence (/metrics `*_slots_idle`), and the slots in use within the pool's and the host tier's
+capacity. Errors are counted per kind (an answer that is an error, or a connection that fails); the
+target is none.
 
   python -m bench.serve_load --streams 64 --seconds 60 --phases 2 --device cuda --out out/serve_load
 """
@@ -21,15 +22,15 @@ import argparse
 import random
 import statistics
 import tempfile
-import threading
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
+from bench.clients import Users, default_processes, now
 from bench.harness import out_dir, progress_bar, pyplot, run_meta, save_png, write_json
 from bench.server_memory import QUESTIONS, ServerProcess, documents, store_usage
 
@@ -41,7 +42,7 @@ CAPACITY = ("pool_slots", "host_tier_slots")
 SETTLED = ("requests_in_flight", "snapshots_unsaved")
 
 
-def one_request(server: ServerProcess, doc: str | None, k: int, tokens: int) -> tuple[str, float, int]:
+def one_request(client, model: str, doc: str | None, k: int, tokens: int) -> tuple[str, float, int]:
     """Request k (streamed when k is odd): over doc, or a short chat when doc is None. Returns the
     kind, the seconds to its first text (the whole answer when not streamed) and its tokens."""
     if doc is None:
@@ -49,63 +50,85 @@ def one_request(server: ServerProcess, doc: str | None, k: int, tokens: int) -> 
     else:
         kind = "long"
         messages = [{"role": "system", "content": doc}, {"role": "user", "content": QUESTIONS[k % 3]}]
-    kw = {"model": server.model, "messages": messages, "temperature": 0, "max_tokens": tokens}
+    kw = {"model": model, "messages": messages, "temperature": 0, "max_tokens": tokens}
     t0 = time.perf_counter()
     if not k % 2:
-        usage = server.client.chat.completions.create(**kw).usage
+        usage = client.chat.completions.create(**kw).usage
         return kind, time.perf_counter() - t0, usage.completion_tokens
     first, got = None, 0
-    for chunk in server.client.chat.completions.create(
-        **kw, stream=True, stream_options={"include_usage": True}
-    ):
+    for chunk in client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
         if first is None and chunk.choices and chunk.choices[0].delta.content:
             first = time.perf_counter() - t0
         got = chunk.usage.completion_tokens if chunk.usage else got
     return kind, first if first is not None else time.perf_counter() - t0, got
 
 
-class Load:
-    """Streams that each send requests until a deadline; what came back, by kind."""
+@dataclass(frozen=True)
+class StreamSpec:
+    """One stream of a phase, as its client process runs it (`load_stream`)."""
 
-    def __init__(self, server: ServerProcess, docs: list[str], args):
-        self.server, self.docs, self.args = server, docs, args
-        self.lock = threading.Lock()
+    s: int
+    """The stream's number: its requests are s, s + streams, s + 2 streams, ..."""
+    phase: int
+    deadline: float
+    """On `clients.now`'s clock."""
+    streams: int
+    max_tokens: int
+    short_share: float
+
+
+def load_stream(client, model: str, spec: StreamSpec, docs: list[str]) -> dict:
+    """A stream's requests one after another until the deadline, long ones over the documents in
+    turn (each stream and phase from its own place among them); what came back, by kind, and the
+    errors (an error answer or a failed connection: counted, the stream goes on)."""
+    rng = random.Random(spec.s)
+    ttft: dict[str, list[float]] = {"long": [], "short": []}
+    tokens, errors, k, j = 0, Counter(), spec.s, 0
+    while now() < spec.deadline:
+        doc = None
+        if rng.random() >= spec.short_share:
+            doc = docs[(spec.phase * spec.streams + spec.s + j * spec.streams) % len(docs)]
+            j += 1
+        try:
+            kind, first, got = one_request(client, model, doc, k, spec.max_tokens)
+        except Exception as e:
+            errors[type(e).__name__] += 1
+        else:
+            ttft[kind].append(first)
+            tokens += got
+        k += spec.streams
+    return {"ttft": ttft, "tokens": tokens, "errors": errors}
+
+
+class Load:
+    """Streams, in client processes of their own (`bench/clients.py`), that each send requests
+    until a deadline; what came back, by kind."""
+
+    def __init__(self, users: Users, args):
+        self.users, self.args = users, args
         self.ttft: dict[str, list[float]] = {"long": [], "short": []}
         self.tokens = 0
         self.errors: Counter = Counter()
-        self.next_doc = 0
-
-    def stream(self, s: int, deadline: float) -> None:
-        rng = random.Random(s)
-        k = s
-        while time.monotonic() < deadline:
-            doc = None
-            if rng.random() >= self.args.short_share:
-                with self.lock:
-                    doc, self.next_doc = self.docs[self.next_doc % len(self.docs)], self.next_doc + 1
-            try:
-                kind, first, got = one_request(self.server, doc, k, self.args.max_tokens)
-            except Exception as e:  # an error answer or a failed connection: counted, the stream goes on
-                with self.lock:
-                    self.errors[type(e).__name__] += 1
-            else:
-                with self.lock:
-                    self.ttft[kind].append(first)
-                    self.tokens += got
-            k += self.args.streams
+        self.phases = 0
 
     def phase(self) -> dict:
-        before = (sum(map(len, self.ttft.values())), self.tokens, sum(self.errors.values()))
-        t0 = time.monotonic()
-        deadline = t0 + self.args.seconds
-        with ThreadPoolExecutor(self.args.streams) as pool:
-            list(pool.map(lambda s: self.stream(s, deadline), range(self.args.streams)))
-        wall = time.monotonic() - t0
+        a = self.args
+        t0 = now()
+        specs = [StreamSpec(s, self.phases, t0 + a.seconds, a.streams, a.max_tokens, a.short_share)
+                 for s in range(a.streams)]  # fmt: skip
+        got = self.users.map(load_stream, specs)
+        wall = now() - t0
+        self.phases += 1
+        for g in got:
+            for kind, xs in g["ttft"].items():
+                self.ttft[kind] += xs
+            self.tokens += g["tokens"]
+            self.errors.update(g["errors"])
         return {
             "wall_s": wall,
-            "answered": sum(map(len, self.ttft.values())) - before[0],
-            "tokens": self.tokens - before[1],
-            "errors": sum(self.errors.values()) - before[2],
+            "answered": sum(len(xs) for g in got for xs in g["ttft"].values()),
+            "tokens": sum(g["tokens"] for g in got),
+            "errors": sum(sum(g["errors"].values()) for g in got),
         }
 
 
@@ -117,7 +140,10 @@ def run(args, docs: list[str], progress) -> tuple[list[dict], dict]:
     with tempfile.TemporaryDirectory() as tmp:
         store = Path(tmp) / "store"
         server = ServerProcess(args, store, inspect=False)
-        load = Load(server, docs, args)
+        users = Users(
+            server.url, server.model, args.client_processes or default_processes(args.streams), docs
+        )
+        load = Load(users, args)
         rows = []
         task = progress.add_task("phases", total=args.phases)
         try:
@@ -130,6 +156,7 @@ def run(args, docs: list[str], progress) -> tuple[list[dict], dict]:
                                        if isinstance(v, (int, float))))  # fmt: skip
                 progress.advance(task)
         finally:
+            users.close()
             err = server.stop()
         if server.proc.returncode != 0:
             raise SystemExit(f"kvflash serve exited {server.proc.returncode}: {err[-2000:]}")
@@ -209,6 +236,12 @@ def main() -> None:
     ap.add_argument("--host-bytes", type=int, default=None)
     ap.add_argument("--model", default=None)
     ap.add_argument("--device", default=None)
+    ap.add_argument(
+        "--client-processes",
+        type=int,
+        default=None,
+        help="processes the streams run in (default: one per two streams, up to half the cores)",
+    )
     ap.add_argument("--settle-s", type=float, default=2.0, help="idle seconds before a phase's row")
     ap.add_argument("--out", default="out/serve_load")
     args = ap.parse_args()
