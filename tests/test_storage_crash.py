@@ -7,6 +7,7 @@ and 24 server trials in `make test-reliability`."""
 
 from __future__ import annotations
 
+import collections
 import multiprocessing as mp
 import os
 import random
@@ -236,6 +237,19 @@ def _await_snapshots(root: Path, n: int) -> None:
         time.sleep(0.1)
 
 
+def _store_state(root: Path) -> str:
+    """The store's snapshots (label, fingerprint's tail, chunks, pinned) and its chunks by fingerprint
+    and damage: what a conversation that went cold should have found."""
+    with SnapshotStore(root, workers=1) as st:
+        snaps = [f"  {s.label} fp ..{s.fingerprint[-12:]} {s.n_chunks} chunks{' pinned' if s.pinned else ''}"
+                 for s in st.list_snapshots()]  # fmt: skip
+        rows = collections.Counter(
+            (r.fingerprint[-12:], bool(r.damaged), r.refcount > 0) for r in st.index.all_chunk_rows().values()
+        )
+    chunks = [f"  fp ..{fp} damaged {d} referenced {ref}: {n}" for (fp, d, ref), n in sorted(rows.items())]
+    return "\n".join(snaps + chunks)
+
+
 def server_kill_trials(tmp_path: Path, smollm_path: Path, kills: int, seed: int) -> dict[str, int]:
     """`kvflash serve` processes on one store, each SIGKILLed at a random point of four concurrent
     requests: while it restores stored conversations, prefills, answers or writes snapshots. After
@@ -288,7 +302,10 @@ def server_kill_trials(tmp_path: Path, smollm_path: Path, kills: int, seed: int)
         assert r.status_code == 200, r.text
         cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
         said = log[-4000:]
-        assert cached > 0, f"conversation {c} went cold: {r.json()['kvflash']}; the server said:\n{said}"
+        assert cached > 0, (
+            f"conversation {c} went cold: {r.json()['kvflash']}; the server said:\n{said}\n"
+            f"the store holds:\n{_store_state(root)}"
+        )
     _, swept, lost = final_check(root, witnesses)
     assert interrupted >= kills // 4, "too few kills came before the last answer: they tested little"
     figures = dict(
