@@ -180,17 +180,19 @@ class Server:
         label = conversation_label(req.messages) if isinstance(req, ChatRequest) else prompt_label(req.prompt)
 
         chunks = len(ids) // self.scheduler.engine.cfg.residency.chunk_tokens if self.snapshots else 0
-        staged = False
+        settled = False
 
-        def stage_done() -> None:
-            nonlocal staged
-            if not staged:
-                staged = True
+        def settle() -> None:
+            """The request has staged its snapshot, or will not: its promised host slots are no
+            longer counted (once, whichever way it ends)."""
+            nonlocal settled
+            if not settled:
+                settled = True
                 self._promise_host(-chunks)
 
         def relay(item: str | Completion | BaseException) -> None:
             if isinstance(item, BaseException):
-                stage_done()
+                settle()
                 self.metrics.failed()
             emit(item)
 
@@ -216,7 +218,7 @@ class Server:
                 try:
                     self._stage(kv, label, len(ids))
                 finally:
-                    stage_done()
+                    settle()
 
         sampling = Sampling(req.temperature, req.top_p, req.seed)
         job = Job(ids, max_tokens, sampling, on_token, on_done, relay, gone, min_tokens=req.min_tokens,
@@ -225,7 +227,7 @@ class Server:
         try:
             self.scheduler.submit(job)
         except BaseException:
-            stage_done()
+            settle()
             raise
 
     def _stage(self, kv: PagedKV, label: str, prompt_tokens: int) -> None:
