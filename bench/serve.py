@@ -60,6 +60,8 @@ class Served:
             cmd += ["--max-prompt-tokens", str(args.max_prompt_tokens)]
         if getattr(args, "step_tokens", None):
             cmd += ["--step-tokens", str(args.step_tokens)]
+        if getattr(args, "store_processes", None) is not None:
+            cmd += ["--store-processes", str(args.store_processes)]
         if args.model:
             cmd += ["--model", args.model]
         if args.device:

@@ -179,6 +179,9 @@ def main() -> None:
     ap.add_argument("--device", default=None)
     ap.add_argument("--step-tokens", type=int, default=None, help="the servers' --step-tokens")
     ap.add_argument(
+        "--store-processes", type=int, default=None, help="the servers' --store-processes (default: theirs)"
+    )
+    ap.add_argument(
         "--client-processes",
         type=int,
         default=None,

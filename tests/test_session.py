@@ -99,9 +99,9 @@ def test_restore_through_decode_workers_equals_cold(lm, cold, tmp_path) -> None:
     doc = document()
     with SnapshotStore(tmp_path, processes=2) as store:
         turns(Session(engine(lm), [doc], store), [Q1])
-        store.reader.decoders.wait()
+        store.processes.wait()
         ((b, sb),) = turns(Session(engine(lm), [doc], store), [Q2])
-        assert sb.source == "disk" and store.reader.decoders.decoded == sb.restored_tokens // 64 > 1
+        assert sb.source == "disk" and store.processes.decoded == sb.restored_tokens // 64 > 1
     assert b == cold["q2_only"]
 
 
@@ -346,12 +346,12 @@ def test_ask_and_chat_choose_the_position_scheme(smollm_path, tmp_path, absolute
     )
     sess = open_session(
         [doc_file], engine, session=None, lazy=None, store=tmp_path, no_store=absolute,
-        decode_processes=0 if absolute else 1,
+        store_processes=0 if absolute else 1,
     )  # fmt: skip
     try:
         assert sess.engine.cfg.residency.cache_positions is not absolute
-        if not absolute:  # the store's decode workers follow --decode-processes
-            assert sess.snapshots.store.reader.decoders.n == 1
+        if not absolute:  # the store's decode workers follow --store-processes
+            assert sess.snapshots.store.processes.n == 1
     finally:
         close_session(sess)
 

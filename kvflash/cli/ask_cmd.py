@@ -41,8 +41,9 @@ ServerOpt = typer.Option(
     help="URL of a running `kvflash serve`: run the turn there, loading no model here.",
 )  # fmt: skip
 ProcsOpt = typer.Option(
-    0, "--decode-processes", min=0,
-    help="Decode restores in N worker processes (0: the store's threads); paid off from 12 on 16 cores.",
+    0, "--store-processes", "--decode-processes", min=0,
+    help="Encode saves and decode restores in N worker processes (0: the store's threads); restores "
+    "paid off from 12 on 16 cores.",
 )  # fmt: skip
 
 
@@ -52,7 +53,7 @@ def read_documents(paths: list[Path]) -> list[Document]:
 
 def open_session(
     docs: list[Path], engine: EngineOptions, *, session: str | None, lazy: bool | None, store: Path | None,
-    no_store: bool, decode_processes: int = 0, pins: list[str] | None = None, prefetch: bool = True,
+    no_store: bool, store_processes: int = 0, pins: list[str] | None = None, prefetch: bool = True,
 ) -> Session:  # fmt: skip
     """The session `ask` and `chat` run, from their options. `ask` answers one question and exits, so
     it prefetches nothing for a next one (`Session`)."""
@@ -67,7 +68,7 @@ def open_session(
     st = None
     if not no_store:
         try:
-            st = SnapshotStore(store or snapshots_dir(), processes=decode_processes)
+            st = SnapshotStore(store or snapshots_dir(), processes=store_processes)
         except StoreError as e:  # the store only saves time: answer without it
             warn(f"snapshot store unusable, answering without it: {e}")
     try:
@@ -149,7 +150,7 @@ def run_turn(sess: Session, question: str, max_tokens: int, stream: bool) -> tup
 
 
 LOCAL_ENGINE = ("model", "dtype", "kv_dtype", "device", "pool_tokens")
-"""Engine options --server refuses, with store, lazy, decode_processes, no_store and pin: they
+"""Engine options --server refuses, with store, lazy, store_processes, no_store and pin: they
 configure a local engine, and a server has its own."""
 
 
@@ -205,20 +206,20 @@ def ask(
     pin: list[str] = PinOpt,
     store: Path = StoreOpt,
     no_store: bool = NoStoreOpt,
-    decode_processes: int = ProcsOpt,
+    store_processes: int = ProcsOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Ask QUESTION about DOCS; restores what an earlier turn stored and prints a stats line."""
     from kvflash.serve.client import server_url
 
     if url := server_url(server):
-        refuse_local_options(engine, store=store, lazy=lazy, decode_processes=decode_processes,
+        refuse_local_options(engine, store=store, lazy=lazy, store_processes=store_processes,
                              no_store=no_store, pin=pin)  # fmt: skip
         text, stats = remote(url, docs, session).turn(question, max_tokens, stream=not as_json)
     else:
         sess = open_session(
             docs, engine, session=session, lazy=lazy, store=store, no_store=no_store,
-            decode_processes=decode_processes, pins=pin, prefetch=False,
+            store_processes=store_processes, pins=pin, prefetch=False,
         )  # fmt: skip
         try:
             text, turn_stats = run_turn(sess, question, max_tokens, stream=not as_json)
@@ -241,7 +242,7 @@ def chat(
     max_tokens: int = MaxTokOpt,
     pin: list[str] = PinOpt,
     store: Path = StoreOpt,
-    decode_processes: int = ProcsOpt,
+    store_processes: int = ProcsOpt,
 ) -> None:
     """Interactive multi-turn chat about DOCS. Commands: /stats, /reset, /save, /quit."""
     from rich.console import Console
@@ -250,13 +251,13 @@ def chat(
 
     console = Console(highlight=False)
     if url := server_url(server):
-        refuse_local_options(engine, store=store, lazy=lazy, decode_processes=decode_processes, pin=pin)
+        refuse_local_options(engine, store=store, lazy=lazy, store_processes=store_processes, pin=pin)
         r = remote(url, docs, session)
         turns, sess = len(r.conv.turns) // 2, None
     else:
         sess = open_session(
             docs, engine, session=session, lazy=lazy, store=store, no_store=False,
-            decode_processes=decode_processes, pins=pin,
+            store_processes=store_processes, pins=pin,
         )  # fmt: skip
         turns = len(sess.messages) // 2
     last: dict | None = None

@@ -42,7 +42,7 @@ AbsolutePositionsOpt = typer.Option(
 )
 StepTokensOpt = typer.Option(
     None, "--step-tokens", min=64,
-    help="Most prompt tokens one forward computes, of one prompt or several (default: 8192 on CUDA, "
+    help="Most prompt tokens one forward computes, of one prompt or several (default: 32768 on CUDA, "
     "512 on a CPU).",
 )  # fmt: skip
 GraphsOpt = typer.Option(

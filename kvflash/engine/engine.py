@@ -26,6 +26,11 @@ from kvflash.models.loader import LoadedModel
 WARM_PIECES = (24, 48, 100)
 """Prefill pieces the warm-up runs after a whole step: one of each query-tile size the prefill
 kernel picks for short pieces (32, 64 and 128 rows), the shapes of a conversation's next turns."""
+STEP_ACTIVATION_BYTES = 1 << 30
+"""Device memory a default prefill step's activations take at most (the residual stream, the
+normed copy and the MLP's three intermediate tensors): half what `--pool-tokens auto` leaves free
+(`pool.slots_for`), so a larger step never makes an automatic pool run out of memory. SmolLM2's
+steps are 32,768 tokens, an 8B Llama's 9,024."""
 
 
 class Engine:
@@ -133,12 +138,18 @@ class Engine:
 
     @property
     def step_tokens(self) -> int:
-        """The most tokens one prefill step computes: `prefill_step_tokens`, else 8,192 where the
-        Triton kernels run (a step's launches cost more than its work below that) and 512 elsewhere
-        (the reference attention holds a step's [tokens, keys] scores per head in memory)."""
+        """The most tokens one prefill step computes: `prefill_step_tokens`, else on CUDA as many as
+        STEP_ACTIVATION_BYTES holds activations for, 8,192 to 32,768 (a step's launches and host work
+        cost the same whatever its tokens: the prompts of many requests admitted together then share
+        few steps, docs/BENCHMARKS.md: Serving many conversations), and 512 elsewhere (the
+        reference attention holds a step's [tokens, keys] scores per head in memory)."""
         if self.cfg.prefill_step_tokens is not None:
             return self.cfg.prefill_step_tokens
-        return 8192 if self.lm.device.type == "cuda" else 512
+        if self.lm.device.type != "cuda":
+            return 512
+        m = self.lm.config
+        per_token = (4 * m.hidden_size + 3 * m.intermediate_size) * self.lm.dtype.itemsize
+        return max(8192, min(32768, STEP_ACTIVATION_BYTES // per_token // 64 * 64))
 
     def step_chunks(self, kv: PagedKV, remaining: int) -> int:
         """Chunks the next prefill step may write, `remaining` tokens still to go.

@@ -1,5 +1,5 @@
 """`ChunkReader`: chunk files read back and decoded, every check passed, on a store's threads or its
-decode worker processes (kvflash/storage/workers.py).
+worker processes (kvflash/storage/workers.py).
 
 A read trusts the index only to say which chunks should be there: each file's checksums and chain
 hash are checked again. Damage a read finds is marked in the index (best effort), so prefix lookups
@@ -29,16 +29,16 @@ from kvflash.storage.format import (
 )
 from kvflash.storage.names import check_hash
 from kvflash.storage.threads import Threads
-from kvflash.storage.workers import DecodeWorkers, WorkerFailed
+from kvflash.storage.workers import StoreWorkers, WorkerFailed
 
 
 class ChunkReader:
-    def __init__(self, ctx: StoreContext, decoders: DecodeWorkers | None = None):
-        """With `decoders`, batch reads decode in those worker processes once one has started."""
+    def __init__(self, ctx: StoreContext, workers: StoreWorkers | None = None):
+        """With `workers`, batch reads decode in those worker processes once one has started."""
         self.backend, self.index, self.threads = ctx.backend, ctx.index, ctx.threads
         self.read_only = ctx.read_only
-        self.decoders = decoders
-        self._drivers = Threads(decoders.n, "kvflash-drive") if decoders is not None else None
+        self.workers = workers
+        self._drivers = Threads(workers.n, "kvflash-drive") if workers is not None else None
         self._hints = Threads(1, "kvflash-hint")
         self._local = threading.local()
         self.fetched: Callable[[str, int], None] | None = None
@@ -47,9 +47,8 @@ class ChunkReader:
 
     def close(self) -> None:
         self._hints.shutdown(cancel_futures=True)
-        if self.decoders is not None:
+        if self._drivers is not None:
             self._drivers.shutdown()
-            self.decoders.close()
 
     def read_chunk(
         self,
@@ -80,9 +79,9 @@ class ChunkReader:
         self.check_rows(hashes, expect_fingerprint)
         if len(hashes) > 1:
             # On a thread of its own: once the disk's queue is full each hint blocks, and hinting a
-            # thousand chunks before the first decode left the decoders idle for most of the read.
+            # thousand chunks before the first decode left the workers idle for most of the read.
             self._hints.submit(self.backend.will_need, list(hashes))
-        if self.decoders is not None and self.decoders.ready and len(hashes) > 1:
+        if self.workers is not None and self.workers.ready and len(hashes) > 1:
             shape = None if expect_shape is None else tuple(expect_shape)
             try:
                 return self._read_in_processes(hashes, expect_fingerprint, shape, expect_dtype, outs)
@@ -103,14 +102,14 @@ class ChunkReader:
     ) -> list[ChunkBlob]:
         """Runs of consecutive chunks, a few per worker so a slow one does not hold up the end, each
         driven by a thread that waits on its worker and copies its output."""
-        assert self.decoders is not None and self._drivers is not None
-        n_runs = min(len(hashes), 4 * self.decoders.n)
+        assert self.workers is not None and self._drivers is not None
+        n_runs = min(len(hashes), 4 * self.workers.n)
         bounds = [len(hashes) * i // n_runs for i in range(n_runs + 1)]
 
         def run(i: int) -> list[ChunkBlob]:
             lo, hi = bounds[i], bounds[i + 1]
             try:
-                return self.decoders.read(hashes[lo:hi], fp, shape, dtype, outs[lo:hi])
+                return self.workers.read(hashes[lo:hi], fp, shape, dtype, outs[lo:hi])
             except ChunkError as e:
                 self.mark(e)
                 raise

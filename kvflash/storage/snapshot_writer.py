@@ -2,7 +2,8 @@
 
 A save writes the chunk files it lacks and its chain's summaries file, each durable, before the one
 index transaction that names them; on any failure it leaves the store as it was (kvflash/storage/
-store.py states the ordering rules).
+store.py states the ordering rules). Chunks are encoded and written by the store's worker processes
+where it has them (kvflash/storage/workers.py), else by its threads.
 """
 
 from __future__ import annotations
@@ -26,13 +27,22 @@ from kvflash.storage.names import check_fingerprint, check_hash, check_label, ch
 from kvflash.storage.records import ChunkRow, Snapshot
 from kvflash.storage.summaries import check_summaries_file, entry_crc, pack_head
 from kvflash.storage.summary_reader import SummaryReader
+from kvflash.storage.workers import StoreWorkers, WorkerFailed
 
 MAX_META_BYTES = 1 << 20
 
 
 class SnapshotWriter:
-    def __init__(self, ctx: StoreContext, summaries: SummaryReader, codec: str, level: int):
+    def __init__(
+        self,
+        ctx: StoreContext,
+        summaries: SummaryReader,
+        codec: str,
+        level: int,
+        processes: StoreWorkers | None = None,
+    ):
         self.backend, self.index, self.threads = ctx.backend, ctx.index, ctx.threads
+        self.processes = processes
         self.coordination, self.where, self.read_only = ctx.coordination, ctx.where, ctx.read_only
         self.summaries = summaries
         self.codec = CODEC_NAMES[codec]
@@ -130,6 +140,11 @@ class SnapshotWriter:
         return hashes, rows, len(hashes) * chunk_tokens
 
     def _store_one(self, blob: ChunkBlob) -> ChunkRow:
+        if self.processes is not None and self.processes.ready:
+            try:
+                return self.processes.write(blob, self.codec, self.level)
+            except WorkerFailed:
+                pass  # this thread writes it (a store error the worker met raised above)
         head, payload, h = encode_chunk(blob, self.codec, self.level)
         self.backend.put(blob.chain_hash, (head, payload))
         return ChunkRow.of(h)

@@ -58,7 +58,7 @@ from kvflash.storage.records import Snapshot, SnapshotInfo
 from kvflash.storage.snapshot_writer import SnapshotWriter, check_codec
 from kvflash.storage.summary_reader import SummaryReader
 from kvflash.storage.threads import Threads
-from kvflash.storage.workers import DecodeWorkers
+from kvflash.storage.workers import StoreWorkers
 
 if TYPE_CHECKING:
     from kvflash.storage.redis_index import RedisIndex
@@ -81,9 +81,10 @@ class SnapshotStore:
         backend: ChunkBackend | None = None,
         processes: int = 0,
     ):
-        """`workers` threads save and restore; with `processes` > 0 (a local directory only), batch
-        restores decode in that many worker processes instead (kvflash/storage/workers.py: threads
-        stop scaling at ~8 on the GIL). `workers.default_processes()` picks by the core count."""
+        """`workers` threads save and restore; with `processes` > 0 (a local directory only), saves
+        encode and batch restores decode in that many worker processes instead
+        (kvflash/storage/workers.py: threads stop scaling at ~8 on the GIL, and hold the GIL the
+        caller's other threads need). `workers.default_processes()` picks by the core count."""
         check_codec(codec, level)
         self.root = Path(root)
         self.where = str(self.root)
@@ -98,10 +99,10 @@ class SnapshotStore:
         index = coordination.with_reserve(partial(_open_index, path, read_only, coordination.lock, backend))
         if not read_only:
             coordination.make_reserve()
-        decoders = None
+        procs = None
         if processes > 0 and isinstance(backend, LocalDirBackend):
-            decoders = DecodeWorkers(str(self.root), processes)
-        self._assemble(backend, index, coordination, read_only, codec, level, workers, decoders)
+            procs = StoreWorkers(str(self.root), processes)
+        self._assemble(backend, index, coordination, read_only, codec, level, workers, procs)
 
     def _assemble(
         self,
@@ -112,20 +113,24 @@ class SnapshotStore:
         codec: str,
         level: int,
         workers: int | None,
-        decoders: DecodeWorkers | None = None,
+        processes: StoreWorkers | None = None,
     ) -> None:
         """What every store has, whatever holds its chunks and index."""
         self.backend, self.index, self.coordination, self.read_only = backend, index, coordination, read_only
         self.threads = Threads(workers or min(MAX_DEFAULT_WORKERS, os.cpu_count() or 1), "kvflash-store")
         ctx = StoreContext(backend, index, self.threads, coordination, self.where, read_only)
-        self.reader = ChunkReader(ctx, decoders)
+        self.processes = processes
+        """Worker processes that encode saves and decode restores, if any (`processes` > 0)."""
+        self.reader = ChunkReader(ctx, processes)
         self.summary_reader = SummaryReader(ctx, self.reader)
-        self.writer = SnapshotWriter(ctx, self.summary_reader, codec, level)
+        self.writer = SnapshotWriter(ctx, self.summary_reader, codec, level, processes)
         self.maintenance = Maintenance(ctx, self.reader, self.summary_reader, self.writer)
 
     def close(self) -> None:
         self.threads.shutdown()
         self.reader.close()
+        if self.processes is not None:
+            self.processes.close()
         self.index.close()
         self.coordination.close()
 

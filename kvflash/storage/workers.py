@@ -1,15 +1,21 @@
-"""Chunk decoding in worker processes, for restores that outgrow the GIL.
+"""Chunk decoding and encoding in worker processes, for restores and saves that outgrow the GIL.
 
 A restore thread holds the GIL for 12-17 % of its time (header parsing, checks, numpy and torch set-up
 around the native zstd and plane-merge calls), so threads stop scaling at about 8. Processes scale
-with the cores (docs/BENCHMARKS.md: Snapshot store), and leave the parent's GIL to the engine.
+with the cores (docs/BENCHMARKS.md: Snapshot store), and leave the parent's GIL to the engine: a
+server's scheduler thread shares its interpreter with the store's threads, and every GIL hand-off to
+one of them delays its next kernel launch (docs/BENCHMARKS.md: The scheduler alone).
 
 Each worker is a Python process running `serve` and owns a shared-memory segment (a file in
 /dev/shm, unlinked as soon as it is opened: the worker inherits the descriptor, so nothing outlives
-the two processes). The parent sends a worker a run of chunk hashes as JSON over its stdin; the worker
-reads, checks and decodes as many as fit into its segment and answers on its stdout with their
-offsets and metadata, or with the chunk error that stopped it; the parent copies the KV out. Only
-JSON crosses the pipes: nothing read from disk is ever unpickled.
+the two processes). Messages are JSON over its stdin and stdout; bulk data goes through the segment.
+- A read: the parent sends a run of chunk hashes; the worker reads, checks and decodes as many as fit
+  into its segment and answers with their offsets and metadata, or with the chunk error that stopped
+  it; the parent copies the KV out.
+- A write: the parent copies one chunk's KV and summary into the segment and sends its chain fields;
+  the worker encodes it, writes its file (durable, as the store's threads would) and answers with
+  the file's index row, or with the store error that stopped it.
+Only JSON crosses the pipes: nothing read from disk is ever unpickled.
 """
 
 from __future__ import annotations
@@ -37,16 +43,18 @@ import torch
 from kvflash.storage import errors
 from kvflash.storage.backend import ReadBuffer
 from kvflash.storage.chunk import ChunkBlob
-from kvflash.storage.codec import DTYPE_CODES, DTYPES_BY_CODE, held_shape, kv_shape
-from kvflash.storage.format import HEADER_SIZE, MAX_FILE_BYTES, decode_chunk, parse_header
+from kvflash.storage.codec import DTYPE_CODES, DTYPES_BY_CODE, Codec, held_shape, kv_shape
+from kvflash.storage.format import HEADER_SIZE, MAX_FILE_BYTES, decode_chunk, encode_chunk, parse_header
 from kvflash.storage.local_backend import LocalDirBackend
+from kvflash.storage.records import ChunkRow
 
 SEGMENT_BYTES = 32 << 20
 """Shared memory per worker: a run of ~20 SmolLM2 chunks or 3 of an 8B Llama's; a chunk larger than
-this is decoded by the parent's threads."""
+this is decoded or encoded by the parent's threads."""
 REPLY_TIMEOUT_S = 60.0
-"""A run of chunks is a segment's worth (32 MiB), decoded in well under a second: a worker silent
-this long is hung, and is killed so that the read goes to the threads instead of waiting forever."""
+"""A run of chunks is a segment's worth (32 MiB), decoded in well under a second, and a write is one
+chunk: a worker silent this long is hung, and is killed so that the work goes to the threads instead
+of waiting forever."""
 MIN_CORES = 8
 """Below this many cores threads are not GIL-bound (2-core VM: two threads decode 1.8x one), and
 starting processes (each imports torch) costs more than it saves."""
@@ -61,6 +69,11 @@ _ERRORS = {
         errors.ForeignFingerprint,
     )
 }
+"""A read's chunk errors, which the chunk's damage causes (not the worker)."""
+_WRITE_ERRORS = {cls.__name__: cls for cls in (errors.StoreError, errors.DiskFull)}
+"""A write's store errors (a full disk, a store directory in the way): the threads would meet them too."""
+ROW_FIELDS = ("hash", "fingerprint", "index", "parent_hash", "n_tokens", "codec", "stored_bytes", "raw_bytes")
+"""The fields of a written chunk's index row that a write's reply carries (the rest are the index's)."""
 
 
 def default_processes() -> int:
@@ -141,14 +154,25 @@ class _Worker:
         finally:
             os.close(fd)
 
-    def run(self, hashes: Sequence[str], fp: str) -> tuple[list[_Decoded], errors.ChunkError | None]:
-        """Decodes a prefix of `hashes` (at least one chunk, unless the first fails or does not fit)."""
+    def ask(self, msg: dict) -> dict:
+        """Sends one request and returns the reply; WorkerFailed if the worker is dead, hung or
+        breaks the protocol."""
         try:
-            _send(self.proc.stdin, {"hashes": list(hashes), "fp": fp})
+            _send(self.proc.stdin, msg)
             if not select.select([self.proc.stdout], [], [], REPLY_TIMEOUT_S)[0]:
                 self.proc.kill()  # hung (stopped, or stuck in I/O): it is of no use any more
-                raise WorkerFailed(f"decode worker: no reply in {REPLY_TIMEOUT_S} s")
+                raise WorkerFailed(f"store worker: no reply in {REPLY_TIMEOUT_S} s")
             reply = _recv(self.proc.stdout)
+        except (EOFError, OSError, ValueError) as e:
+            raise WorkerFailed(f"store worker: {e!r}") from None
+        if not isinstance(reply, dict):
+            raise WorkerFailed(f"store worker: a reply that is not an object: {reply!r:.80}")
+        return reply
+
+    def run(self, hashes: Sequence[str], fp: str) -> tuple[list[_Decoded], errors.ChunkError | None]:
+        """Decodes a prefix of `hashes` (at least one chunk, unless the first fails or does not fit)."""
+        reply = self.ask({"op": "read", "hashes": list(hashes), "fp": fp})
+        try:
             done = [
                 _Decoded(
                     c["index"],
@@ -164,13 +188,48 @@ class _Worker:
                 for c in reply["chunks"]
             ]
             err = reply.get("error")
-        except (EOFError, OSError, ValueError, KeyError, TypeError) as e:
-            raise WorkerFailed(f"decode worker: {e!r}") from None
+        except (KeyError, TypeError) as e:
+            raise WorkerFailed(f"store worker: {e!r}") from None
         if err is None:
             return done, None
         if err["type"] not in _ERRORS:
-            raise WorkerFailed(f"decode worker: {err['type']}: {err['reason']}")
+            raise WorkerFailed(f"store worker: {err['type']}: {err['reason']}")
         return done, _ERRORS[err["type"]](err["hash"], err["reason"])
+
+    def write(self, blob: ChunkBlob, codec: Codec, level: int) -> ChunkRow:
+        """Encodes and writes one chunk (its KV and summary copied into the segment first)."""
+        kv, summary = blob.kv.contiguous(), blob.summary.detach().to(torch.float32).contiguous()
+        kv_bytes = kv.numel() * kv.element_size()
+        sum_at = kv_bytes + (-kv_bytes % 64)
+        if sum_at + 4 * summary.numel() > len(self.mem):
+            raise WorkerFailed(f"chunk {blob.chain_hash[:16]} exceeds a worker's segment", broken=False)
+        # numpy copies without the GIL (the KV may be a pinned host-tier slot)
+        np.copyto(np.frombuffer(self.mem, np.uint8, kv_bytes, 0), kv.view(torch.uint8).numpy().reshape(-1))
+        np.copyto(np.frombuffer(self.mem, "<f4", summary.numel(), sum_at), summary.numpy().reshape(-1))
+        reply = self.ask(
+            {
+                "op": "write",
+                "fp": blob.fingerprint,
+                "index": blob.index,
+                "hash": blob.chain_hash,
+                "parent": blob.parent_hash,
+                "tokens": list(blob.tokens),
+                "dtype": DTYPE_CODES[kv.dtype],
+                "shape": list(kv.shape),
+                "summary_shape": list(summary.shape),
+                "summary_at": sum_at,
+                "codec": int(codec),
+                "level": level,
+            }
+        )
+        try:
+            if (err := reply.get("error")) is not None:
+                if err["type"] in _WRITE_ERRORS:
+                    raise _WRITE_ERRORS[err["type"]](err["reason"])
+                raise WorkerFailed(f"store worker: {err['type']}: {err['reason']}", broken=False)
+            return ChunkRow(**reply["row"])
+        except (KeyError, TypeError) as e:
+            raise WorkerFailed(f"store worker: {e!r}") from None
 
     def greeted(self, give_up: Callable[[], bool]) -> bool:
         """Waits for the worker's greeting (it has imported its modules and mapped the segment);
@@ -203,10 +262,10 @@ class _Worker:
         self.mem.close()
 
 
-class DecodeWorkers:
+class StoreWorkers:
     """n worker processes, started in the background when made (each imports torch: a second or two).
-    The store sends reads here once a worker is `ready`, never waiting for start-up; `read` blocks
-    until one of the ready workers is free."""
+    The store sends reads and writes here once a worker is `ready`, never waiting for start-up;
+    `read` and `write` block until one of the ready workers is free."""
 
     def __init__(self, root: str, n: int, segment_bytes: int = SEGMENT_BYTES):
         self.n, self.segment_bytes = n, segment_bytes
@@ -215,7 +274,9 @@ class DecodeWorkers:
         self._broken = False
         self._lock = threading.Lock()
         self.decoded = 0
-        """Chunks the workers have served."""
+        """Chunks the workers have read."""
+        self.encoded = 0
+        """Chunks the workers have written."""
         self.n_ready = 0
         self._started = threading.Thread(target=self._start, args=(root,), daemon=True)
         self._started.start()
@@ -277,6 +338,21 @@ class DecodeWorkers:
         finally:
             self._free.put(w)
 
+    def write(self, blob: ChunkBlob, codec: Codec, level: int) -> ChunkRow:
+        """Encodes and writes one chunk in a worker; returns its index row. Raises the store error
+        that stopped it (StoreError, DiskFull), or WorkerFailed (the caller then writes it itself)."""
+        w = self._take_worker()
+        try:
+            row = w.write(blob, codec, level)
+            with self._lock:
+                self.encoded += 1
+            return row
+        except WorkerFailed as e:
+            self._broken |= e.broken
+            raise
+        finally:
+            self._free.put(w)
+
     def _take_worker(self) -> _Worker:
         while True:
             try:
@@ -321,9 +397,9 @@ class DecodeWorkers:
 
 
 def serve(out_fd: int, root: str, shm_fd: str, segment_bytes: str) -> None:
-    """A worker's loop: map the segment (an inherited descriptor), greet, then decode runs until told
-    to stop (JSON null). Messages are length-prefixed JSON on stdin and on `out_fd`, the pipe that
-    was stdout."""
+    """A worker's loop: map the segment (an inherited descriptor), greet, then read runs and write
+    chunks until told to stop (JSON null). Messages are length-prefixed JSON on stdin and on
+    `out_fd`, the pipe that was stdout."""
     conn_in, conn_out = sys.stdin.buffer, os.fdopen(out_fd, "wb")
     torch.set_num_threads(1)
     fd = int(shm_fd)
@@ -336,7 +412,10 @@ def serve(out_fd: int, root: str, shm_fd: str, segment_bytes: str) -> None:
     try:
         _send(conn_out, "ready")
         while (msg := _recv(conn_in)) is not None:
-            _send(conn_out, _decode_run(backend, buf, mem, msg["hashes"], msg["fp"]))
+            if msg["op"] == "write":
+                _send(conn_out, _encode_write(backend, mem, msg))
+            else:
+                _send(conn_out, _decode_run(backend, buf, mem, msg["hashes"], msg["fp"]))
     except (EOFError, BrokenPipeError):  # the parent has gone without a stop message
         pass
     mem.close()
@@ -388,3 +467,20 @@ def _decode_run(
         )
         at = end + (-end % 64)
     return {"chunks": chunks, "error": error}
+
+
+def _encode_write(backend: LocalDirBackend, mem: mmap.mmap, msg: dict) -> dict:
+    """Encodes the chunk the parent put into `mem` and writes its file: its index row, or the error."""
+    try:
+        dtype, shape = DTYPES_BY_CODE[msg["dtype"]], tuple(msg["shape"])
+        kv = torch.frombuffer(mem, dtype=dtype, count=int(np.prod(shape)), offset=0).view(shape)
+        n_sum = int(np.prod(msg["summary_shape"]))
+        summary = torch.frombuffer(mem, dtype=torch.float32, count=n_sum, offset=msg["summary_at"])
+        summary = summary.view(msg["summary_shape"])
+        blob = ChunkBlob(msg["fp"], msg["index"], msg["hash"], msg["parent"], msg["tokens"], summary, kv)
+        head, payload, h = encode_chunk(blob, Codec(msg["codec"]), msg["level"])
+        backend.put(blob.chain_hash, (head, payload))
+    except Exception as e:  # a store error the parent raises, or a bug the parent's threads retry
+        return {"error": {"type": type(e).__name__, "reason": str(e)}}
+    row = ChunkRow.of(h)
+    return {"row": {f: getattr(row, f) for f in ROW_FIELDS}}
