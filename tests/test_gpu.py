@@ -7,6 +7,7 @@ import threading
 import pytest
 import torch
 
+from kvflash import kernels
 from kvflash.config import EngineConfig, ResidencyConfig
 from kvflash.engine.engine import Engine
 from kvflash.engine.generate import Generation, Sampler, Sampling, decode
@@ -190,11 +191,15 @@ def test_batched_decode_attends_in_one_call_as_each_sequence_alone(lm, monkeypat
     assert (alone.argmax(-1) == together.argmax(-1)).float().mean() >= 0.95
 
 
-def test_a_mixed_step_computes_what_its_parts_compute_alone(lm) -> None:
+def test_a_mixed_step_computes_what_its_parts_compute_alone(lm, monkeypatch) -> None:
     """Two decoding sequences and two prefills (one in several pieces) in each step's one forward,
     teacher-forced, through the Triton kernels: each row's logits are those of its own forward
     (bf16: the dense layers see other row counts, so close, not equal; with control-token ids fed
-    to the decode rows, one row of 33 reached a cosine of only 0.993 while every argmax agreed)."""
+    to the decode rows, one row of 33 reached a cosine of only 0.993 while every argmax agreed).
+    The mixed steps' two pieces attend in one batched launch a layer."""
+    batched = []
+    launch = kernels.prefill_attention_batched
+    monkeypatch.setattr(kernels, "prefill_attention_batched", lambda *a: batched.append(1) or launch(*a))
     prompts = [_prompt(lm, n)[0] for n in (600, 1500)]
     runs = []
     for mixed in (False, True):
@@ -222,6 +227,7 @@ def test_a_mixed_step_computes_what_its_parts_compute_alone(lm) -> None:
                     plans.remove(p)
             t += 1
         assert t >= 9
+        assert bool(batched) == mixed
         runs.append(torch.cat(out))
     alone, together = runs
     cos = torch.nn.functional.cosine_similarity(alone, together, dim=-1)

@@ -338,6 +338,71 @@ def test_gpu_prefill_splits(splits: int) -> None:
     check_prefill(Prefill(512, 128000, 3, 3, 64, 64, 2000, torch.bfloat16, seed=6), "cuda", splits=splits)
 
 
+def batched_prefill_inputs(cases: list[Prefill], device: str, fp8: bool = False):
+    """The pieces of one step, each `prefill_inputs` of its case (one h_kv, group, d, c and dtype),
+    their chunks side by side in one pool and their queries in one tensor: the args of
+    `prefill_attention_batched`, and each piece's args of `prefill_attention` alone."""
+    alone = [prefill_inputs(c, "cpu") for c in cases]
+    if fp8:  # queries in the case's dtype, KV fp8 from fp32 (as `check_prefill_fp8`)
+        alone = [(q.to(c.dtype), fp8_pool(p), *rest) for c, (q, p, *rest) in zip(cases, alone, strict=True)]
+    sizes = [a[1].shape[0] for a in alone]
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    pool = torch.cat([a[1] for a in alone])
+    pieces, row, listed = [], 0, 0
+    for c, a in zip(cases, alone, strict=True):
+        pieces.append([row, c.t, c.q_start, listed, a[3].numel()])
+        row, listed = row + c.t, listed + a[3].numel()
+    slots = torch.cat([a[3] + off for a, off in zip(alone, offsets, strict=True)]).int()
+    index = torch.cat([a[4] for a in alone])
+    q = torch.cat([a[0] for a in alone])
+    args = (q, pool, 0, torch.tensor(pieces, dtype=torch.int32), slots, index, max(c.t for c in cases))
+    args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+    each = [(a[0].to(device), args[1], 0, (a[3] + off).int().to(device), a[4].to(device), c.q_start)
+            for c, a, off in zip(cases, alone, offsets, strict=True)]  # fmt: skip
+    return (*args, cases[0].d ** -0.5), each
+
+
+def check_prefill_batched(cases: list[Prefill], device: str, fp8: bool = False) -> None:
+    """One launch for every piece computes what each piece's own `prefill_attention` computes; the
+    twin does too."""
+    args, each = batched_prefill_inputs(cases, device, fp8)
+    with poisoned_outputs():
+        out = triton_impl("triton_prefill").prefill_attention_batched(*args)
+    want = torch.cat([ref.prefill_attention(*a, args[-1]) for a in each])
+    dtype = torch.bfloat16 if fp8 else cases[0].dtype
+    close(out, want, dtype)
+    close(ref.prefill_attention_batched(*args), want, dtype)
+
+
+INTERP_BATCHED = [  # rows, first position and earlier chunks differ piece to piece; one piece of 1
+    Prefill(5, 40, 2, 3, 64, 16, 1, torch.float32),
+    Prefill(37, 21, 2, 3, 64, 16, 0, torch.float32, seed=1),
+    Prefill(19, 130, 2, 3, 64, 16, 3, torch.float32, seed=2),
+    Prefill(1, 77, 2, 3, 64, 16, 2, torch.float32, seed=3),
+    Prefill(50, 0, 2, 3, 64, 16, 0, torch.float32, seed=4),
+]
+
+
+@interp
+def test_interp_prefill_batched() -> None:
+    check_prefill_batched(INTERP_BATCHED, "cpu")
+    check_prefill_batched(INTERP_BATCHED[:2], "cpu", fp8=True)
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+@on_gpu
+def test_gpu_prefill_batched(kv: str) -> None:
+    """32 next turns over 8K-token contexts (SmolLM2's heads) and a few other shapes in one step."""
+    turns = [Prefill(24 + 3 * i, 8192 + 40 * i, 3, 3, 64, 64, 120, torch.bfloat16, seed=i) for i in range(32)]
+    check_prefill_batched(turns, "cuda", fp8=kv == "fp8")
+    others = [
+        Prefill(700, 129, 8, 4, 128, 64, 5, torch.bfloat16),
+        Prefill(64, 4096, 8, 4, 128, 64, 60, torch.bfloat16, seed=1),
+        Prefill(2, 70000, 8, 4, 128, 64, 200, torch.bfloat16, seed=2),
+    ]
+    check_prefill_batched(others, "cuda", fp8=kv == "fp8")
+
+
 def _variants(kernel) -> int:
     """Variants of a Triton kernel compiled (or loaded from the cache) in this process."""
     return sum(len(cache[0]) for cache in kernel.device_caches.values())
@@ -365,6 +430,9 @@ def test_gpu_warm_leaves_no_prefill_or_scoring_variant_to_compile(kv: str) -> No
         q = torch.randn(t, hq, d, device="cuda").to(torch.bfloat16)
         kernels.prefill_attention(q, pool, 1, slots, index, rng.randint(0, n * c), d**-0.5, rot)
         kernels.chunk_lse(q[None, : min(t, 80)].expand(2, -1, -1, -1), pool, slots, rot)
+        p = rng.randint(2, 40)  # pieces of t rows each over the same listing
+        pieces = torch.tensor([[i * t, t, n * c, 0, n] for i in range(p)], dtype=torch.int32, device="cuda")
+        kernels.prefill_attention_batched(q.repeat(p, 1, 1), pool, 1, pieces, slots, index, t, d**-0.5)
     torch.cuda.synchronize()
     assert [_variants(k) for k in watched] == before
 

@@ -227,8 +227,7 @@ class PagedKV:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         plan, kv = self.plan, self.pool.kv
         kernels.write_tokens(kv, layer, plan.write_slot, plan.write_offset, k, v)
-        if plan.queries is not None and plan.n_cand:
-            plan.queries.append(q[-self.cfg.score_queries :].float())
+        self.keep_queries(q)
         if self.uses_triton:
             return self._attend_triton(layer, q, plan)
         listing = plan.listing
@@ -242,6 +241,20 @@ class PagedKV:
         keys = keys.reshape(h_kv, -1, d).to(q.dtype)
         values = kv[:, 1].transpose(0, 1).reshape(h_kv, -1, d).to(q.dtype)
         return sdpa(q, keys, values, plan.mask)
+
+    def keep_queries(self, q: torch.Tensor) -> None:
+        """Keeps a layer's scoring queries from the step's rows q, on a step that scores at `end`."""
+        plan = self.plan
+        if plan.queries is not None and plan.n_cand:
+            plan.queries.append(q[-self.cfg.score_queries :].float())
+
+    @property
+    def joins_batched_prefill(self) -> bool:
+        """Whether this step's piece may attend in one launch with other sequences' pieces
+        (`MixedKV`): the Triton kernels, more than one token (one goes through the decode
+        kernel), and keys at their own positions (no rotation)."""
+        plan = self.plan
+        return self.uses_triton and len(plan.ids) > 1 and plan.listing.rot is None
 
     def _attend_triton(self, layer: int, q: torch.Tensor, plan: StepPlan) -> torch.Tensor:
         scale = q.shape[-1] ** -0.5

@@ -2,7 +2,8 @@
 
 The dense layers (projections, MLP, head) run once over every row of the step, so each weight is read
 once for all of them and one set of launches serves every sequence; attention runs per part: the
-decode rows as one batched call (BatchKV), each prefill piece over its own sequence (PagedKV). This is
+decode rows as one batched call (BatchKV), the prefill pieces as one batched call too where the
+Triton kernels run (`PieceBatch`), else each over its own sequence (PagedKV). This is
 chunked prefill mixed with decode, as vLLM and SGLang schedule it: a long prompt goes in pieces that
 ride along with the others' decode tokens, and many short prompts (the next turns of conversations
 whose KV is live) prefill in one forward instead of one each.
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvflash import kernels
 from kvflash.engine.batch_kv import BatchKV
 from kvflash.engine.paged_kv import PagedKV
 
@@ -67,13 +69,66 @@ class Prefill:
             self.on_progress(len(piece.ids))
 
 
+@dataclass
+class PieceBatch:
+    """A mixed step's prefill pieces attending in one launch a layer: their K/V written by one call,
+    their queries attended by one (`kernels.prefill_attention_batched`), each over its own
+    listing. Launches are paid per call, and a step of many short pieces (the next turns of many
+    conversations) otherwise makes three a piece a layer, which the host cannot issue as fast as
+    the GPU runs them. Built once a step, from the pieces' plans."""
+
+    pieces: list[Piece]
+    write_slot: torch.Tensor
+    write_offset: torch.Tensor
+    table: torch.Tensor
+    """[P, 5] int32: each piece's first row (among the pieces'), rows, first position, first
+    listed slot and slots listed."""
+    slots: torch.Tensor
+    order: torch.Tensor
+    max_t: int
+
+    @classmethod
+    def of(cls, pieces: list[Piece]) -> PieceBatch | None:
+        """The batch of `pieces`, begun; None unless there are two or more and each may join."""
+        if len(pieces) < 2 or not all(p.kv.joins_batched_prefill for p in pieces):
+            return None
+        plans = [p.kv.plan for p in pieces]
+        rows, listed = [0], [0]
+        for plan in plans:
+            rows.append(rows[-1] + len(plan.ids))
+            listed.append(listed[-1] + plan.listing.n)
+        table = [[rows[i], len(pl.ids), pl.start, listed[i], pl.listing.n] for i, pl in enumerate(plans)]
+        dev = pieces[0].kv.device
+        return cls(
+            pieces,
+            torch.cat([pl.write_slot for pl in plans]),
+            torch.cat([pl.write_offset for pl in plans]),
+            torch.tensor(table, dtype=torch.int32).to(dev, non_blocking=True),
+            torch.cat([pl.listing.slots for pl in plans]),
+            torch.cat([pl.listing.order for pl in plans]),
+            max(len(pl.ids) for pl in plans),
+        )
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        pool = self.pieces[0].kv.pool.kv
+        kernels.write_tokens(pool, layer, self.write_slot, self.write_offset, k, v)
+        lo = 0
+        for p in self.pieces:
+            p.kv.keep_queries(q[lo : lo + len(p.ids)])
+            lo += len(p.ids)
+        scale = q.shape[-1] ** -0.5
+        return kernels.prefill_attention_batched(
+            q, pool, layer, self.table, self.slots, self.order, self.max_t, scale
+        )
+
+
 class MixedKV:
     """The KVCache of a mixed step: rows 0..B-1 are the decode tokens of `batch`'s sequences, then
     each piece's ids in order."""
 
     def __init__(self, batch: BatchKV | None, pieces: list[Piece]):
         self.batch, self.pieces = batch, pieces
-        self._parts: list[tuple[BatchKV | PagedKV, int, int]] = []
+        self._parts: list[tuple[BatchKV | PagedKV | PieceBatch, int, int]] = []
 
     def begin(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Starts every part's step; returns the step's ids and positions [T] and the rows whose
@@ -85,6 +140,7 @@ class MixedKV:
             lo = len(tokens)
             self._parts.append((self.batch, 0, lo))
             rows.extend(range(lo))
+        first = lo
         for p in self.pieces:
             p.kv.begin_ids(p.ids, p.start)
             ids += p.ids
@@ -92,6 +148,8 @@ class MixedKV:
             self._parts.append((p.kv, lo, lo + len(p.ids)))
             lo += len(p.ids)
             rows.append(lo - 1)
+        if (together := PieceBatch.of(self.pieces)) is not None:
+            self._parts[len(self._parts) - len(self.pieces) :] = [(together, first, lo)]
         host = torch.tensor([ids, pos], dtype=torch.long).to(dev, non_blocking=True)
         rows_d = torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=True)
         if self.batch is None:
@@ -103,5 +161,7 @@ class MixedKV:
         return torch.cat([part.attend(layer, q[lo:hi], k[lo:hi], v[lo:hi]) for part, lo, hi in self._parts])
 
     def end(self) -> None:
-        for part, _, _ in self._parts:
-            part.end()
+        if self.batch is not None:
+            self.batch.end()
+        for p in self.pieces:
+            p.kv.end()

@@ -31,6 +31,7 @@ __all__ = [
     "chunk_summaries",
     "paged_decode_attention",
     "prefill_attention",
+    "prefill_attention_batched",
     "rms_norm",
     "rotary_qk",
     "silu_mul",
@@ -43,6 +44,7 @@ __all__ = [
 _MODULE = {
     "paged_decode_attention": "triton_decode",
     "prefill_attention": "triton_prefill",
+    "prefill_attention_batched": "triton_prefill",
     "chunk_summaries": "triton_scoring",
     "chunk_lse": "triton_scoring",
     "write_tokens": "triton_copy",
@@ -125,6 +127,24 @@ def prefill_attention(
     causal mask still follows chunk_index."""
     fn = _pick("prefill_attention", kv_pool, q, slots, chunk_index)
     return fn(q, kv_pool, layer, slots, chunk_index, q_start, sm_scale, rot=rot)
+
+
+def prefill_attention_batched(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: int,
+    pieces: torch.Tensor,
+    slots: torch.Tensor,
+    chunk_index: torch.Tensor,
+    max_t: int,
+    sm_scale: float,
+) -> torch.Tensor:
+    """The prefill pieces of one step, each over its own listing, in one call: q [T, Hq, D] holds
+    their rows; piece i's row of pieces [P, 5] int32 is (first row, rows, first position, first
+    listed, listed), its listing slots/chunk_index[first listed : first listed + listed] in logical
+    order. max_t: the most rows of a piece. Keys are not rotated."""
+    fn = _pick("prefill_attention_batched", kv_pool, q, pieces, slots, chunk_index)
+    return fn(q, kv_pool, layer, pieces, slots, chunk_index, max_t, sm_scale)
 
 
 _cache_key: list[threading.Thread] = []

@@ -115,6 +115,29 @@ def prefill_attention(
     return out.transpose(0, 1).to(q.dtype)
 
 
+def prefill_attention_batched(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: int,
+    pieces: torch.Tensor,
+    slots: torch.Tensor,
+    chunk_index: torch.Tensor,
+    max_t: int,
+    sm_scale: float,
+) -> torch.Tensor:
+    """Several pieces' `prefill_attention` at once: q [T, Hq, D] holds their rows, and piece i's
+    row of pieces [P, 5] int32 is (first row, rows, first position, first listed, listed): its
+    queries attend over slots/chunk_index[first listed : first listed + listed]. max_t is the most
+    rows a piece has. Keys are not rotated."""
+    out = torch.empty_like(q)
+    for lo, t, q_start, first, n in pieces.tolist():
+        listed = slice(first, first + n)
+        out[lo : lo + t] = prefill_attention(
+            q[lo : lo + t], kv_pool, layer, slots[listed], chunk_index[listed], q_start, sm_scale
+        )
+    return out
+
+
 def chunk_summaries(kv_pool: torch.Tensor, slots: torch.Tensor, blocks: int) -> torch.Tensor:
     """[n, L, Hkv, blocks, D] fp32: the mean key of each of `blocks` equal runs of tokens of each listed
     chunk (call on full chunks only)."""

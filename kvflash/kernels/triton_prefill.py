@@ -10,6 +10,12 @@ a partial output and its log-sum-exp, merged by the decode kernel's combine (`pr
 `rot` (positions within the cache) each key chunk is scored against the queries turned back by that
 chunk's rotation, one chunk per tile. An fp8 pool is read as the decode kernel reads it (e4m3 tiles
 widened to fp16, scales applied to the logits and the probabilities).
+
+A mixed step's prefill pieces (the next turns of many conversations, each a few dozen queries over
+its own long context) attend in one launch (`prefill_attention_batched`): the grid's third axis is
+the piece instead of the split, and each program reads its piece's rows, first position and
+listing from a table. One launch a layer instead of one a piece: the host, not the GPU, bounds such
+a step (docs/BENCHMARKS.md: The scheduler alone).
 """
 
 from __future__ import annotations
@@ -43,6 +49,9 @@ MIN_SPLIT_BLOCKS = 4
 """A split reads at least this many key tiles, so its partial output stays a small share of its work."""
 MAX_SPLITS = 16
 """Bounds the partial buffers of short steps (a 64-token step of 4 heads would want 66 splits)."""
+PIECE_FIELDS = tl.constexpr(5)
+"""A batched launch's table row per piece (int32): first row of q, rows, first position, first
+listed slot, slots listed."""
 TILE_ELEMS_DEEP = 64 * 128
 """Query tiles up to this many elements get 3 pipeline stages in the unmasked loop, larger ones 2
 (shared memory). The masked (diagonal) loop runs unpipelined: it is one or two steps long, and
@@ -154,6 +163,7 @@ def _prefill_kernel(
     o_ptr,
     o_part_ptr,
     lse_ptr,
+    pieces_ptr,
     n,
     n_splits,
     q_start,
@@ -180,10 +190,26 @@ def _prefill_kernel(
     SHIFTED: tl.constexpr,
     SPLIT: tl.constexpr,
     FP8: tl.constexpr,
+    BATCHED: tl.constexpr,
 ):
     mb = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
+    if BATCHED:  # the third axis is the piece: its rows, first position and listing from its row
+        piece = pieces_ptr + s * PIECE_FIELDS
+        q_lo = tl.load(piece)
+        T = tl.load(piece + 1)
+        q_start = tl.load(piece + 2)
+        list_lo = tl.load(piece + 3)
+        n = tl.load(piece + 4)
+        s = 0
+        q_ptr += q_lo.to(tl.int64) * stride_qt
+        o_ptr += q_lo.to(tl.int64) * stride_ot
+        slots_ptr += list_lo
+        chunk_index_ptr += list_lo
+        beyond = mb * BLOCK_M >= T  # a block past a short piece's rows reads and writes nothing
+        n = tl.where(beyond, 0, n)
+        T = tl.where(beyond, 0, T)
     r = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     d = tl.arange(0, D)
     q_pos = q_start + r
@@ -252,10 +278,10 @@ BLOCK_MS = (16, 32, 64, 128)
 
 def warm_prefill(kv_pool: torch.Tensor, hq: int, dtype: torch.dtype) -> None:
     """Compiles, or loads from Triton's cache, every variant of the prefill kernels a step on this
-    pool can launch (each query tile, keys rotated or not, split or not, the combine for each power
-    of two of splits), on scratch queries over slot 0 (read only). A variant first met inside a turn
-    would compile there: a lazily restored turn's short question scouts with rotated keys and
-    splits, which no earlier step of the process ran."""
+    pool can launch (each query tile, keys rotated or not, split or not, batched pieces, the combine
+    for each power of two of splits), on scratch queries over slot 0 (read only). A variant first
+    met inside a turn would compile there: a lazily restored turn's short question scouts with
+    rotated keys and splits, which no earlier step of the process ran."""
     d, c, dev = kv_pool.shape[5], chunk_tokens(kv_pool), kv_pool.device
     n = MAX_SPLITS * MIN_SPLIT_BLOCKS * max(1, BLOCK_TOKENS // c)  # key tiles for every split
     slots = torch.zeros(n, dtype=torch.int32, device=dev)
@@ -266,6 +292,9 @@ def warm_prefill(kv_pool: torch.Tensor, hq: int, dtype: torch.dtype) -> None:
         for r in (None, rot):
             for splits in (1, 2):
                 compiled(prefill_attention, q, kv_pool, 0, slots, index, n * c, 1.0, r, splits, block_m)
+        pieces = torch.tensor([[i * block_m, block_m, n * c, 0, n] for i in range(2)], dtype=torch.int32)
+        two = (q.repeat(2, 1, 1), kv_pool, 0, pieces.to(dev), slots, index, block_m, 1.0, block_m)
+        compiled(prefill_attention_batched, *two)  # two pieces over the same listing
     q = torch.zeros(BLOCK_MS[0], hq, d, dtype=dtype, device=dev)
     for k in range(2, (MAX_SPLITS - 1).bit_length() + 1):  # the combine's rows: 4, 8, ... splits
         compiled(prefill_attention, q, kv_pool, 0, slots, index, n * c, 1.0, None, 2**k, BLOCK_MS[0])
@@ -338,6 +367,7 @@ def prefill_attention(
         out,
         o_part,
         lse,
+        None,
         slots.numel(),
         splits,
         q_start,
@@ -364,6 +394,7 @@ def prefill_attention(
         SHIFTED=rot is not None,
         SPLIT=splits > 1,
         FP8=is_fp8(kv_pool),
+        BATCHED=False,
         num_warps=8 if block_m == 128 else 4,
     )
     if splits > 1:
@@ -372,4 +403,38 @@ def prefill_attention(
             o_part, lse, out, splits, out.stride(0), out.stride(1),
             D=d, COLS=cols, ROWS=min(COMBINE_ROWS, next_pow2(splits)), PDL=False, num_warps=4,
         )  # fmt: skip
+    return out
+
+
+def prefill_attention_batched(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: int,
+    pieces: torch.Tensor,
+    slots: torch.Tensor,
+    chunk_index: torch.Tensor,
+    max_t: int,
+    sm_scale: float,
+    block_m: int | None = None,
+) -> torch.Tensor:
+    """Same contract as reference.prefill_attention_batched, in one launch: the pieces' keys are not
+    rotated and none is split (there are programs enough across the pieces). `block_m` overrides
+    the query tile (`_block_m`)."""
+    t, hq, d = q.shape
+    h_kv, c = kv_pool.shape[3], chunk_tokens(kv_pool)
+    n_pieces = pieces.shape[0]
+    assert q.stride(2) == 1 and pieces.is_contiguous() and pieces.shape[1] == PIECE_FIELDS
+    assert slots.is_contiguous() and chunk_index.is_contiguous()
+    block_m = block_m or _block_m(max_t, hq * n_pieces, q.device)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    layer_off, s_slot, s_kv, s_head, s_tok = pool_strides(kv_pool, layer)
+    _prefill_kernel[(triton.cdiv(max_t, block_m), hq, n_pieces)](
+        q, kv_pool, slots, chunk_index, None, fp8_scales(kv_pool) if is_fp8(kv_pool) else None,
+        out, None, None, pieces, 0, 1, 0, 0, sm_scale * LOG2E, q.stride(0), q.stride(1),
+        out.stride(0), out.stride(1), layer_off, s_slot, s_kv, s_head, s_tok,
+        G=hq // h_kv, BLOCK_M=block_m, C=c, CPI=max(1, BLOCK_TOKENS // c), D=d, F32_DOT=f32_dot(q),
+        PREC=dot_precision(kv_pool.dtype), COUNT=COUNT_STEP,
+        FULL_STAGES=3 if block_m * d <= TILE_ELEMS_DEEP else 2, SHIFTED=False, SPLIT=False,
+        FP8=is_fp8(kv_pool), BATCHED=True, num_warps=8 if block_m == 128 else 4,
+    )  # fmt: skip
     return out
