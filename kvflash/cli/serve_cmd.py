@@ -8,13 +8,13 @@ from pathlib import Path
 
 import typer
 
+from kvflash.cli.ask_cmd import ProcsOpt
 from kvflash.cli.engine_options import ENGINE, EngineOptions, engine_command, open_engine
 from kvflash.cli.messages import warn
 from kvflash.cli.options import SharedStoreOpt, StoreOpt
 from kvflash.cli.snapshot_cmd import parse_size
 from kvflash.serve.snapshots import KVSnapshots
 from kvflash.storage.tiered import TierConfig, open_tiers
-from kvflash.storage.workers import default_processes
 
 SHUTDOWN_GRACE_S = 5
 """How long a stopping server lets open requests finish before it ends them."""
@@ -70,14 +70,7 @@ def serve(
     api_key: str = typer.Option(
         None, "--api-key", envvar="KVFLASH_API_KEY", help="Require `Authorization: Bearer KEY` (not /health)."
     ),
-    store_processes: int = typer.Option(
-        None,
-        "--store-processes",
-        "--decode-processes",
-        min=0,
-        help="Encode snapshots and decode restores in N worker processes, off the scheduler's "
-        "interpreter (0: the store's threads; default: one per core, up to 16, from 8 cores).",
-    ),
+    store_processes: int = ProcsOpt,
 ) -> None:
     """Serve /v1/chat/completions and /v1/models; a conversation's next turn reuses its KV.
 
@@ -90,8 +83,7 @@ def serve(
 
     tiers = TierConfig(cache_bytes=parse_size(cache_bytes) if cache_bytes else None)  # before the load
     lm, eng = open_engine(engine)
-    procs = default_processes() if store_processes is None else store_processes
-    st = None if no_store else open_tiers(store, shared_store, procs, tiers)
+    st = None if no_store else open_tiers(store, shared_store, store_processes, tiers)
     snapshots = KVSnapshots(st, eng.fingerprint, other_kv=eng.other_kv_fingerprints()) if st else None
     for stored, n in (snapshots.other_kv_counts() if snapshots else {}).items():
         warn(f"the store holds {n} snapshots of this model with {stored} KV; this server keeps "
