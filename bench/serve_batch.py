@@ -73,6 +73,13 @@ def metric(server: Served, name: str) -> int:
     return int(float(m.group(1))) if m else 0
 
 
+def prefill_steps(server: Served, since: tuple[int, int] = (0, 0)) -> tuple[int, int]:
+    """(forwards that ran prefill pieces, pieces they ran) since `since`: a turn's pieces over its
+    steps is how many prompts shared a forward (all N in one step where they arrived together)."""
+    now = metric(server, "prefill_steps_total"), metric(server, "prefill_pieces_total")
+    return now[0] - since[0], now[1] - since[1]
+
+
 def computed_tokens(server: Served) -> int:
     """Prompt tokens the server has prefilled (not reused)."""
     return metric(server, 'tokens_total{kind="cold"}')
@@ -91,11 +98,15 @@ def conversations(args, docs: list[str], max_batch: int) -> dict:
     try:
         with Users(server.url, server.model, args.client_processes or default_processes(len(docs))) as users:
             users.stream([Ask([{"role": "user", "content": "Hello."}], 2)])  # warm
+            before = prefill_steps(server)
             turn1, answers = together(users, [Ask(c, args.max_tokens) for c in convs])
+            turn1["prefill_steps"], turn1["prefill_pieces"] = prefill_steps(server, before)
             for i, (c, a) in enumerate(zip(convs, answers, strict=True)):
                 nxt = QUESTIONS[(i + 1) % len(QUESTIONS)]
                 c += [{"role": "assistant", "content": a}, {"role": "user", "content": nxt}]
+            before = prefill_steps(server)
             turn2, _ = together(users, [Ask(c, args.decode_tokens) for c in convs])
+            turn2["prefill_steps"], turn2["prefill_pieces"] = prefill_steps(server, before)
     finally:
         server.stop()
         store.cleanup()
@@ -263,15 +274,16 @@ def report_conversations(args, rows: list[dict]) -> None:
                   _f(hf.get("prefill_s")))  # fmt: skip
     Console().print(t)
     t = Table(title=f"turn 2: the same conversations, one more question, {args.decode_tokens} tokens each")
-    for col in ("N", "wall s", "TTFT p50", "tok/s", "tok/s one at a time", "x", "decode tok/s (all N)",
-                "HF decode tok/s", "x HF"):  # fmt: skip
+    for col in ("N", "wall s", "TTFT p50", "prefill steps / pieces", "tok/s", "tok/s one at a time", "x",
+                "decode tok/s (all N)", "HF decode tok/s", "x HF"):  # fmt: skip
         t.add_column(col, justify="right")
     for r in rows:
         b, one, hf = _part(r, "batched", "turn2"), _part(r, "one_at_a_time", "turn2"), r["hf"]
         peer, ours = hf.get("decode_tok_s"), b.get("decode_tok_s")
         x_hf = ours / peer if ours and peer else None
         x_one = b["tok_s"] / one["tok_s"] if b and one else None
-        t.add_row(str(r["n"]), _f(b.get("wall_s")), _f(b.get("ttft_p50_s")), _f(b.get("tok_s"), ".0f"),
+        steps = f"{b['prefill_steps']} / {b['prefill_pieces']}" if "prefill_steps" in b else "-"
+        t.add_row(str(r["n"]), _f(b.get("wall_s")), _f(b.get("ttft_p50_s")), steps, _f(b.get("tok_s"), ".0f"),
                   _f(one.get("tok_s"), ".0f"), _f(x_one), _f(ours, ".0f"), _f(peer, ".0f"),
                   _f(x_hf, ".1f"))  # fmt: skip
     Console().print(t)
