@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.types import Message as Message_
 
 from kvflash import KVFlashError
+from kvflash.serve.outbox import outbox_of
 from kvflash.serve.protocol import CHAT, TEXT, ChatRequest, Completion, CompletionRequest, ErrorBody, Shape
 from kvflash.serve.scheduler import SchedulerDown, TimedOut
 from kvflash.serve.server import Busy, ContextTooLong, Prompt, Server
@@ -253,14 +254,12 @@ async def _stream(
 def _submit(
     server: Server, req: ChatRequest | CompletionRequest, prompt: Prompt, gone: threading.Event
 ) -> asyncio.Queue:
-    """Queues the request; its text pieces, then its Completion or error, arrive on the queue."""
-    loop, items = asyncio.get_running_loop(), asyncio.Queue()
+    """Queues the request; its text pieces, then its Completion or error, arrive on the queue
+    (through the loop's `Outbox`: one hand-over a step for every stream)."""
+    outbox, items = outbox_of(asyncio.get_running_loop()), asyncio.Queue()
 
     def emit(item: str | Completion | BaseException) -> None:
-        try:
-            loop.call_soon_threadsafe(items.put_nowait, item)
-        except RuntimeError:  # the event loop has stopped (the server is stopping): nobody listens
-            pass
+        outbox.put(items, item)
 
     server.submit(req, prompt, emit, gone)
     return items
