@@ -31,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -318,8 +318,7 @@ class StoreWorkers:
         """The blobs of `hashes`, KV copied into `outs[i]` where given (the caller has checked them
         as host memory); `shape` and `dtype`, where given, are expected of every chunk. Raises the
         first chunk's ChunkError, or WorkerFailed (the caller then reads the chunks itself)."""
-        w = self._take_worker()
-        try:
+        with self._borrowed() as w:
             blobs: list[ChunkBlob] = []
             while len(blobs) < len(hashes):
                 done, err = w.run(hashes[len(blobs) :], fp)
@@ -329,24 +328,25 @@ class StoreWorkers:
                     raise err
                 if not done:
                     raise WorkerFailed(f"chunk {hashes[len(blobs)][:16]} exceeds a worker's segment", False)
-            with self._lock:
-                self.decoded += len(blobs)
-            return blobs
-        except WorkerFailed as e:
-            self._broken |= e.broken
-            raise
-        finally:
-            self._free.put(w)
+        with self._lock:
+            self.decoded += len(blobs)
+        return blobs
 
     def write(self, blob: ChunkBlob, codec: Codec, level: int) -> ChunkRow:
         """Encodes and writes one chunk in a worker; returns its index row. Raises the store error
         that stopped it (StoreError, DiskFull), or WorkerFailed (the caller then writes it itself)."""
+        with self._borrowed() as w:
+            row = w.write(blob, codec, level)
+        with self._lock:
+            self.encoded += 1
+        return row
+
+    @contextlib.contextmanager
+    def _borrowed(self) -> Iterator[_Worker]:
+        """A free worker, given back afterwards; one that fails broken retires them all."""
         w = self._take_worker()
         try:
-            row = w.write(blob, codec, level)
-            with self._lock:
-                self.encoded += 1
-            return row
+            yield w
         except WorkerFailed as e:
             self._broken |= e.broken
             raise
@@ -359,7 +359,7 @@ class StoreWorkers:
                 return self._free.get(timeout=0.1)
             except queue.Empty:
                 if self._broken:
-                    raise WorkerFailed("the decode workers stopped") from None
+                    raise WorkerFailed("the store workers stopped") from None
 
     @staticmethod
     def _copy_out(
