@@ -350,7 +350,7 @@ def test_ask_and_chat_choose_the_position_scheme(smollm_path, tmp_path, absolute
     )  # fmt: skip
     try:
         assert sess.engine.cfg.residency.cache_positions is not absolute
-        if not absolute:  # the store's decode workers follow --store-processes
+        if not absolute:  # the store's worker processes follow --store-processes
             assert sess.snapshots.store.processes.n == 1
     finally:
         close_session(sess)

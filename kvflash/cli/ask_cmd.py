@@ -76,13 +76,13 @@ def open_session(
         eng.warm_up()  # while the session reads its stored documents' ids and summaries
         return sess
     except BaseException:
-        if st is not None:  # its threads and decode workers: close_session never sees this one
+        if st is not None:  # its threads and worker processes: close_session never sees this one
             st.close()
         raise
 
 
 def close_session(sess: Session) -> None:
-    """The session, then the store open_session made for it (its threads and decode workers)."""
+    """The session, then the store open_session made for it (its threads and worker processes)."""
     sess.close()
     if sess.snapshots is not None:
         sess.snapshots.store.close()
