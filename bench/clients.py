@@ -45,6 +45,8 @@ class Stream:
     completion_tokens: int = 0
     server_prefill_s: float = 0.0
     """The server's TTFT less the request's wait for a sequence: its restore, prefill and first token."""
+    server_ttft_s: float = 0.0
+    """From the request reaching the server's scheduler (its prompt tokenised) to its first token."""
 
     @property
     def ttft(self) -> float:
@@ -67,6 +69,7 @@ def stream(client, model: str, ask: Ask, shared: object = None) -> Stream:
             s.cached_tokens = chunk.usage.prompt_tokens_details.cached_tokens
         if stats := (chunk.model_extra or {}).get("kvflash"):
             s.server_prefill_s = stats["ttft_s"] - stats["queued_s"]
+            s.server_ttft_s = stats["ttft_s"]
     return s
 
 

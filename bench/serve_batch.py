@@ -14,7 +14,10 @@ the pool slots in use at the peak (from /metrics) against N times the document's
 The peer is HF transformers on the same GPU, batched `generate` over the same turn-1 prompts (left
 padded, SDPA, whole KV on the GPU): a prefill alone, --max-tokens and --decode-tokens new tokens, so
 its decode rate is (decode-tokens - 1) * N over the difference. Answers are of fixed length on both
-sides (`min_tokens` on the server, `min_new_tokens` for HF).
+sides (`min_tokens` on the server, `min_new_tokens` for HF). Turn 2's table shows the TTFT the
+clients saw beside the server's own (from a request reaching its scheduler to its first token): the
+difference is HTTP, the clients and the prompt's tokenisation. `--no-store` runs servers that save
+nothing, to show what the snapshot writes cost the turns beside them.
 
   python -m bench.serve_batch --conversations 1,8,32 --doc-tokens 8192 --out out/serve_batch
   python -m bench.serve_batch --conversations 8,32 --shared-only --out out/serve_batch_shared
@@ -56,6 +59,7 @@ def together(users: Users, asks: list[Ask]) -> tuple[dict, list[str]]:
         "wall_s": wall,
         "ttft_p50_s": statistics.median(ttfts),
         "ttft_max_s": ttfts[-1],
+        "server_ttft_p50_s": statistics.median(s.server_ttft_s for s in streams),
         "tokens": sum(s.completion_tokens for s in streams),
         "tok_s": sum(s.completion_tokens for s in streams) / wall,
         "decode_tok_s": inside / (hi - lo) if hi - lo > 0.05 else None,
@@ -90,7 +94,7 @@ def conversations(args, docs: list[str], max_batch: int) -> dict:
     store of its own: a conversation whose sequence is no longer live (`--max-batch 1` keeps one)
     restores its turn 2 from disk instead of prefilling it again."""
     store = tempfile.TemporaryDirectory()
-    server = Served(args, Path(store.name) / "store", max_batch)
+    server = Served(args, None if args.no_store else Path(store.name) / "store", max_batch)
     convs = [
         [{"role": "system", "content": d}, {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]
         for i, d in enumerate(docs)
@@ -199,6 +203,11 @@ def main() -> None:
         help="processes the clients stream from (default: one per two conversations, up to half the cores)",
     )
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers peer")
+    ap.add_argument(
+        "--no-store",
+        action="store_true",
+        help="servers without a store: what saving the answers' snapshots costs the turns beside it",
+    )
     ap.add_argument("--shared-only", action="store_true", help="only the conversations over one document")
     ap.add_argument("--out", default="out/serve_batch")
     args = ap.parse_args()
@@ -274,8 +283,8 @@ def report_conversations(args, rows: list[dict]) -> None:
                   _f(hf.get("prefill_s")))  # fmt: skip
     Console().print(t)
     t = Table(title=f"turn 2: the same conversations, one more question, {args.decode_tokens} tokens each")
-    for col in ("N", "wall s", "TTFT p50", "prefill steps / pieces", "tok/s", "tok/s one at a time", "x",
-                "decode tok/s (all N)", "HF decode tok/s", "x HF"):  # fmt: skip
+    for col in ("N", "wall s", "TTFT p50", "at the server", "prefill steps / pieces", "tok/s",
+                "tok/s one at a time", "x", "decode tok/s (all N)", "HF decode tok/s", "x HF"):  # fmt: skip
         t.add_column(col, justify="right")
     for r in rows:
         b, one, hf = _part(r, "batched", "turn2"), _part(r, "one_at_a_time", "turn2"), r["hf"]
@@ -283,7 +292,8 @@ def report_conversations(args, rows: list[dict]) -> None:
         x_hf = ours / peer if ours and peer else None
         x_one = b["tok_s"] / one["tok_s"] if b and one else None
         steps = f"{b['prefill_steps']} / {b['prefill_pieces']}" if "prefill_steps" in b else "-"
-        t.add_row(str(r["n"]), _f(b.get("wall_s")), _f(b.get("ttft_p50_s")), steps, _f(b.get("tok_s"), ".0f"),
+        t.add_row(str(r["n"]), _f(b.get("wall_s")), _f(b.get("ttft_p50_s")), _f(b.get("server_ttft_p50_s")),
+                  steps, _f(b.get("tok_s"), ".0f"),
                   _f(one.get("tok_s"), ".0f"), _f(x_one), _f(ours, ".0f"), _f(peer, ".0f"),
                   _f(x_hf, ".1f"))  # fmt: skip
     Console().print(t)

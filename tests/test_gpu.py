@@ -98,17 +98,23 @@ def test_new_sequences_replay_the_graphs_the_engine_captured_before(lm) -> None:
             logits = eng.decode_step(kv)(int(logits.argmax()), len(kv.seq))
         kv.free()
     assert eng.batch_graphs.captures == warm
+    buffers, answers = [], []
     for round in range(2):
         seqs = [eng.new_sequence(2048) for _ in prompts]
+        buffers.append({id(kv.staging) for kv in seqs})
         firsts = [eng.prefill(kv, ids) for kv, ids in zip(seqs, prompts, strict=True)]
         tokens = [int(f.argmax()) for f in firsts]
+        answers.append([tokens])
         for _ in range(20):
             tokens = eng.decode_batch(seqs, tokens).argmax(-1).tolist()
+            answers[-1].append(tokens)
         for kv in seqs:
             kv.free()
         if round == 0:
             warm = eng.batch_graphs.captures
     assert eng.batch_graphs.captures == warm
+    # the second batch decodes in the buffers the first gave back, and decodes the same
+    assert buffers[0] == buffers[1] and answers[0] == answers[1]
 
 
 def test_full_budget_logits_match_dense_cache(lm) -> None:

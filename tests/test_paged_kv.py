@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from kvflash import KVFlashError
 from kvflash.config import ResidencyConfig
 from kvflash.engine import scoring
+from kvflash.engine.decode_staging import StagingCache
 from kvflash.engine.host_tier import HostTier
 from kvflash.engine.paged_kv import PagedKV
 from kvflash.engine.pool import ChunkPool
@@ -363,3 +364,22 @@ def test_chunks_are_scored_from_where_they_would_sit(cache_positions: bool) -> N
     kv.selector.apply_scores(kv.seq)
     a, b = kv.seq.chunks[2].score, kv.seq.chunks[12].score
     assert (abs(a - b) < 1e-4 * max(a, b)) == cache_positions, (a, b)
+
+
+def test_freed_decode_buffers_go_to_the_next_sequence_of_their_budget_renumbered() -> None:
+    cache = StagingCache(head_dim=16, device=torch.device("cpu"), keep=2)
+    a = cache.take(8)
+    a.list(torch.arange(3, dtype=torch.int32), torch.zeros(3, 2, 8))
+    a.stage(5, 10, 1, 2, 3, send=False)
+    assert a.rotated
+    written = a.table_write
+    cache.give(a)
+    assert cache.take(4) is not a  # another budget: new buffers
+    b = cache.take(8)
+    assert b is a and not b.rotated and b.fields == () and b.table_write > written
+    assert cache.take(8) is not a  # handed out once
+    three = [cache.take(8) for _ in range(3)]
+    for s in three:
+        cache.give(s)
+    again = [cache.take(8) for _ in range(3)]
+    assert sum(any(s is t for t in three) for s in again) == 2  # two were kept, the third is new

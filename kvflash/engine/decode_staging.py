@@ -11,6 +11,7 @@ only when a number changed. The step's scalar inputs reach the device in one asy
 from __future__ import annotations
 
 import itertools
+import threading
 
 import torch
 
@@ -49,6 +50,7 @@ class DecodeStaging:
     and steps (`stage`), never reallocated."""
 
     def __init__(self, budget: int, head_dim: int, device: torch.device):
+        self.budget = budget
         self.table = torch.zeros(budget, dtype=torch.int32, device=device)
         """The listed slots in logical order, the first `inputs[4]` of them valid."""
         self.table_rot = torch.zeros(budget, 2, head_dim // 2, device=device)
@@ -102,3 +104,32 @@ class DecodeStaging:
         return kernels.paged_decode_attention(
             q, kv_pool, layer, self.table[None], ins[4:5], ins[5:6], scale, rot
         )
+
+
+class StagingCache:
+    """The decode buffers of freed sequences, for the next sequences of the same budget. New
+    buffers pin host memory (`cudaHostAlloc`) and allocate device tables, milliseconds of the
+    scheduler's thread per admitted request; a reused one costs nothing. At most `keep` wait here."""
+
+    def __init__(self, head_dim: int, device: torch.device, keep: int = 256):
+        self.head_dim, self.device, self.keep = head_dim, device, keep
+        self._free: dict[int, list[DecodeStaging]] = {}
+        self._lock = threading.Lock()  # sequences are made and freed on several threads
+
+    def take(self, budget: int) -> DecodeStaging:
+        """Buffers for a sequence of `budget` chunks: a freed sequence's, renumbered (a batch that
+        copied its table copies the new owner's), or new ones."""
+        with self._lock:
+            free = self._free.get(budget)
+            staging = free.pop() if free else None
+        if staging is None:
+            return DecodeStaging(budget, self.head_dim, self.device)
+        staging.rotated, staging.fields = False, ()
+        staging.table_write = next(_table_writes)
+        return staging
+
+    def give(self, staging: DecodeStaging) -> None:
+        """Buffers of a freed sequence, which reads them no more."""
+        with self._lock:
+            if sum(map(len, self._free.values())) < self.keep:
+                self._free.setdefault(staging.budget, []).append(staging)

@@ -80,6 +80,8 @@ class HostTier:
         self._free: list[int] = []
         self._extra: dict[int, int] = {}
         """Readers beyond the first of each shared slot."""
+        self.epoch = 0
+        """Changes whenever a slot gains or loses a reader (as `ChunkPool.epoch`)."""
         self._index = ChunkIndex()
         """The host copies of sealed chunks of exact KV, by chain hash (under `_grown`: a restore's
         prefetch thread reads into the tier too)."""
@@ -173,6 +175,7 @@ class HostTier:
                 if take:
                     out += self._free[len(self._free) - take :]
                     del self._free[len(self._free) - take :]
+                    self.epoch += 1
                     continue
                 b = self._claim_block()
             if b is None:
@@ -193,6 +196,7 @@ class HostTier:
     def release_many(self, host_slots: list[int]) -> None:
         """Drops one reference to each slot; the last reader's release frees it (and its name)."""
         with self._grown:
+            self.epoch += 1
             for h in host_slots:
                 extra = self._extra.pop(h, 0)
                 if extra > 1:
@@ -216,12 +220,14 @@ class HostTier:
             h = self._index.find(key)
             if h is not None:
                 self._extra[h] = self._extra.get(h, 0) + 1
+                self.epoch += 1
             return h
 
     def hold(self, host_slot: int) -> None:
         """One more reader of a slot in use (a staged snapshot reading a sequence's host copy)."""
         with self._grown:
             self._extra[host_slot] = self._extra.get(host_slot, 0) + 1
+            self.epoch += 1
 
     def refs(self, host_slot: int) -> int:
         return 1 + self._extra.get(host_slot, 0)

@@ -71,10 +71,8 @@ class PagedKV:
             pool.kv, head_dim=pool.cfg.head_dim, chunk_tokens=cfg.chunk_tokens
         )
         """Triton kernels on CUDA; elsewhere SDPA over the gathered slots (the same maths)."""
-        self.staging = (
-            DecodeStaging(budget_chunks, pool.cfg.head_dim, self.device) if self.uses_triton else None
-        )
-        """The decode steps' device buffers, where the Triton kernels run."""
+        self.staging: DecodeStaging | None = pool.stagings.take(budget_chunks) if self.uses_triton else None
+        """The decode steps' device buffers, where the Triton kernels run (given back at `free`)."""
         self.positions = CachePositions(pool.cfg, cfg, self.device)
         self.scorer = ChunkScorer(pool, host, cfg, self.uses_triton, self.moved)
         self.listing: Listing | None = None
@@ -412,3 +410,6 @@ class PagedKV:
         with self.pager.lock:  # waits for the batch in flight
             pass
         self.pager.release(self.seq.chunks)
+        if self.staging is not None:
+            self.pool.stagings.give(self.staging)
+            self.staging = None

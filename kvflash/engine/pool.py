@@ -15,6 +15,7 @@ import torch
 from kvflash import KVFlashError
 from kvflash.config import ModelConfig
 from kvflash.engine.chunk_index import ChunkIndex
+from kvflash.engine.decode_staging import StagingCache
 
 
 class PoolFull(KVFlashError):
@@ -77,9 +78,9 @@ def slots_for(
 
 
 class ChunkPool:
-    """Slots of `slot_shape` (`[n_layers, 2, Hkv, C, D]`, C + 1 rows for fp8); the epoch changes with
-    every residency change, so anything derived from residency (slot lists, masks) is rebuilt when it
-    moves instead of being trusted.
+    """Slots of `slot_shape` (`[n_layers, 2, Hkv, C, D]`, C + 1 rows for fp8); the epoch changes
+    whenever a slot gains or loses a reader (allocated, shared, released), so anything derived from
+    who holds what (admission's counts) is computed again instead of being trusted.
     One more slot than `n_slots`, `pad_slot`, is never given out: the rows that pad a batched decode
     step to the size its CUDA graph was captured for write and read it."""
 
@@ -102,6 +103,8 @@ class ChunkPool:
         """The most slots in use at once since `reset_peak`."""
         self.pad_slot = n_slots
         self.epoch = 0
+        self.stagings = StagingCache(cfg.head_dim, device)
+        """The decode buffers of its sequences' Triton steps, reused from freed sequences."""
 
     @property
     def n_slots(self) -> int:
@@ -142,14 +145,15 @@ class ChunkPool:
         assert 0 <= slot < self.n_slots and self._refs[slot], f"bad share of slot {slot}"
         self._refs[slot] += 1
         self.n_shared += self._refs[slot] == 2
+        self.epoch += 1
 
     def release(self, slot: int) -> None:
         """Drops one reader's reference; the last one frees the slot (and its name)."""
         assert 0 <= slot < self.n_slots and self._refs[slot], f"bad release of slot {slot}"
         self._refs[slot] -= 1
         self.n_shared -= self._refs[slot] == 1
+        self.epoch += 1
         if self._refs[slot]:
             return
         self.index.forget(slot)
         self._free.append(slot)
-        self.epoch += 1

@@ -10,6 +10,8 @@ stands for no shift at all, and the kernels then run unchanged.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kvflash import kernels
@@ -22,7 +24,7 @@ class CachePositions:
 
     def __init__(self, model: ModelConfig, cfg: ResidencyConfig, device: torch.device):
         self.cfg = cfg
-        self._inv_freq = inv_frequencies(model).to(device)
+        self._inv_freq = _inv_frequencies(model, device)
 
     def listed(self, order: list[int], first: int) -> torch.Tensor | None:
         """[len(order), 2, D/2]: each listed chunk (`order`, ascending, holding `first`, the step's
@@ -53,6 +55,13 @@ class CachePositions:
         """[n, 2, D/2] cos and sin of each chunk's RoPE angles for a shift of `shift[i]` positions."""
         ang = shift.float()[:, None] * self._inv_freq
         return torch.stack([ang.cos(), ang.sin()], 1)
+
+
+@functools.cache
+def _inv_frequencies(model: ModelConfig, device: torch.device) -> torch.Tensor:
+    """RoPE's inverse frequencies on `device`, once a model: every sequence reads the same (read only)
+    tensor instead of computing and copying its own."""
+    return inv_frequencies(model).to(device)
 
 
 def rotate(keys: torch.Tensor, rot: torch.Tensor | None) -> torch.Tensor:

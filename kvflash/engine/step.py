@@ -112,9 +112,10 @@ class PieceBatch:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         pool = self.pieces[0].kv.pool.kv
         kernels.write_tokens(pool, layer, self.write_slot, self.write_offset, k, v)
-        lo = 0
+        # the scoring queries in fp32 in one conversion for every piece (each keeps a view of its rows)
+        rows, lo = q.float() if any(p.kv.plan.queries is not None for p in self.pieces) else q, 0
         for p in self.pieces:
-            p.kv.keep_queries(q[lo : lo + len(p.ids)])
+            p.kv.keep_queries(rows[lo : lo + len(p.ids)])
             lo += len(p.ids)
         scale = q.shape[-1] ** -0.5
         return kernels.prefill_attention_batched(

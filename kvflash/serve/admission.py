@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvflash.engine.host_tier import HostTier
 from kvflash.engine.paged_kv import PagedKV
+from kvflash.engine.pool import ChunkPool
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,59 @@ class Room:
         return self.gpu >= other.gpu and self.host >= other.host
 
 
+@dataclass(frozen=True)
+class Held:
+    """One sequence's slots: its pool slots and host slots, and of those the ones something else
+    reads too (another sequence, a staged snapshot)."""
+
+    gpu: frozenset[int]
+    host: frozenset[int]
+    shared_gpu: frozenset[int]
+    shared_host: frozenset[int]
+
+    @classmethod
+    def of(cls, kv: PagedKV) -> Held:
+        gpu = frozenset(ch.gpu for ch in kv.seq.chunks if ch.gpu is not None)
+        host = frozenset(ch.host for ch in kv.seq.chunks if ch.host is not None)
+        pool, tier = kv.pool, kv.host
+        return cls(
+            gpu,
+            host,
+            frozenset(s for s in gpu if pool.refs(s) > 1),
+            frozenset(s for s in host if tier.refs(s) > 1),
+        )
+
+    def holds_any(self, gpu: set[int], host: set[int]) -> bool:
+        """Whether any of these slots is among its own."""
+        return not (self.gpu.isdisjoint(gpu) and self.host.isdisjoint(host))
+
+
+class HeldCache:
+    """`Held.of` each sequence, computed again only once a slot of the pool or the host tier has
+    changed readers (their `epoch`s): admitting requests one after another beside the busy and idle
+    sequences would otherwise walk every chunk of every sequence for each request, a cost that grows
+    with the square of the requests that arrive together. One thread's (the scheduler's)."""
+
+    def __init__(self, pool: ChunkPool, host: HostTier):
+        self.pool, self.host = pool, host
+        self._epochs = (-1, -1)
+        self._memo: dict[int, tuple[PagedKV, Held]] = {}
+
+    def __call__(self, kv: PagedKV | None) -> Held | None:
+        if kv is None:
+            return None
+        epochs = self.pool.epoch, self.host.epoch
+        if epochs != self._epochs:
+            self._memo.clear()
+            self._epochs = epochs
+        hit = self._memo.get(id(kv))
+        if hit is not None and hit[0] is kv:
+            return hit[1]
+        held = Held.of(kv)
+        self._memo[id(kv)] = kv, held
+        return held
+
+
 @dataclass
 class Holdings:
     """The slots some sequences hold, a slot several of them read counted once: slots that more than
@@ -39,14 +94,11 @@ class Holdings:
     gpu: set[int] = field(default_factory=set)
     host: set[int] = field(default_factory=set)
 
-    def add(self, kv: PagedKV | None) -> None:
-        if kv is not None:
-            g = [ch.gpu for ch in kv.seq.chunks if ch.gpu is not None]
-            h = [ch.host for ch in kv.seq.chunks if ch.host is not None]
-            shared_g, shared_h = [s for s in g if kv.pool.refs(s) > 1], [s for s in h if kv.host.refs(s) > 1]
-            self.sole += Room(len(g) - len(shared_g), len(h) - len(shared_h))
-            self.gpu.update(shared_g)
-            self.host.update(shared_h)
+    def add(self, held: Held | None) -> None:
+        if held is not None:
+            self.sole += Room(len(held.gpu) - len(held.shared_gpu), len(held.host) - len(held.shared_host))
+            self.gpu.update(held.shared_gpu)
+            self.host.update(held.shared_host)
 
     def beyond(self, *others: Holdings) -> Room:
         """The slots held here and in none of `others`: what freeing these sequences frees."""
@@ -57,18 +109,13 @@ class Holdings:
         return self.sole + Room(len(gpu), len(host))
 
 
-def owed(need: Room, kv: PagedKV | None, lent: tuple[list[int], list[int]] = ([], [])) -> Room:
+def owed(need: Room, held: Held | None, lent: tuple[list[int], list[int]] = ([], [])) -> Room:
     """The most slots a job may still take from the free ones: its reservation less the slots it
-    holds (and those it is about to share, `lent`). A job that evicts may also give up a pool slot it
-    shares, which its other readers keep, and page the chunk back into a new one: one more each."""
-    g = [ch.gpu for ch in kv.seq.chunks if ch.gpu is not None] if kv is not None else []
-    h = sum(ch.host is not None for ch in kv.seq.chunks) if kv is not None else 0
-    shared = len(lent[0]) + (sum(kv.pool.refs(s) > 1 for s in g) if kv is not None else 0)
-    has = Room(len(g) + len(lent[0]), h + len(lent[1]))
+    holds (`held`, and those it is about to share, `lent`). A job that evicts may also give up a pool
+    slot it shares, which its other readers keep, and page the chunk back into a new one: one more
+    each."""
+    g, h = (len(held.gpu), len(held.host)) if held is not None else (0, 0)
+    shared = len(lent[0]) + (len(held.shared_gpu) if held is not None else 0)
+    has = Room(g + len(lent[0]), h + len(lent[1]))
     evicts = need.host > 0
     return Room(max(0, need.gpu - has.gpu) + (shared if evicts else 0), max(0, need.host - has.host))
-
-
-def holds_any(kv: PagedKV, gpu: set[int], host: set[int]) -> bool:
-    """Whether a sequence holds any of these slots."""
-    return any(ch.gpu in gpu or ch.host in host for ch in kv.seq.chunks)

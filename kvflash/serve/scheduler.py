@@ -49,7 +49,7 @@ from kvflash import KVFlashError
 from kvflash.engine.engine import Engine
 from kvflash.engine.generate import Generation, Sampler
 from kvflash.engine.step import Piece
-from kvflash.serve.admission import Holdings, Room, holds_any, owed
+from kvflash.serve.admission import HeldCache, Holdings, Room, owed
 from kvflash.serve.job import Job
 from kvflash.serve.prefix_cache import PrefixCache, common_prefix
 from kvflash.serve.snapshots import KVSnapshots
@@ -100,6 +100,8 @@ class Scheduler:
         budget = self.budget * c
         engine.warm_batches(max_batch, budget)
         self.cache = PrefixCache(engine, snapshots, budget_tokens=budget, capacity=None)
+        self._held_by = HeldCache(engine.pool, engine.host)
+        """Each sequence's slots, as admission counts them (`_make_room`)."""
         host = engine.host.max_slots * res.chunk_tokens
         self.max_context_tokens = budget if res.policy == "full" else max(budget, host)
         """The most tokens one sequence is sure to hold: its budget, or under an evicting policy the
@@ -244,18 +246,19 @@ class Scheduler:
         reuse = job.recoveries < RECOVERIES
         live = self.cache.continued(job.context) if reuse else None
         lent = self.cache.lendable(job.context) if reuse and live is None else ([], [])
-        want, taken = owed(job.need, live, lent), Holdings()
+        held = self._held_by
+        want, taken = owed(job.need, held(live), lent), Holdings()
         for j in busy:
-            want += owed(j.need, j.kv)
-            taken.add(j.kv)
-        taken.add(live)
+            want += owed(j.need, held(j.kv))
+            taken.add(held(j.kv))
+        taken.add(held(live))
         free = Room(self.engine.pool.n_free, self.engine.host.max_slots - self.engine.host.n_used)
         lent_sets = set(lent[0]), set(lent[1])
-        kept = [kv for kv in self.cache.idle if kv is live or holds_any(kv, *lent_sets)]
+        kept = [kv for kv in self.cache.idle if kv is live or held(kv).holds_any(*lent_sets)]
         idle, lenders = Holdings(), Holdings()
         for kv in self.cache.idle:
             if kv is not live:
-                (lenders if any(kv is k for k in kept) else idle).add(kv)
+                (lenders if any(kv is k for k in kept) else idle).add(held(kv))
         if busy and not (free + idle.beyond(taken, lenders)).covers(want):
             return False
         self.cache.reclaim(want.gpu, want.host, keep=kept)

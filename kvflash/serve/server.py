@@ -28,7 +28,7 @@ from kvflash.engine.generate import Sampling
 from kvflash.engine.paged_kv import PagedKV
 from kvflash.engine.residency import check_pins, chunks_of
 from kvflash.models.tokenizer import StreamDecoder, Tokenizer
-from kvflash.serve.admission import Holdings
+from kvflash.serve.admission import Held, Holdings
 from kvflash.serve.content_ids import ContentIds
 from kvflash.serve.job import Job
 from kvflash.serve.metrics import ServerMetrics
@@ -272,7 +272,7 @@ class Server:
         sched, pool, host = self.scheduler, self.scheduler.engine.pool, self.scheduler.engine.host
         idle = Holdings()
         for kv in list(sched.cache.idle):
-            idle.add(kv)
+            idle.add(Held.of(kv))
         kept = idle.beyond()
         return {
             "requests_in_flight": ("gauge", "Requests submitted and not yet answered.", sched.in_flight),
