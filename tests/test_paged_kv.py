@@ -24,10 +24,10 @@ from tests.tiny import tiny_config, tiny_model
 CPU = torch.device("cpu")
 
 
-def make_kv(cfg, n_slots: int, budget: int | None = None, **res) -> PagedKV:
+def make_kv(cfg, n_slots: int, budget: int | None = None, step_chunks: int | None = None, **res) -> PagedKV:
     rc = ResidencyConfig(**{"chunk_tokens": 16, "tail_chunks": 2, **res})
     pool = ChunkPool(cfg, n_slots, rc.chunk_tokens, torch.float32, CPU)
-    return PagedKV(pool, HostTier(pool, 1 << 26), rc, budget or n_slots)
+    return PagedKV(pool, HostTier(pool, 1 << 26), rc, budget or n_slots, step_chunks=step_chunks)
 
 
 def test_full_budget_equals_dense_reference_prefill_and_64_decode_steps() -> None:
@@ -71,6 +71,28 @@ def test_decode_scores_and_reselects_only_once_the_budget_is_nearly_full(monkeyp
     assert scored and min(scored) == kv.budget  # none while 3..7 chunks filled the budget of 8
     full_steps = 200 - (kv.budget - 1) * 16  # from the step that opens the 8th chunk
     assert kv.approximate and abs(len(scored) - full_steps // 4) <= 1  # then every tau = 4 steps
+
+
+def test_prefill_steps_score_only_where_the_next_step_could_evict(monkeypatch) -> None:
+    """Scores serve only selections that evict, and each scoring replaces the last: with steps of at
+    most 2 chunks and a budget of 10, the steps that leave 9 chunks or more score, the earlier ones
+    do not, and the first evicting step selects with scores of the step before it."""
+    cfg = tiny_config()
+    model = tiny_model(cfg)
+    kv = make_kv(cfg, n_slots=24, budget=10, step_chunks=2)
+    scored: list[int] = []
+    real = kv.scorer.estimated
+
+    def spy(*args, **kwargs) -> torch.Tensor:
+        scored.append(len(kv.seq.chunks))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kv.scorer, "estimated", spy)
+    for start in range(0, 12 * 16, 32):  # steps of two chunks: 2, 4, ..., 12 chunks
+        ids = torch.randint(0, cfg.vocab_size, (32,))
+        model(ids, torch.arange(start, start + 32), kv)
+    assert scored == [10, 12]  # 2..8 chunks leave the next step within the budget
+    assert kv.approximate  # the step to 12 chunks evicted, with the scores of the step to 10
 
 
 @pytest.mark.parametrize("policy", ["qk", "lru", "sink"])

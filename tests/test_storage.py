@@ -250,6 +250,32 @@ def test_shared_chunks_are_stored_once(store, monkeypatch) -> None:
     assert store.verify().ok
 
 
+@pytest.mark.parametrize("save_threads", [None, 2])
+def test_a_save_encodes_at_most_save_threads_chunks_at_once(tmp_path, monkeypatch, save_threads) -> None:
+    """A server's saves run beside its scheduler: `save_threads` bounds the store threads a save keeps
+    busy; without it a save takes all of them."""
+    with SnapshotStore(tmp_path / "store", workers=4, save_threads=save_threads) as st:
+        busy, peak, lock = 0, 0, threading.Lock()
+        real = st.writer._store_one
+
+        def counted(item):
+            nonlocal busy, peak
+            with lock:
+                busy += 1
+                peak = max(peak, busy)
+            try:
+                time.sleep(0.02)  # long enough for every thread the save allows to be at work at once
+                return real(item)
+            finally:
+                with lock:
+                    busy -= 1
+
+        monkeypatch.setattr(st.writer, "_store_one", counted)
+        sid = st.put_snapshot("a", FP, make_chain(toks(12)))
+        assert peak == (save_threads or 4)
+        assert len(st.get_snapshot(sid).chunk_hashes) == 12 and st.verify().ok
+
+
 def test_grown_prefix_is_resnapshotted_by_hash(store) -> None:
     t = toks(5)
     blobs = make_chain(t)

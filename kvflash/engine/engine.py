@@ -134,7 +134,9 @@ class Engine:
         c = self.cfg.residency.chunk_tokens
         budget = self.pool.n_slots if budget_tokens is None else -(-budget_tokens // c)
         budget = min(budget, self.pool.n_slots)
-        return PagedKV(self.pool, self.host, self.cfg.residency, budget, self.fingerprint)
+        # a step writes up to a chunk boundary: at most `step_tokens // c` chunks past its first
+        step_chunks = max(1, self.step_tokens // c) + 1
+        return PagedKV(self.pool, self.host, self.cfg.residency, budget, self.fingerprint, step_chunks)
 
     @property
     def step_tokens(self) -> int:

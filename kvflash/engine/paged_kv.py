@@ -42,7 +42,10 @@ class PagedKV:
         cfg: ResidencyConfig,
         budget_chunks: int,
         fingerprint: str | None = None,
+        step_chunks: int | None = None,
     ):
+        """`step_chunks`: the most chunks one of its steps adds (the engine's prefill step), where
+        known: its prefill steps then score the chunks only where the next one could evict."""
         if cfg.chunk_tokens != pool.chunk_tokens:
             raise KVFlashError(f"chunk_tokens {cfg.chunk_tokens} differs from the pool's {pool.chunk_tokens}")
         if budget_chunks < cfg.floor_chunks() and cfg.policy != "full":
@@ -65,7 +68,7 @@ class PagedKV:
         self.approximate = False
         """Some step ran without every earlier chunk resident: this KV is not what the dense cache
         computes, and is stored apart from exact KV (snapshots.APPROX_SUFFIX)."""
-        self.selector = Selector(cfg, budget_chunks)
+        self.selector = Selector(cfg, budget_chunks, step_chunks)
         self.step = 0
         self.uses_triton = kernels.uses_triton(
             pool.kv, head_dim=pool.cfg.head_dim, chunk_tokens=cfg.chunk_tokens

@@ -108,8 +108,11 @@ class Selector:
     next (the scores of the last scoring step, whether it was a scout, tokens since the last due
     selection, pins changed since the last selection)."""
 
-    def __init__(self, cfg: ResidencyConfig, budget: int):
+    def __init__(self, cfg: ResidencyConfig, budget: int, step_chunks: int | None = None):
         self.cfg, self.budget = cfg, budget
+        self.step_chunks = budget if step_chunks is None else step_chunks
+        """The most chunks one step adds to the sequence (its budget where not known): a prefill step
+        scores the chunks only where the next step could evict (`records`)."""
         self.scores: torch.Tensor | None = None
         """The last scoring step's scores, applied to the chunks by the next step."""
         self.scouted = False
@@ -161,9 +164,14 @@ class Selector:
 
     def records(self, seq: Sequence, t: int, scout: bool, approximate: bool) -> bool:
         """A step of t tokens records its queries to score the chunks: under `qk`, scouts, prefill
-        steps and the decode step before a re-selection falls due."""
+        steps after which the next step could hold more chunks than the budget, and the decode step
+        before a re-selection falls due. Scores serve only selections that evict, and each scoring
+        step's replace the last's, so a prefill step whose next step cannot evict scores for
+        nothing (the first step that could is preceded by one that scored: a step adds at most
+        `step_chunks`)."""
         due_next = self.since_select + t >= self.tau(seq) and not self.roomy(seq, approximate)
-        return self.cfg.policy == "qk" and (scout or t > 1 or due_next)
+        next_may_evict = approximate or len(seq.chunks) + self.step_chunks > self.budget
+        return self.cfg.policy == "qk" and (scout or (t > 1 and next_may_evict) or due_next)
 
     def ended(self, t: int, scout: bool, scores: torch.Tensor | None) -> None:
         """A step of t tokens ended, with the scores it computed (None: it scored nothing)."""

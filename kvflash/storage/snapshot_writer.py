@@ -40,9 +40,12 @@ class SnapshotWriter:
         codec: str,
         level: int,
         processes: StoreWorkers | None = None,
+        save_threads: int | None = None,
     ):
         self.backend, self.index, self.threads = ctx.backend, ctx.index, ctx.threads
         self.processes = processes
+        self.save_threads = min(save_threads or self.threads.n, self.threads.n)
+        """Chunks a save encodes at once (on the store's threads, or in its worker processes)."""
         self.coordination, self.where, self.read_only = ctx.coordination, ctx.where, ctx.read_only
         self.summaries = summaries
         self.codec = CODEC_NAMES[codec]
@@ -122,7 +125,7 @@ class SnapshotWriter:
                     if row is None or row.damaged or not there[h]:
                         written.append(h)
                         pending.append(self.threads.submit(self._store_one, item))
-                        while len(pending) >= 2 * self.threads.n:
+                        while len(pending) >= self.save_threads:
                             rows.append(pending.popleft().result())
                 if c != (chunk_tokens := chunk_tokens or c):
                     raise InvalidChunk(f"chunk {pos}: {c} tokens, earlier chunks have {chunk_tokens}")

@@ -80,11 +80,14 @@ class SnapshotStore:
         workers: int | None = None,
         backend: ChunkBackend | None = None,
         processes: int = 0,
+        save_threads: int | None = None,
     ):
         """`workers` threads save and restore; with `processes` > 0 (a local directory only), saves
         encode and batch restores decode in that many worker processes instead
         (kvflash/storage/workers.py: threads stop scaling at ~8 on the GIL, and hold the GIL the
-        caller's other threads need). `workers.default_processes()` picks by the core count."""
+        caller's other threads need). `workers.default_processes()` picks by the core count.
+        `save_threads`: chunks a save encodes at once (all the workers where None); a server that
+        saves in the background beside its scheduler takes fewer (`tiered.SERVER_SAVE_THREADS`)."""
         check_codec(codec, level)
         self.root = Path(root)
         self.where = str(self.root)
@@ -102,7 +105,7 @@ class SnapshotStore:
         procs = None
         if processes > 0 and isinstance(backend, LocalDirBackend):
             procs = StoreWorkers(str(self.root), processes)
-        self._assemble(backend, index, coordination, read_only, codec, level, workers, procs)
+        self._assemble(backend, index, coordination, read_only, codec, level, workers, procs, save_threads)
 
     def _assemble(
         self,
@@ -114,6 +117,7 @@ class SnapshotStore:
         level: int,
         workers: int | None,
         processes: StoreWorkers | None = None,
+        save_threads: int | None = None,
     ) -> None:
         """What every store has, whatever holds its chunks and index."""
         self.backend, self.index, self.coordination, self.read_only = backend, index, coordination, read_only
@@ -123,7 +127,7 @@ class SnapshotStore:
         """Worker processes that encode saves and decode restores, if any (`processes` > 0)."""
         self.reader = ChunkReader(ctx, processes)
         self.summary_reader = SummaryReader(ctx, self.reader)
-        self.writer = SnapshotWriter(ctx, self.summary_reader, codec, level, processes)
+        self.writer = SnapshotWriter(ctx, self.summary_reader, codec, level, processes, save_threads)
         self.maintenance = Maintenance(ctx, self.reader, self.summary_reader, self.writer)
 
     def close(self) -> None:

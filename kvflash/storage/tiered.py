@@ -377,15 +377,23 @@ class TieredStore:
             self.local.prune(max_bytes=self.cfg.cache_bytes)
 
 
+SERVER_SAVE_THREADS = 2
+"""Chunks a server's save encodes at once. A server saves after each answer, in the background,
+while its scheduler runs the other requests' steps on the same interpreter: every store thread that
+encodes takes a share of the GIL from the scheduler, whose launches wait for it (docs/BENCHMARKS.md:
+Serving many conversations), and no user waits for a save."""
+
+
 def open_tiers(
     store: Path | None, shared: str | None, processes: int = 0, cfg: TierConfig = TierConfig()
 ) -> SnapshotStore | RedisStore | TieredStore:
     """The store a server runs on: a directory, a Redis URL, or both (the directory in front). A
-    Redis that does not answer yet warns and is tried again later; a wrong password or URL raises."""
+    Redis that does not answer yet warns and is tried again later; a wrong password or URL raises.
+    Its saves encode SERVER_SAVE_THREADS chunks at once."""
     from kvflash.paths import snapshots_dir
 
     if shared is None:
-        return SnapshotStore(store or snapshots_dir(), processes=processes)
+        return SnapshotStore(store or snapshots_dir(), processes=processes, save_threads=SERVER_SAVE_THREADS)
     remote = RedisStore(RedisConfig(shared), check=False)
     try:
         remote.link.call(lambda c: c.ping())
@@ -397,7 +405,9 @@ def open_tiers(
     if store is None:
         return remote
     try:
-        return TieredStore(SnapshotStore(store, processes=processes), remote, cfg)
+        return TieredStore(
+            SnapshotStore(store, processes=processes, save_threads=SERVER_SAVE_THREADS), remote, cfg
+        )
     except BaseException:
         remote.close()
         raise
