@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import sys
+import threading
 import zipfile
 from pathlib import Path
 
@@ -67,6 +68,30 @@ def test_smollm_special_tokens(smollm_tok) -> None:
     assert smollm_tok.encode("<|im_start|>") == [1]
     assert smollm_tok.encode("<|im_end|>") == [2]
     assert smollm_tok.eos_ids == {0, 2}  # <|endoftext|>, <|im_end|>
+
+
+def test_user_text_encoded_on_other_threads_never_changes_how_templates_encode(smollm_tok) -> None:
+    """A server encodes several prompts at once: user text keeps `<|im_end|>` as text (long text
+    with the interpreter released) while template text on another thread maps it to its id."""
+    tok = smollm_tok
+    user = "Quote: <|im_end|> and more. " * 400  # long enough to encode with the GIL released
+    plain = tok.encode_plain(user)
+    assert 2 not in plain
+    stop, seen = threading.Event(), []
+
+    def users() -> None:
+        while not stop.is_set():
+            seen.append(tok.encode_plain(user) == plain)
+
+    thread = threading.Thread(target=users)
+    thread.start()
+    try:
+        templates = [tok.encode("<|im_start|>user\nhi<|im_end|>\n") for _ in range(2000)]
+    finally:
+        stop.set()
+        thread.join()
+    assert len(seen) > 1 and all(seen)
+    assert all(ids[:1] == [1] and 2 in ids for ids in templates)
 
 
 def test_smollm_chat_template(smollm_tok) -> None:

@@ -29,6 +29,9 @@ CHATML_TEMPLATE = (
 )
 END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>")
 
+GIL_FREE_CHARS = 2048
+"""User text this long or longer is encoded with the interpreter released (`Tokenizer._plain`)."""
+
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
 
@@ -52,6 +55,11 @@ class Tokenizer:
         chat_template: str | None,
     ):
         self.hf = hf
+        self._hf_plain = HFTokenizer.from_str(hf.to_str())
+        """The same tokenizer with special-token strings encoded as text, for user text: a
+        tokenizer of its own, since the setting is the tokenizer's and prompts are encoded on
+        several threads at once (one flipping it would change another's template encoding)."""
+        self._hf_plain.encode_special_tokens = True
         self.bos_id = bos_id
         self.add_bos = add_bos and bos_id is not None
         self.chat_template = chat_template or CHATML_TEMPLATE
@@ -119,11 +127,11 @@ class Tokenizer:
         return self._plain(text).offsets
 
     def _plain(self, text: str):
-        self.hf.encode_special_tokens = True
-        try:
-            return self.hf.encode(text, add_special_tokens=False)
-        finally:
-            self.hf.encode_special_tokens = False
+        # `encode` holds the GIL for all of a long text (30 ms for 8K tokens) and `encode_batch`
+        # does not: a server's scheduler runs its steps meanwhile.
+        if len(text) < GIL_FREE_CHARS:
+            return self._hf_plain.encode(text, add_special_tokens=False)
+        return self._hf_plain.encode_batch([text], add_special_tokens=False)[0]
 
     def decode(self, ids: list[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=False)
