@@ -166,9 +166,9 @@ class Selector:
         """A step of t tokens records its queries to score the chunks: under `qk`, scouts, prefill
         steps after which the next step could hold more chunks than the budget, and the decode step
         before a re-selection falls due. Scores serve only selections that evict, and each scoring
-        step's replace the last's, so a prefill step whose next step cannot evict scores for
-        nothing (the first step that could is preceded by one that scored: a step adds at most
-        `step_chunks`)."""
+        step's scores replace the last ones, so a prefill step whose next step cannot evict would
+        score for nothing (the first step that could is preceded by one that scored: a step adds
+        at most `step_chunks`)."""
         due_next = self.since_select + t >= self.tau(seq) and not self.roomy(seq, approximate)
         next_may_evict = approximate or len(seq.chunks) + self.step_chunks > self.budget
         return self.cfg.policy == "qk" and (scout or (t > 1 and next_may_evict) or due_next)

@@ -127,8 +127,8 @@ class Tokenizer:
         return self._plain(text).offsets
 
     def _plain(self, text: str):
-        # `encode` holds the GIL for all of a long text (30 ms for 8K tokens) and `encode_batch`
-        # does not: a server's scheduler runs its steps meanwhile.
+        # `encode` holds the GIL for all of a long text and `encode_batch` does not: a server's
+        # scheduler runs its steps meanwhile.
         if len(text) < GIL_FREE_CHARS:
             return self._hf_plain.encode(text, add_special_tokens=False)
         return self._hf_plain.encode_batch([text], add_special_tokens=False)[0]

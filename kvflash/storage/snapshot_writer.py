@@ -44,8 +44,9 @@ class SnapshotWriter:
     ):
         self.backend, self.index, self.threads = ctx.backend, ctx.index, ctx.threads
         self.processes = processes
-        self.save_threads = min(save_threads or self.threads.n, self.threads.n)
-        """Chunks a save encodes at once (on the store's threads, or in its worker processes)."""
+        self.in_flight = 2 * self.threads.n if save_threads is None else min(save_threads, self.threads.n)
+        """Chunks a save has queued or encoding: twice the threads, so that none waits for work, or
+        `save_threads`, where a caller bounds how many of them a save keeps busy."""
         self.coordination, self.where, self.read_only = ctx.coordination, ctx.where, ctx.read_only
         self.summaries = summaries
         self.codec = CODEC_NAMES[codec]
@@ -125,7 +126,7 @@ class SnapshotWriter:
                     if row is None or row.damaged or not there[h]:
                         written.append(h)
                         pending.append(self.threads.submit(self._store_one, item))
-                        while len(pending) >= self.save_threads:
+                        while len(pending) >= self.in_flight:
                             rows.append(pending.popleft().result())
                 if c != (chunk_tokens := chunk_tokens or c):
                     raise InvalidChunk(f"chunk {pos}: {c} tokens, earlier chunks have {chunk_tokens}")
