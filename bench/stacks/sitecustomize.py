@@ -3,6 +3,10 @@ KVFLASH_STACKS=PREFIX; every thread's stack is sampled every KVFLASH_STACKS_MS (
 process exits, the counts of each collapsed stack (thread name; outermost frame first) are written
 to PREFIX.<pid>.txt, one `count thread;file:function;...` line each (flame-graph tools read it).
 
+With KVFLASH_STACKS_BUCKET_S set (seconds, e.g. 0.1), each line starts with the sample's time bucket
+since the process started (`bucket count thread;...`), so one phase of a run (a turn's decode, say)
+can be picked out afterwards: the buckets where the scheduler thread is in that phase.
+
 It needs no ptrace and no package: the `kvflash serve` processes a benchmark starts are profiled
 as they run, which a profiler attached from outside cannot do on every machine."""
 
@@ -16,8 +20,10 @@ from collections import Counter
 _prefix = os.environ.get("KVFLASH_STACKS")
 if _prefix:
     _period = float(os.environ.get("KVFLASH_STACKS_MS", "5")) / 1000
-    _counts: Counter[str] = Counter()
-    _me = threading.get_ident()
+    _bucket = float(os.environ.get("KVFLASH_STACKS_BUCKET_S") or 0)
+    _counts: Counter[tuple[int, str]] = Counter()
+    """(time bucket, or 0 without buckets; collapsed stack) -> samples."""
+    _t0 = time.perf_counter()
 
     def _name(frame) -> str:
         code = frame.f_code
@@ -27,6 +33,7 @@ if _prefix:
         while True:
             time.sleep(_period)
             names = {t.ident: t.name for t in threading.enumerate()}
+            when = int((time.perf_counter() - _t0) / _bucket) if _bucket else 0
             for ident, frame in sys._current_frames().items():
                 if ident == _me_sampler[0]:
                     continue
@@ -34,12 +41,12 @@ if _prefix:
                 while frame is not None:
                     stack.append(_name(frame))
                     frame = frame.f_back
-                _counts[";".join([names.get(ident, str(ident)), *reversed(stack)])] += 1
+                _counts[when, ";".join([names.get(ident, str(ident)), *reversed(stack)])] += 1
 
     def _write() -> None:
         with open(f"{_prefix}.{os.getpid()}.txt", "w") as f:
-            for stack, n in _counts.most_common():
-                f.write(f"{n} {stack}\n")
+            for (when, stack), n in _counts.most_common():
+                f.write(f"{when} {n} {stack}\n" if _bucket else f"{n} {stack}\n")
 
     _me_sampler = [0]
     _t = threading.Thread(target=_sample, name="kvflash-stacks", daemon=True)
