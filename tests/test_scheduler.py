@@ -523,3 +523,36 @@ def test_a_parked_sequence_keeps_the_summaries_of_its_chunks_only(lm) -> None:
             assert kv.seq.summaries.shape[0] == kv.seq.n_sealed == len(kv.seq.chunks)
     finally:
         sched.close()
+
+
+def test_calls_run_on_the_scheduler_thread_between_steps_and_while_it_waits(lm) -> None:
+    """`call` runs its function on the scheduler's thread: at once when it waits for work, and
+    between steps while requests run; one that raises is warned and every request still answers."""
+    sched = Scheduler(engine(lm), None, frozenset(), max_batch=4)
+    try:
+        ran: list[tuple[str, bool]] = []
+        done = threading.Event()
+        sched.call(lambda: (ran.append(("idle", threading.current_thread() is sched._thread)), done.set()))
+        assert done.wait(10) and ran == [("idle", True)]
+
+        steps: list[int] = []
+
+        def during(_: int) -> bool:
+            if len(steps) == 2:  # from inside a step's callback: runs before the next step
+                sched.call(lambda: steps.append(-sched.steps))
+                sched.call(lambda: 1 / 0)
+            steps.append(sched.steps)
+            return False
+
+        outs: list[list[int]] = []
+        finished = threading.Event()
+        job = Job(prompt(40, 1), 6, Sampling(), during, lambda out, *_: (outs.append(out), finished.set()),
+                  lambda e: finished.set(), min_tokens=6)  # fmt: skip
+        with pytest.warns(UserWarning, match="a call on the scheduler's thread failed: division by zero"):
+            sched.submit(job)
+            assert finished.wait(30)
+        assert len(outs[0]) == 6
+        i = steps.index(next(s for s in steps if s < 0))
+        assert steps[i - 1] == -steps[i] and steps[i + 1] == steps[i - 1] + 1  # between two steps
+    finally:
+        sched.close()

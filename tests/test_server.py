@@ -152,9 +152,10 @@ def test_the_next_request_does_not_wait_for_the_last_ones_snapshot(lm, tmp_path,
         assert snap.meta["prompt_tokens"] == second.usage.prompt_tokens
 
 
-def test_snapshots_waiting_for_the_disk_are_bounded(lm, tmp_path, monkeypatch) -> None:
+def test_snapshots_waiting_for_the_disk_are_bounded_and_the_rest_catch_up(lm, tmp_path, monkeypatch) -> None:
     """Each staged snapshot holds a copy of its KV: with the store's writes held back, seven answers
-    stage at most MAX_UNSAVED snapshots (the rest are not saved) and are all answered."""
+    stage at most MAX_UNSAVED snapshots and are all answered; the other three are deferred, and
+    staged from their live sequences once the writes go on, so every conversation is saved."""
     from kvflash.serve.server import MAX_UNSAVED
 
     release, real = threading.Event(), SnapshotStore.put_snapshot
@@ -169,10 +170,51 @@ def test_snapshots_waiting_for_the_disk_are_bounded(lm, tmp_path, monkeypatch) -
             for i in range(7):
                 conv = [{"role": "system", "content": DOC}, {"role": "user", "content": f"Question {i}?"}]
                 assert ask(url, conv, timeout=30).choices[0].message.content is not None
+            assert server.unsaved == MAX_UNSAVED < 7 and len(server._deferred) == 7 - MAX_UNSAVED
         finally:
             release.set()
+        deadline = time.monotonic() + 60
+        while (server.unsaved or server._deferred) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not server.unsaved and not server._deferred
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'kvflash_snapshot_saves_total{outcome="deferred"} 3.0' in metrics
+        assert 'kvflash_snapshot_saves_total{outcome="saved"} 7.0' in metrics
     with SnapshotStore(tmp_path / "store") as st:
-        assert len(st.list_snapshots()) == MAX_UNSAVED < 7
+        assert len(st.list_snapshots()) == 7
+
+
+def test_a_deferred_snapshot_whose_conversation_went_on_is_left_to_its_next_turn(
+    lm, tmp_path, monkeypatch
+) -> None:
+    """An answer deferred while the writes are behind, whose conversation asks again before they
+    catch up, is not staged from the sequence its next turn took: the next turn saves it (once)."""
+    from kvflash.serve.server import MAX_UNSAVED
+
+    release, real = threading.Event(), SnapshotStore.put_snapshot
+
+    def held(self, *args, **kw):
+        assert release.wait(60), "the write was never let go"
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(SnapshotStore, "put_snapshot", held)
+    with serving(lm, tmp_path / "store", max_tokens=2) as (url, server):
+        convs = [[{"role": "system", "content": DOC}, {"role": "user", "content": f"Question {i}?"}]
+                 for i in range(MAX_UNSAVED + 1)]  # fmt: skip
+        try:
+            answers = [ask(url, c, timeout=30).choices[0].message.content for c in convs]
+            assert len(server._deferred) == 1  # the last conversation's
+            convs[-1] += [{"role": "assistant", "content": answers[-1]}, {"role": "user", "content": "And?"}]
+            assert ask(url, convs[-1], timeout=30).usage.prompt_tokens_details.cached_tokens > 0
+            assert len(server._deferred) == 1  # its newer answer replaced the older
+        finally:
+            release.set()
+        deadline = time.monotonic() + 60
+        while (server.unsaved or server._deferred) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not server.unsaved and not server._deferred
+    with SnapshotStore(tmp_path / "store") as st:
+        assert len(st.list_snapshots()) == MAX_UNSAVED + 1
 
 
 def test_requests_in_flight_have_host_memory_pinned_for_all_their_snapshots(lm, tmp_path) -> None:

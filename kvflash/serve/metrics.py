@@ -48,8 +48,9 @@ class ServerMetrics:
         )
         self.pinned = Counter("kvflash_pinned_chunks", "Chunks pinned by answered requests.", registry=r)
         self.saves = Counter(
-            "kvflash_snapshot_saves", "Snapshots after an answer: saved, failed (the store refused it) or "
-            "skipped (writes were behind).", ["outcome"], registry=r,
+            "kvflash_snapshot_saves", "Snapshots after an answer: saved, failed (the store refused it), "
+            "deferred (writes were behind: staged once they catch up) or skipped (the deferred sequence "
+            "had gone, or the server stopped first).", ["outcome"], registry=r,
         )  # fmt: skip
         self.ttft = Histogram(
             "kvflash_ttft_seconds", "Time to first token of answered requests.", registry=r,

@@ -42,6 +42,7 @@ import queue
 import threading
 import time
 import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -71,6 +72,9 @@ class Cancelled(KVFlashError):
 class TimedOut(KVFlashError):
     """The request reached its time limit before its first token."""
 
+
+_WAKE = object()
+"""Queued by `Scheduler.call` after its function: a loop waiting for work wakes to run it."""
 
 MAX_SEQUENCE_TOKENS = 262_144
 """The default budget of a sequence when the pool is larger: a sequence's decode buffers and every
@@ -116,7 +120,9 @@ class Scheduler:
         """Prefill pieces they ran: pieces / prefill_steps is the mean number of prompts per step."""
         self.failure: BaseException | None = None
         """What stopped the loop, if anything did."""
-        self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._queue: queue.Queue[Job | object | None] = queue.Queue()
+        self._calls: collections.deque[Callable[[], None]] = collections.deque()
+        """Functions to run on this thread before the next step (`call`)."""
         self._retry: collections.deque[Job] = collections.deque()
         """Requests admitted before the queue: those sent back to prefill (damaged lazy chunks), and
         at its head the one the pool has no room for yet."""
@@ -148,7 +154,7 @@ class Scheduler:
 
     @property
     def waiting(self) -> int:
-        """Requests submitted and not yet admitted (a snapshot)."""
+        """Requests submitted and not yet admitted (a snapshot; a wake-up `call` queued counts too)."""
         return self._queue.qsize() + len(self._retry) + len(self._deferred)
 
     def submit(self, job: Job) -> None:
@@ -157,6 +163,13 @@ class Scheduler:
             if not self.healthy:
                 raise SchedulerDown(f"the scheduler has stopped ({self.failure or 'closed'})")
             self._queue.put(job)
+
+    def call(self, fn: Callable[[], None]) -> None:
+        """Runs fn on this thread before its next step, or as soon as it waits for work: what
+        touches sequences between steps (a deferred snapshot) runs where nothing else touches them.
+        What fn raises is warned; a call queued as the loop stops is not run."""
+        self._calls.append(fn)
+        self._queue.put(_WAKE)
 
     def close(self, cancel: bool = False, timeout: float | None = None) -> None:
         """Answers what was submitted (with `cancel`, ends every request at its next piece or token
@@ -193,14 +206,23 @@ class Scheduler:
                 job = self._queue.get_nowait()
             except queue.Empty:
                 return jobs
-            if job is not None:
+            if isinstance(job, Job):
                 jobs.append(job)
 
     def _serve(self) -> None:
         while self._running or self._filling or self._retry or self._deferred or not self._closed:
+            self._run_calls()
             self._admit()
             if self._running or self._filling:
                 self._round()
+
+    def _run_calls(self) -> None:
+        while self._calls:
+            fn = self._calls.popleft()
+            try:
+                fn()
+            except Exception as e:  # a caller's trouble; every request waits on this thread
+                warnings.warn(f"a call on the scheduler's thread failed: {e}", stacklevel=2)
 
     def _admit(self) -> None:
         """Starts waiting jobs, in order, while the pool has room for them and the batch is not full.
@@ -291,10 +313,16 @@ class Scheduler:
             return self._retry.popleft()
         if self._closed:
             return None
-        try:
-            job = self._queue.get(block=not (self._running or self._filling))
-        except queue.Empty:
-            return None
+        while True:
+            idle = not (self._running or self._filling)
+            try:
+                job = self._queue.get(block=idle)
+            except queue.Empty:
+                return None
+            if job is not _WAKE:
+                break
+            if idle:  # woken for a `call`: the loop runs it before it waits again
+                return None
         self._closed = job is None
         return job
 

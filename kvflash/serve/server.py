@@ -18,6 +18,7 @@ import json
 import threading
 import time
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -72,7 +73,9 @@ MAX_UNSAVED = 4
 """Staged snapshots waiting for the saver, at most: each holds a copy of its new chunks' KV (46 MB
 for 1,000 tokens of the default model in fp32), and short answers come faster than zstd writes
 them, so an unbounded queue grows with every answer the disk has not caught up with. Past it an
-answer's prefix is not saved (its conversation restores the prefix it saved last)."""
+answer's snapshot is deferred: its conversation's live sequence is staged once a save has finished,
+if it is still idle by then (a next turn saves it itself; one freed for room restores the prefix it
+saved last)."""
 
 
 IDLE_TRIM_S = 1.0
@@ -124,16 +127,26 @@ class Server:
         """Staged snapshots not yet written (at most MAX_UNSAVED)."""
         self._staging = 0
         """Host slots the requests in flight will stage their snapshots in (`_promise_host`)."""
+        self._deferred: OrderedDict[str, tuple[PagedKV, int]] = OrderedDict()
+        """Label -> (live sequence, prompt tokens) of answers not staged while MAX_UNSAVED waited,
+        oldest first; a conversation's newer answer replaces its older one."""
         self._counts = threading.Lock()
         self._closing = threading.Event()
         threading.Thread(target=self._trim_when_idle, daemon=True, name="kvflash-trim").start()
 
     def close(self, timeout: float = 60.0) -> None:
         """Ends the requests in flight at their next prefill piece or token (their clients are gone
-        by now: the HTTP server has stopped), then waits for the snapshots still being written."""
+        by now: the HTTP server has stopped), then waits for the snapshots still being written.
+        Deferred snapshots are not staged any more (the sequences are freed with the scheduler)."""
         self._closing.set()
         self.scheduler.close(cancel=True, timeout=timeout)
         self._saver.shutdown()
+        with self._counts:
+            dropped, self._deferred = len(self._deferred), OrderedDict()
+        if dropped:
+            self.metrics.saves.labels("skipped").inc(dropped)
+            warnings.warn(f"{dropped} answers' snapshots were not saved: the server stopped before "
+                          "the saver caught up with them", stacklevel=2)  # fmt: skip
 
     def prompt(self, req: ChatRequest | CompletionRequest) -> Prompt:
         """The prompt's ids (a chat's rendered by the model's template; a completion's prompt is
@@ -235,10 +248,20 @@ class Server:
         self.snapshots.start_prefetch(kv)
         if not kv.seq.n_sealed:  # a short chat: no whole chunk to save
             return
-        if not self._take_unsaved():
-            self.metrics.saves.labels("skipped").inc()
-            warnings.warn("snapshot writes are behind: this answer is not saved", stacklevel=3)
+        with self._counts:  # one lock with `_saved`: a save that ends now sees this one deferred
+            deferred = self.unsaved >= MAX_UNSAVED
+            if deferred:
+                self._deferred.pop(label, None)
+                self._deferred[label] = kv, prompt_tokens
+            else:
+                self.unsaved += 1
+        if deferred:
+            self.metrics.saves.labels("deferred").inc()
             return
+        self._stage_taken(kv, label, prompt_tokens)
+
+    def _stage_taken(self, kv: PagedKV, label: str, prompt_tokens: int) -> None:
+        """`_stage` once an unsaved place is taken."""
         try:
             staged = self.snapshots.stage(kv)  # a store error here only costs the reuse
         except BaseException:
@@ -332,17 +355,28 @@ class Server:
                 heap.trim()
                 trimmed_at = steps
 
-    def _take_unsaved(self) -> bool:
-        """Counts a snapshot about to be staged; False if MAX_UNSAVED already wait."""
-        with self._counts:
-            if self.unsaved >= MAX_UNSAVED:
-                return False
-            self.unsaved += 1
-            return True
-
     def _saved(self) -> None:
         with self._counts:
             self.unsaved -= 1
+            behind = bool(self._deferred)
+        if behind and not self._closing.is_set():
+            self.scheduler.call(self._catch_up)
+
+    def _catch_up(self) -> None:
+        """Stages deferred snapshots, oldest first, while places are free (on the scheduler's
+        thread, between steps: nothing else touches the sequences there). One whose sequence is no
+        longer idle is dropped: a next turn took it (and saves it itself) or it was freed."""
+        while True:
+            with self._counts:
+                if not self._deferred or self.unsaved >= MAX_UNSAVED:
+                    return
+                label, (kv, prompt_tokens) = self._deferred.popitem(last=False)
+                self.unsaved += 1
+            if not any(kv is idle for idle in self.scheduler.cache.idle):
+                self.metrics.saves.labels("skipped").inc()
+                self._saved()
+                continue
+            self._stage_taken(kv, label, prompt_tokens)
 
     def _save(self, staged: StagedSnapshot, label: str, prompt_tokens: int) -> None:
         """Writes a staged snapshot under its conversation's label, replacing the older snapshot of
