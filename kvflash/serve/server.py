@@ -244,7 +244,8 @@ class Server:
             raise
 
     def _stage(self, kv: PagedKV, label: str, prompt_tokens: int) -> None:
-        """Stages an answered sequence's sealed prefix (its new chunks copied) for the saver thread."""
+        """Stages an answered sequence's sealed prefix (its new chunks copied) for the saver thread,
+        or defers it while MAX_UNSAVED staged snapshots wait (`_catch_up` stages it later)."""
         self.snapshots.start_prefetch(kv)
         if not kv.seq.n_sealed:  # a short chat: no whole chunk to save
             return
