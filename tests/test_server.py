@@ -127,10 +127,8 @@ def test_a_conversation_reuses_its_kv_from_memory_and_after_a_restart_from_disk(
     assert live.usage.prompt_tokens == restored.usage.prompt_tokens == cold.usage.prompt_tokens
 
 
-def test_the_next_request_does_not_wait_for_the_last_ones_snapshot(lm, tmp_path, monkeypatch) -> None:
-    """Snapshots are written by the saver thread: with the store's writes held back, the next turn
-    is still answered (from the live sequence; were the write in its way, it would wait the minute
-    the write is held and time out), and both snapshots land once the writes go on."""
+def hold_writes(monkeypatch) -> threading.Event:
+    """Holds every snapshot write of the store until the event it returns is set."""
     release, real = threading.Event(), SnapshotStore.put_snapshot
 
     def held(self, *args, **kw):
@@ -138,6 +136,32 @@ def test_the_next_request_does_not_wait_for_the_last_ones_snapshot(lm, tmp_path,
         return real(self, *args, **kw)
 
     monkeypatch.setattr(SnapshotStore, "put_snapshot", held)
+    return release
+
+
+def until(condition, timeout: float = 30) -> bool:
+    """Whether `condition()` holds within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def caught_up(server, timeout: float = 60) -> None:
+    """Waits until no snapshot is staged or deferred."""
+    deadline = time.monotonic() + timeout
+    while (server.unsaved or server._deferred) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not server.unsaved and not server._deferred
+
+
+def test_the_next_request_does_not_wait_for_the_last_ones_snapshot(lm, tmp_path, monkeypatch) -> None:
+    """Snapshots are written by the saver thread: with the store's writes held back, the next turn
+    is still answered (from the live sequence; were the write in its way, it would wait the minute
+    the write is held and time out), and both snapshots land once the writes go on."""
+    release = hold_writes(monkeypatch)
     with serving(lm, tmp_path / "store") as (url, server):
         try:
             reply = ask(url, TURN1).choices[0].message.content
@@ -158,25 +182,17 @@ def test_snapshots_waiting_for_the_disk_are_bounded_and_the_rest_catch_up(lm, tm
     staged from their live sequences once the writes go on, so every conversation is saved."""
     from kvflash.serve.server import MAX_UNSAVED
 
-    release, real = threading.Event(), SnapshotStore.put_snapshot
-
-    def held(self, *args, **kw):
-        assert release.wait(60), "the write was never let go"
-        return real(self, *args, **kw)
-
-    monkeypatch.setattr(SnapshotStore, "put_snapshot", held)
+    release = hold_writes(monkeypatch)
     with serving(lm, tmp_path / "store", max_tokens=2) as (url, server):
         try:
             for i in range(7):
                 conv = [{"role": "system", "content": DOC}, {"role": "user", "content": f"Question {i}?"}]
                 assert ask(url, conv, timeout=30).choices[0].message.content is not None
-            assert server.unsaved == MAX_UNSAVED < 7 and len(server._deferred) == 7 - MAX_UNSAVED
+            # the answer is out before its snapshot is staged (or deferred)
+            assert until(lambda: len(server._deferred) == 7 - MAX_UNSAVED) and server.unsaved == MAX_UNSAVED
         finally:
             release.set()
-        deadline = time.monotonic() + 60
-        while (server.unsaved or server._deferred) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not server.unsaved and not server._deferred
+        caught_up(server)
         metrics = httpx.get(f"{url}/metrics").text
         assert 'kvflash_snapshot_saves_total{outcome="deferred"} 3.0' in metrics
         assert 'kvflash_snapshot_saves_total{outcome="saved"} 7.0' in metrics
@@ -191,28 +207,21 @@ def test_a_deferred_snapshot_whose_conversation_went_on_is_left_to_its_next_turn
     catch up, is not staged from the sequence its next turn took: the next turn saves it (once)."""
     from kvflash.serve.server import MAX_UNSAVED
 
-    release, real = threading.Event(), SnapshotStore.put_snapshot
-
-    def held(self, *args, **kw):
-        assert release.wait(60), "the write was never let go"
-        return real(self, *args, **kw)
-
-    monkeypatch.setattr(SnapshotStore, "put_snapshot", held)
+    release = hold_writes(monkeypatch)
     with serving(lm, tmp_path / "store", max_tokens=2) as (url, server):
         convs = [[{"role": "system", "content": DOC}, {"role": "user", "content": f"Question {i}?"}]
                  for i in range(MAX_UNSAVED + 1)]  # fmt: skip
         try:
             answers = [ask(url, c, timeout=30).choices[0].message.content for c in convs]
-            assert len(server._deferred) == 1  # the last conversation's
+            assert until(lambda: len(server._deferred) == 1)  # the last conversation's
             convs[-1] += [{"role": "assistant", "content": answers[-1]}, {"role": "user", "content": "And?"}]
-            assert ask(url, convs[-1], timeout=30).usage.prompt_tokens_details.cached_tokens > 0
-            assert len(server._deferred) == 1  # its newer answer replaced the older
+            again = ask(url, convs[-1], timeout=30).usage
+            assert again.prompt_tokens_details.cached_tokens > 0  # its live sequence went on
+            # its newer answer replaced the older
+            assert until(lambda: [p for _, p in server._deferred.values()] == [again.prompt_tokens])
         finally:
             release.set()
-        deadline = time.monotonic() + 60
-        while (server.unsaved or server._deferred) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not server.unsaved and not server._deferred
+        caught_up(server)
     with SnapshotStore(tmp_path / "store") as st:
         assert len(st.list_snapshots()) == MAX_UNSAVED + 1
 
