@@ -50,7 +50,6 @@ class DecodeStaging:
     and steps (`stage`), never reallocated."""
 
     def __init__(self, budget: int, head_dim: int, device: torch.device):
-        self.budget = budget
         self.table = torch.zeros(budget, dtype=torch.int32, device=device)
         """The listed slots in logical order, the first `inputs[4]` of them valid."""
         self.table_rot = torch.zeros(budget, 2, head_dim // 2, device=device)
@@ -132,4 +131,4 @@ class StagingCache:
         """Buffers of a freed sequence, which reads them no more."""
         with self._lock:
             if sum(map(len, self._free.values())) < self.keep:
-                self._free.setdefault(staging.budget, []).append(staging)
+                self._free.setdefault(staging.table.numel(), []).append(staging)

@@ -55,11 +55,6 @@ class Tokenizer:
         chat_template: str | None,
     ):
         self.hf = hf
-        self._hf_plain = HFTokenizer.from_str(hf.to_str())
-        """The same tokenizer with special-token strings encoded as text, for user text: a
-        tokenizer of its own, since the setting is the tokenizer's and prompts are encoded on
-        several threads at once (one flipping it would change another's template encoding)."""
-        self._hf_plain.encode_special_tokens = True
         self.bos_id = bos_id
         self.add_bos = add_bos and bos_id is not None
         self.chat_template = chat_template or CHATML_TEMPLATE
@@ -125,6 +120,17 @@ class Tokenizer:
     def offsets_plain(self, text: str) -> list[tuple[int, int]]:
         """The character span of each token `encode_plain` gives."""
         return self._plain(text).offsets
+
+    @cached_property
+    def _hf_plain(self) -> HFTokenizer:
+        """The same tokenizer with special-token strings encoded as text, for user text: a
+        tokenizer of its own, since the setting is the tokenizer's and prompts are encoded on
+        several threads at once (one flipping it would change another's template encoding). Made
+        at the first use: a copy of a large vocabulary is a start-up cost a process that encodes
+        no user text need not pay."""
+        plain = HFTokenizer.from_str(self.hf.to_str())
+        plain.encode_special_tokens = True
+        return plain
 
     def _plain(self, text: str):
         # `encode` holds the GIL for all of a long text and `encode_batch` does not: a server's
