@@ -53,7 +53,13 @@ Setting = tuple[str, int | None, int, int | None, float]
 def default_setting(merge: str, head_dim: int, batch: int, rule: bool, kv_bytes: int = 2) -> Setting:
     """What paged_decode_attention picks by itself with this merge."""
     launch = decode_launch(head_dim, batch, kv_bytes)
-    return (merge, None if rule else launch.block_tokens, 4, None if rule else launch.stages, launch.waves)
+    return (
+        merge,
+        None if rule else launch.block_tokens,
+        launch.warps,
+        None if rule else launch.stages,
+        launch.waves,
+    )
 
 
 def shape_timer(model: str, context: int, batch: int, fp8: bool = False):
@@ -159,7 +165,7 @@ def main() -> None:
         for m in args.merge:
             ok = [s for s in mine if s[0] == m and mine[s]["gbps"] == mine[s]["gbps"]]
             best = max(ok, key=lambda s: mine[s]["gbps"])
-            base = mine[default_setting(m, MODELS[model][0], b, args.rule)]
+            base = mine[default_setting(m, MODELS[model][0], b, args.rule, 1 if args.fp8 else DTYPE.itemsize)]
             cells += [f"{base['gbps'] / copy:.1%}", f"{mine[best]['gbps'] / copy:.1%}"]
             cells.append(f"{show(best)} ({mine[best]['splits']})")
         t.add_row(*cells)

@@ -13,7 +13,9 @@ rotation, one chunk per tile.
 
 An fp8 pool's tiles are loaded as e4m3 bytes, widened to fp16 in registers (exactly: e4m3 is a
 subset of fp16, and the GPU converts e4m3 pairs to fp16 pairs in one instruction where bf16 takes
-several) for fp16 dots, and their scales applied outside the dots. A tile of one chunk has one K and
+several) for fp16 dots, and their scales applied outside the dots. V is widened where it is loaded
+(`_load_e4m3_as_f16`: the second dot needs it transposed, which shared memory does for 16-bit tiles
+only). A tile of one chunk has one K and
 one V scale: the logits and the probability-weighted values are scaled once each, after their dots.
 A tile of several chunks scales each key column's logit by its chunk's K scale and each probability
 by its chunk's V scale before the second dot, those weights raised by `FP8_P_UP` (the output
@@ -178,7 +180,10 @@ def _decode_split_kernel(
             )
         else:
             k = tl.load(k_base + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        v = tl.load(k_base + stride_kv + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        if FP8 and not F32_DOT:
+            v = _load_e4m3_as_f16(k_base + stride_kv + rows, valid, D)
+        else:
+            v = tl.load(k_base + stride_kv + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         if FP8 and CPI == 1:  # one chunk a block: its two scales, applied to the dots' results
             sc_one = sc_base + tl.load(table_ptr + b * stride_tb + blk).to(tl.int64) * stride_slot // 4
             k_sc = tl.load(sc_one)
@@ -189,8 +194,6 @@ def _decode_split_kernel(
             v_sc = tl.load(sc_rows + stride_kv // 4, mask=valid, other=0.0)
         if F32_DOT:
             v = v.to(tl.float32)
-        elif FP8:
-            v = v.to(tl.float16)
         if not SHIFTED:  # the order of the measured kernel: both loads issued before the dot
             if F32_DOT:
                 k = k.to(tl.float32)
@@ -241,6 +244,26 @@ def _decode_split_kernel(
                     o_ptr, lse_ptr, out_rows, stride_oh, row * G, n_splits, G, MERGE_G, MERGE_ROWS, D
                 )
                 tl.store(count_ptr + row, 0)
+
+
+@triton.jit
+def _load_e4m3_as_f16(row_ptrs, mask, D: tl.constexpr):
+    """A [T, D] tile of e4m3 rows (starting at `row_ptrs`, 2-byte aligned) widened to fp16 where it
+    is loaded, a pair of values at a time. Where the tile is the second dot's operand (V, whose rows
+    run along the dot's inner dimension) it must be transposed, and the GPU transposes 16-bit tiles
+    in shared memory (ldmatrix) but not 8-bit ones: left to the compiler, the e4m3 tile would be
+    widened inside the dot's operand layout, read from shared memory one byte at a time. Widened
+    here, it reaches the dot as an fp16 tile, as a bf16 pool's does (and takes fewer registers)."""
+    pairs = row_ptrs.to(tl.pointer_type(tl.int16))[:, None] + tl.arange(0, D // 2)[None, :]
+    lo, hi = tl.inline_asm_elementwise(
+        "{ .reg .b32 x; cvt.rn.f16x2.e4m3x2 x, $2; mov.b32 {$0, $1}, x; }",
+        "=h,=h,h",
+        [tl.load(pairs, mask=mask[:, None], other=0)],
+        dtype=(tl.float16, tl.float16),
+        is_pure=True,
+        pack=1,
+    )
+    return tl.reshape(tl.join(lo, hi), (lo.shape[0], D))  # value 2i + 1 is the high byte of pair i
 
 
 @triton.jit
@@ -366,6 +389,7 @@ class Launch(NamedTuple):
     """Programs per resident slot of the device: sets the split count (`decode_splits`)."""
     fused: bool
     """The last program of each (sequence, kv-head) merges the splits, instead of a second kernel."""
+    warps: int = 4
 
 
 def decode_launch(head_dim: int, batch: int, kv_bytes: int = 2) -> Launch:
@@ -380,10 +404,14 @@ def decode_launch(head_dim: int, batch: int, kv_bytes: int = 2) -> Launch:
     head_dim 128 merges in the split kernel: over two waves at batch 16-31, six from batch 32.
     head_dim 64 keeps the two-kernel merge below batch 16 (the fused merge is slower there at every
     split count tried) and takes 128-token tiles from batch 2; at batch 2-8 five stages deep in one
-    wave of two programs per SM. An fp8 pool at head_dim 128 from batch 16 takes 128-token tiles,
-    the bytes of bf16's 64, over two waves (62 % of copy bandwidth at 64K, 55 % with 64-token tiles)."""
-    if head_dim >= 128 and batch >= 16 and kv_bytes == 1:
-        return Launch(2 * BLOCK_TOKENS, 2, 2, True)
+    wave of two programs per SM. An fp8 pool from batch 16 takes 64-token tiles over two waves of
+    two-warp programs, merged in the split kernel (at 64K, batch 16 and 64: 52-66 % of copy bandwidth
+    at head_dim 64 and 57-62 % at 128, against 45-61 % with four warps and 40-60 % with 128-token
+    tiles). fp8 is bound by the instructions that widen and scale its tiles, not by memory, and two
+    warps issue fewer a tile than four (fewer cross-warp reductions: 1,270 against 1,660 in the
+    compiled loop at head_dim 64)."""
+    if batch >= 16 and kv_bytes == 1:
+        return Launch(BLOCK_TOKENS, 2, 2, True, warps=2)
     if head_dim >= 128 and batch >= 16:
         return Launch(BLOCK_TOKENS, 2, 2 if batch < 32 else 6, True)
     if batch >= 16:
@@ -459,7 +487,7 @@ def paged_decode_attention(
     fused: bool | None = None,
     n_splits: int | None = None,
     block_tokens: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     num_stages: int | None = None,
     pdl: bool | None = None,
     rot: torch.Tensor | None = None,
@@ -536,7 +564,7 @@ def paged_decode_attention(
         PDL=pdl,
         SHIFTED=rot is not None,
         FP8=is_fp8(kv_pool),
-        num_warps=num_warps,
+        num_warps=num_warps or tuned.warps,
         num_stages=num_stages or tuned.stages,
         launch_pdl=pdl,
     )

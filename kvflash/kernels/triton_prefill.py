@@ -36,7 +36,14 @@ from kvflash.kernels._common import (
     pool_strides,
     sm_count,
 )
-from kvflash.kernels.triton_decode import COMBINE_COLS, COMBINE_ROWS, FP8_P_UP, _combine_kernel, _shifted_qk
+from kvflash.kernels.triton_decode import (
+    COMBINE_COLS,
+    COMBINE_ROWS,
+    FP8_P_UP,
+    _combine_kernel,
+    _load_e4m3_as_f16,
+    _shifted_qk,
+)
 
 BLOCK_TOKENS = 64
 """Keys per inner step: whole chunks, at least this many."""
@@ -118,12 +125,15 @@ def _attend_blocks(
             qk = _shifted_qk(
                 qa, qb, rot_ptr + blk * D, k_base + rows[:, None], live[:, None], D, F32_DOT, PREC, FP8
             )
-            v = tl.load(k_base + stride_kv + rows[:, None] + d[None, :], mask=live[:, None], other=0.0)
         elif MASKED:
             k = tl.load(k_base + rows[:, None] + d[None, :], mask=live[:, None], other=0.0)
-            v = tl.load(k_base + stride_kv + rows[:, None] + d[None, :], mask=live[:, None], other=0.0)
         else:
             k = tl.load(k_base + rows[:, None] + d[None, :])
+        if FP8 and not F32_DOT:
+            v = _load_e4m3_as_f16(k_base + stride_kv + rows, live, D)
+        elif MASKED or SHIFTED:
+            v = tl.load(k_base + stride_kv + rows[:, None] + d[None, :], mask=live[:, None], other=0.0)
+        else:
             v = tl.load(k_base + stride_kv + rows[:, None] + d[None, :])
         if not SHIFTED:
             if F32_DOT:
@@ -133,8 +143,6 @@ def _attend_blocks(
             qk = tl.dot(q, tl.trans(k), input_precision=PREC)
         if F32_DOT:
             v = v.to(tl.float32)
-        elif FP8:
-            v = v.to(tl.float16)
         if FP8:  # each key's chunk's scales
             sc_rows = sc_base + slot * stride_slot // 4
             qk = qk * tl.load(sc_rows, mask=live, other=0.0)[None, :]
