@@ -556,3 +556,26 @@ def test_calls_run_on_the_scheduler_thread_between_steps_and_while_it_waits(lm) 
         assert steps[i - 1] == -steps[i] and steps[i + 1] == steps[i - 1] + 1  # between two steps
     finally:
         sched.close()
+
+
+def test_quiet_is_clear_while_a_request_waits_for_its_first_token(lm) -> None:
+    """`quiet` (what a server's snapshot saves wait for) is clear from a request's arrival until its
+    first token, and set while requests only decode and while the loop waits for work."""
+    sched = Scheduler(engine(lm), None, frozenset(), max_batch=4)
+    try:
+        assert sched.quiet.is_set()
+        seen: list[bool] = []
+        finished = threading.Event()
+
+        def during(_: int) -> bool:
+            seen.append(sched.quiet.is_set())
+            return False
+
+        job = Job(prompt(40, 1), 6, Sampling(), during, lambda out, *_: finished.set(),
+                  lambda e: finished.set(), min_tokens=6)  # fmt: skip
+        sched.submit(job)
+        assert finished.wait(30)
+        assert seen == [False] + [True] * 5
+        assert sched.quiet.is_set()
+    finally:
+        sched.close()

@@ -276,6 +276,27 @@ def test_a_save_encodes_at_most_save_threads_chunks_at_once(tmp_path, monkeypatc
         assert len(st.get_snapshot(sid).chunk_hashes) == 12 and st.verify().ok
 
 
+def test_a_save_yielding_to_first_tokens_encodes_once_they_are_out(tmp_path) -> None:
+    """A server's saves wait for its quiet moments (no request waiting for a first token): while
+    the event is clear nothing is encoded, once set the save ends; and the wait is bounded, so a
+    save still ends under a server that is never quiet."""
+    with SnapshotStore(tmp_path / "store", workers=2, save_threads=2) as st:
+        quiet = threading.Event()
+        st.yield_saves_to(quiet, 60.0)
+        saved: list[str] = []
+        saver = threading.Thread(target=lambda: saved.append(st.put_snapshot("a", FP, make_chain(toks(4)))))
+        saver.start()
+        saver.join(0.3)
+        assert saver.is_alive() and not list(st.backend.list_hashes())
+        quiet.set()
+        saver.join(30)
+        assert len(st.get_snapshot(saved[0]).chunk_hashes) == 4
+
+        st.yield_saves_to(threading.Event(), 0.2)  # never set: each save waits 0.2 s in all
+        sid = st.put_snapshot("b", FP, make_chain(toks(4, start=1000)))
+        assert len(st.get_snapshot(sid).chunk_hashes) == 4 and st.verify().ok
+
+
 def test_grown_prefix_is_resnapshotted_by_hash(store) -> None:
     t = toks(5)
     blobs = make_chain(t)

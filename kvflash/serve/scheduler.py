@@ -134,6 +134,10 @@ class Scheduler:
         self._closed = False
         """The queue has been closed (`close`): the loop ends once nothing is left to answer."""
         self._cancel = threading.Event()
+        self.quiet = threading.Event()
+        """Set while no request waits for its first token (none queued, sent back, deferred or
+        prefilling): a server's snapshot saves wait for it (`Server`)."""
+        self.quiet.set()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="kvflash-scheduler", daemon=True)
         self._thread.start()
@@ -162,6 +166,7 @@ class Scheduler:
         with self._lock:
             if not self.healthy:
                 raise SchedulerDown(f"the scheduler has stopped ({self.failure or 'closed'})")
+            self.quiet.clear()
             self._queue.put(job)
 
     def call(self, fn: Callable[[], None]) -> None:
@@ -191,6 +196,7 @@ class Scheduler:
             for job in self._held():
                 self._fail(job, down)
         finally:
+            self.quiet.set()  # nothing waits on a stopped loop
             try:
                 self.cache.close()
             except Exception as e:
@@ -213,6 +219,10 @@ class Scheduler:
         while self._running or self._filling or self._retry or self._deferred or not self._closed:
             self._run_calls()
             self._admit()
+            if self._filling or self.waiting:
+                self.quiet.clear()
+            else:
+                self.quiet.set()
             if self._running or self._filling:
                 self._round()
 

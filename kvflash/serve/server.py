@@ -77,6 +77,12 @@ answer's snapshot is deferred: its conversation's live sequence is staged once a
 if it is still idle by then (a next turn saves it itself; one freed for room restores the prefix it
 saved last)."""
 
+SAVE_YIELD_S = 0.5
+"""Seconds a snapshot save waits, in all, for the moments when no request waits for its first
+token (`Scheduler.quiet`): its encoding shares the interpreter with the scheduler, and a burst of
+new questions (the next turns of many conversations) should not share it with the last burst's
+saves. Bounded, so that a server never idle still saves each answer at most this much later."""
+
 
 IDLE_TRIM_S = 1.0
 """How often the server looks whether it has gone idle since it last handed malloc's free memory back
@@ -116,6 +122,8 @@ class Server:
         """Seconds a request may take from its arrival: one not yet answering then fails (504), one
         answering ends its answer there (finish reason `length`)."""
         self.scheduler = Scheduler(engine, snapshots, tokenizer.eos_ids, max_batch, sequence_tokens)
+        if snapshots is not None:
+            snapshots.store.yield_saves_to(self.scheduler.quiet, SAVE_YIELD_S)
         engine.pool.reset_peak()  # the warm-up's scratch sequences are not the server's use
         self.content_ids = ContentIds(tokenizer)
         self.metrics = ServerMetrics(self.readings)

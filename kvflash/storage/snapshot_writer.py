@@ -9,6 +9,7 @@ where it has them (kvflash/storage/workers.py), else by its threads.
 from __future__ import annotations
 
 import json
+import threading
 import time
 import warnings
 from collections import deque
@@ -51,6 +52,17 @@ class SnapshotWriter:
         self.summaries = summaries
         self.codec = CODEC_NAMES[codec]
         self.level = level
+        self.quiet: threading.Event | None = None
+        """Where set (`yield_to`): a save encodes its next chunk once this is set, or once it has
+        waited `max_yield_s` in all."""
+        self.max_yield_s = 0.0
+
+    def yield_to(self, quiet: threading.Event, max_wait_s: float) -> None:
+        """Saves wait for `quiet` before each chunk they encode, up to max_wait_s a save in all: a
+        server's saves encode on the interpreter its scheduler runs on, and a request waiting for its
+        first token should not share it with a background save (the wait bounds how late a save
+        ends under steady load)."""
+        self.quiet, self.max_yield_s = quiet, max_wait_s
 
     def put_snapshot(
         self,
@@ -99,6 +111,7 @@ class SnapshotWriter:
         rows: list[ChunkRow] = []
         pending: deque[Future[ChunkRow]] = deque()
         chunk_tokens, layout = None, None
+        patience = self.max_yield_s
         # One index query and one existence check for the whole sequence, not one per chunk (2,048
         # of them at 128K tokens).
         named = [check_hash(x) if isinstance(x, str) else x.chain_hash for x in items]
@@ -124,6 +137,10 @@ class SnapshotWriter:
                     h, c = item.chain_hash, len(item.tokens)
                     row = known.get(h)
                     if row is None or row.damaged or not there[h]:
+                        if self.quiet is not None and patience > 0 and not self.quiet.is_set():
+                            t0 = time.monotonic()
+                            self.quiet.wait(patience)
+                            patience -= time.monotonic() - t0
                         written.append(h)
                         pending.append(self.threads.submit(self._store_one, item))
                         while len(pending) >= self.in_flight:

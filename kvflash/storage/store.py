@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import secrets
 import sqlite3
+import threading
 import time
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
@@ -223,6 +224,9 @@ class SnapshotStore:
         known: Sequence[ChunkSummary] = (),
     ) -> str:
         return self.writer.put_snapshot(label, fingerprint, chunks, meta, succeeds, known)
+
+    def yield_saves_to(self, quiet: threading.Event, max_wait_s: float) -> None:
+        self.writer.yield_to(quiet, max_wait_s)
 
     def copy_in(
         self,

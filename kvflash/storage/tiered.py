@@ -238,6 +238,10 @@ class TieredStore:
         self._queue(_Job("copy", [sid, *succeeds], self.local.get_snapshot(sid).stored_bytes))
         return sid
 
+    def yield_saves_to(self, quiet: threading.Event, max_wait_s: float) -> None:
+        """Saves encode in the local tier (the shared one copies their files)."""
+        self.local.yield_saves_to(quiet, max_wait_s)
+
     def rm(self, snapshot_id: str) -> PruneReport:
         """Removes it here now, and from the shared tier after the copies queued before it."""
         self._queue(_Job("rm", [snapshot_id]))
