@@ -552,8 +552,10 @@ def test_calls_run_on_the_scheduler_thread_between_steps_and_while_it_waits(lm) 
             sched.submit(job)
             assert finished.wait(30)
         assert len(outs[0]) == 6
+        # on_token sees the step its token came from, and runs while the next step runs: the call
+        # queued there runs once that next step has ended, before the one after it
         i = steps.index(next(s for s in steps if s < 0))
-        assert steps[i - 1] == -steps[i] and steps[i + 1] == steps[i - 1] + 1  # between two steps
+        assert -steps[i] == steps[i - 1] + 1 == steps[i + 1]
     finally:
         sched.close()
 
@@ -577,5 +579,55 @@ def test_quiet_is_clear_while_a_request_waits_for_its_first_token(lm) -> None:
         assert finished.wait(30)
         assert seen == [False] + [True] * 5
         assert sched.quiet.is_set()
+    finally:
+        sched.close()
+
+
+def test_a_steps_tokens_reach_their_consumer_while_the_next_step_runs(lm) -> None:
+    """A decode step's token is handed to `on_token` once the next step is launched (the first token,
+    from the prefill, and an answer's last, at max_tokens, at once); an answer `on_token` ends runs
+    that one step more, whose token is dropped, and its sequence holds every token of the answer."""
+    sched = Scheduler(engine(lm), None, frozenset(), max_batch=4)
+    launched = 0
+    forward = sched.engine.forward
+
+    def counted(*args, **kwargs):
+        nonlocal launched
+        launched += 1
+        return forward(*args, **kwargs)
+
+    sched.engine.forward = counted
+    try:
+        seen: list[tuple[int, int]] = []
+        ends: list[tuple[list[int], int]] = []
+        done = threading.Semaphore(0)
+
+        def job(max_tokens: int, stop_at: int | None) -> Job:
+            def during(_: int) -> bool:
+                seen.append((launched, sched.steps))
+                return len(seen) == stop_at
+
+            def answered(out, stats, kv) -> None:
+                ends.append((out, len(kv.seq)))
+                done.release()
+
+            return Job(prompt(40, 1), max_tokens, Sampling(), during, answered, lambda e: done.release(),
+                       min_tokens=max_tokens)  # fmt: skip
+
+        sched.submit(job(6, None))
+        assert done.acquire(timeout=30)
+        # (forwards launched, steps ended) as each token is handed over
+        assert seen == [(1, 1), (3, 2), (4, 3), (5, 4), (6, 5), (6, 6)]
+        ((out, held),) = ends
+        assert len(out) == 6 and held == 40 + 5  # the last token is not fed
+
+        seen.clear()
+        ends.clear()
+        before = launched
+        sched.submit(job(20, 3))  # its consumer ends it at its third token
+        assert done.acquire(timeout=30)
+        ((out, held),) = ends
+        assert len(out) == 3 and held == 40 + 3  # the step after the third ran, its token dropped
+        assert launched - before == 4  # the prefill, two steps for tokens 2 and 3, one more
     finally:
         sched.close()

@@ -92,22 +92,32 @@ class Generation:
         """When the answer ended (`finish`)."""
 
     def next(self, logits: torch.Tensor, argmax: int | None = None) -> int | None:
-        """The token to feed next, sampled from logits [V] (a greedy answer takes `argmax` where the
-        caller has it, read back for a whole batch at once), or None: the answer has ended (a stop
-        id is not kept)."""
+        """The token to feed next (`choose`, then `emit`), or None: the answer has ended."""
+        tok = self.choose(logits, argmax)
+        return tok if tok is not None and self.emit(tok) else None
+
+    def choose(self, logits: torch.Tensor, argmax: int | None = None) -> int | None:
+        """The answer's next token, sampled from logits [V] (a greedy answer takes `argmax` where the
+        caller has it, read back for a whole batch at once), or None: a stop id ended the answer (it
+        is not kept). The answer does not have it until `emit`."""
         greedy = argmax is not None and self.sampler.greedy
         if len(self.out) < self.min_tokens and not (greedy and argmax not in self.stop_ids):
             stops = torch.tensor(sorted(self.stop_ids), dtype=torch.long, device=logits.device)
             logits, greedy = logits.index_fill(-1, stops, -inf), False
         tok = argmax if greedy else self.sampler(logits)
-        if tok in self.stop_ids:
-            return None
+        return None if tok in self.stop_ids else tok
+
+    def last(self) -> bool:
+        """The token chosen now is the answer's last (it reaches max_tokens)."""
+        return len(self.out) + 1 >= self.max_tokens
+
+    def emit(self, tok: int) -> bool:
+        """Adds a chosen token to the answer and hands it to `on_token`; whether the answer goes on
+        (`on_token` did not end it and it is short of max_tokens)."""
         if self.t_first is None:
             self.t_first = time.perf_counter()
         self.out.append(tok)
-        if (self.on_token and self.on_token(tok)) or len(self.out) >= self.max_tokens:
-            return None
-        return tok
+        return not (self.on_token and self.on_token(tok)) and len(self.out) < self.max_tokens
 
     def finish(self) -> list[int]:
         """Ends the answer's timing; returns its ids."""

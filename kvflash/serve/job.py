@@ -36,6 +36,9 @@ class Job:
     gen: Generation | None = None
     next: int = 0
     """The token to feed at the next step."""
+    ended: BaseException | bool = False
+    """Its answer ended at the token handed over while its next step ran (`Scheduler._send`): by
+    `on_token` (True) or by what `on_token` raised. That step's token is not the answer's."""
     recoveries: int = 0
     min_tokens: int = 0
     """Stop ids are not sampled before this many tokens."""

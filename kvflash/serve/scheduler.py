@@ -10,7 +10,10 @@ others' answers, and the short next turns of many conversations prefill in one s
 prompt has whole chunks in common with a prefilling one's (one document, several conversations)
 waits until that prefill has sealed them, then shares them in the pool (`PrefixCache`): the pool
 holds them once. A step of decode tokens alone replays CUDA graphs. A request ends at a stop id, at
-max_tokens or when its consumer says so; its sequence goes back to the prefix cache, live.
+max_tokens or when its consumer says so; its sequence goes back to the prefix cache, live. A step's
+tokens are chosen as soon as the step is read back, and handed to their consumers (streaming, stop
+strings) while the next step runs on the device: an answer its consumer ends there runs that one
+step more, whose token is dropped.
 
 Admission by room: every sequence has one budget (`sequence_tokens`, at most the pool), and a
 request reserves the pool slots its prompt and answer can fill, up to that budget (and, when it will
@@ -131,6 +134,9 @@ class Scheduler:
         self._running: list[Job] = []
         self._filling: list[Job] = []
         """Admitted requests still prefilling, in the order they came."""
+        self._unsent: list[tuple[Job, int]] = []
+        """Running jobs' tokens chosen at the last step, handed to their answers (`on_token`: the
+        stream, the stop strings) while the next step runs on the device (`_send`)."""
         self._closed = False
         """The queue has been closed (`close`): the loop ends once nothing is left to answer."""
         self._cancel = threading.Event()
@@ -395,10 +401,13 @@ class Scheduler:
         try:
             pieces = [p for _, p in planned]
             decoded, filled = self.engine.forward([j.kv for j in running], [j.next for j in running], pieces)
+            self._send()  # the last step's tokens, while this one runs on the device
             argmax = decoded.argmax(-1).tolist() if running else []  # greedy jobs' tokens in one read
         except Exception as e:
+            self._send()
+            running = [j for j in running if not self._ended(j)]
             if not planned:
-                self._running = self._step_each(running, e)
+                self._running = self._step_each(running, e) if running else []
                 return
             self._running = self._step(running) if running else []
             for job, piece in planned:
@@ -409,9 +418,58 @@ class Scheduler:
         self.prefill_steps += bool(planned)
         self.pieces += len(planned)
         rows = zip(running, decoded if running else [], argmax, strict=True)
-        self._running = [j for j, row, top in rows if self._advance(j, row, top)]
+        self._running = [j for j, row, top in rows if self._choose(j, row, top)]
         for (job, piece), row in zip(planned, filled, strict=True):
             self._filled(job, piece, row)
+
+    def _send(self) -> None:
+        """Hands the tokens chosen at the last step to their answers. It runs once the next step is
+        launched, so that the streaming and stop-string work of a step's tokens overlaps the next
+        step on the device instead of adding to it; an answer `on_token` ends here has run that next
+        step too, whose token `_choose` drops (its sequence holds the answer's last token)."""
+        unsent, self._unsent = self._unsent, []
+        for job, tok in unsent:
+            try:
+                job.ended = not job.gen.emit(tok)
+            except Exception as e:  # the job's own trouble: it fails once its step is out
+                job.ended = e
+
+    def _ended(self, job: Job) -> bool:
+        """Ends a job whose answer ended at its last token sent (`_send`): finished, or failed with
+        what its callback raised. Whether it had."""
+        ended, job.ended = job.ended, False  # a job sent back to prefill (`_failed`) starts afresh
+        if ended is False:
+            return False
+        if isinstance(ended, BaseException):
+            self._failed(job, ended)
+        else:
+            self._finish(job)
+        return True
+
+    def _choose(self, job: Job, logits: torch.Tensor, argmax: int) -> bool:
+        """A running job's next token, chosen from its step; whether it goes on. Its answer gets the
+        token at the next `_send`, unless the answer ends with it (a stop id, max_tokens, its client
+        gone, its time up, the server stopping): then now, and the job is finished."""
+        if self._ended(job):
+            return False
+        try:
+            tok = job.gen.choose(logits, argmax)
+        except Exception as e:
+            self._failed(job, e)
+            return False
+        if tok is None:
+            return self._finish(job)
+        job.timed_out = job.expired()
+        if job.gen.last() or job.gone.is_set() or self._cancel.is_set() or job.timed_out:
+            try:
+                job.gen.emit(tok)
+            except Exception as e:
+                self._failed(job, e)
+                return False
+            return self._finish(job)
+        job.next = tok
+        self._unsent.append((job, tok))
+        return True
 
     def _piece_alone(self, job: Job, piece: Piece) -> None:
         try:
@@ -481,6 +539,11 @@ class Scheduler:
         if tok is not None and not (job.gone.is_set() or self._cancel.is_set() or job.timed_out):
             job.next = tok
             return True
+        return self._finish(job)
+
+    def _finish(self, job: Job) -> bool:
+        """Ends a job's answer: its sequence kept live for the next turn, `on_done` told. False (the
+        job does not go on)."""
         try:
             out = job.gen.finish()
             job.stats.answered(job.gen, job.kv)
