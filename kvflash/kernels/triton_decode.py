@@ -15,13 +15,13 @@ An fp8 pool's tiles are loaded as e4m3 bytes, widened to fp16 in registers (exac
 subset of fp16, and the GPU converts e4m3 pairs to fp16 pairs in one instruction where bf16 takes
 several) for fp16 dots, and their scales applied outside the dots. V is widened where it is loaded
 (`_load_e4m3_as_f16`: the second dot needs it transposed, which shared memory does for 16-bit tiles
-only). A tile of one chunk has one K and
-one V scale: the logits and the probability-weighted values are scaled once each, after their dots.
+only). A tile of one chunk has one K and one V scale: the logits and the probability-weighted
+values are scaled once each, after their dots.
 A tile of several chunks scales each key column's logit by its chunk's K scale and each probability
 by its chunk's V scale before the second dot, those weights raised by `FP8_P_UP` (the output
 divided by it again) so that fp16 keeps small ones normal.
 
-One module of some 500 lines: the split kernel, the two ways of merging its splits and the launch
+One module of some 600 lines: the split kernel, the two ways of merging its splits and the launch
 rule that picks the split count and tile are tuned together (bench/decode_tune.py times them as one).
 """
 
@@ -390,6 +390,7 @@ class Launch(NamedTuple):
     fused: bool
     """The last program of each (sequence, kv-head) merges the splits, instead of a second kernel."""
     warps: int = 4
+    """Warps a program."""
 
 
 def decode_launch(head_dim: int, batch: int, kv_bytes: int = 2) -> Launch:
