@@ -3,7 +3,9 @@ computes what it computes alone, and the scheduler's answers are the ones each r
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from kvflash.config import EngineConfig, ResidencyConfig
 from kvflash.engine.engine import Engine
 from kvflash.engine.generate import Sampling
 from kvflash.models.loader import LoadedModel
+from kvflash.serve.admission import HeldCache
 from kvflash.serve.job import Job
 from kvflash.serve.scheduler import Scheduler
 from kvflash.serve.turn import TurnStats, answer
@@ -631,3 +634,19 @@ def test_a_steps_tokens_reach_their_consumer_while_the_next_step_runs(lm) -> Non
         assert launched - before == 4  # the prefill, two steps for tokens 2 and 3, one more
     finally:
         sched.close()
+
+
+def test_the_admission_memo_keeps_no_freed_sequence_alive(lm) -> None:
+    """`HeldCache` remembers what each sequence holds until a slot changes readers; a sequence freed
+    since is not kept alive by it (an idle or closed server would keep its memory)."""
+    eng = engine(lm)
+    held_by = HeldCache(eng.pool, eng.host)
+    kv = eng.new_sequence(256)
+    eng.prefill(kv, prompt(40, 1))
+    held = held_by(kv)
+    assert held_by(kv) is held and len(held.gpu) == 3  # two sealed chunks of 16 and the append head
+    gone = weakref.ref(kv)
+    kv.free()
+    del kv
+    gc.collect()
+    assert gone() is None

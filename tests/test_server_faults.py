@@ -18,7 +18,7 @@ import torch
 
 from kvflash.serve.server import Server
 from kvflash.storage import SnapshotStore
-from tests.test_server import MODEL, serving, settled
+from tests.test_server import MODEL, caught_up, serving, settled
 from tests.test_server_reliability import stray
 from tests.test_storage_crash import ledger
 from tests.test_storage_damage import _fill, _mount, hold_index
@@ -49,9 +49,10 @@ def answer(url: str, messages: list[dict]) -> tuple[str, str]:
 
 
 def written(server: Server) -> None:
-    """Waits until the answers so far are staged and their snapshots written (or failed)."""
+    """Waits until the answers so far are staged and their snapshots written (or failed), the
+    deferred ones too."""
     settled(server)
-    server._saver.submit(lambda: None).result()
+    caught_up(server)
 
 
 def pinned_witness(root: Path) -> tuple[str, list]:

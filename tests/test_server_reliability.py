@@ -26,7 +26,7 @@ from kvflash.serve.job import Job
 from kvflash.serve.server import IDLE_TRIM_S, Server
 from kvflash.serve.snapshots import StagedSnapshot
 from kvflash.storage import ChunkBlob
-from tests.test_server import DOC, JSON, MODEL, STORY, TURN1, _metric, client, serving, settled
+from tests.test_server import DOC, JSON, MODEL, STORY, TURN1, _metric, caught_up, client, serving, settled
 
 pytestmark = pytest.mark.reliability
 
@@ -146,7 +146,7 @@ def test_sixty_four_requests_at_once_some_malformed(lm, tmp_path) -> None:
                 assert r.status_code == 200, r.text
                 assert "error" not in r.text
         settled(server)
-        server._saver.submit(lambda: None).result()  # the snapshots queued so far are written
+        caught_up(server)  # the snapshots queued so far are written
         assert stray(server) == (0, 0, 0)
         still_serves(url)
 
@@ -204,7 +204,7 @@ def test_slow_readers_and_stalled_senders_hold_up_no_one(lm, tmp_path) -> None:
     with serving(lm, tmp_path / "store", max_tokens=48) as (url, server):
         still_serves(url)
         settled(server)
-        server._saver.submit(lambda: None).result()
+        caught_up(server)
         assert stray(server) == (0, 0, 0)
         address = ("127.0.0.1", int(url.rsplit(":", 1)[1]))
         stalled = []
@@ -242,7 +242,7 @@ def test_slow_readers_and_stalled_senders_hold_up_no_one(lm, tmp_path) -> None:
         for s in stalled:
             s.close()
         settled(server)
-        server._saver.submit(lambda: None).result()
+        caught_up(server)
         assert stray(server) == (0, 0, 0)
         assert server.snapshots.store.du().orphan_files == 0
         still_serves(url)
@@ -314,7 +314,7 @@ def test_waves_of_requests_leave_memory_where_the_first_wave_left_it(lm, tmp_pat
             with ThreadPoolExecutor(WAVE_REQUESTS) as pool:
                 list(pool.map(send, wave_requests(wave)))  # an error answer raises here
             settled(server)
-            server._saver.submit(lambda: None).result()  # the snapshots staged so far are written
+            caught_up(server)  # every snapshot written, the deferred ones too (each holds its sequence)
             cache, text = server.scheduler.cache, httpx.get(f"{url}/metrics").text
             assert _metric(text, "snapshots_unsaved") == 0
             assert 0 < _metric(text, "host_tier_bytes_allocated") <= host_bytes

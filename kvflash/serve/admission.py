@@ -7,6 +7,7 @@ shared document's chunk) is counted once.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 from kvflash.engine.host_tier import HostTier
@@ -62,12 +63,13 @@ class HeldCache:
     """`Held.of` each sequence, computed again only once a slot of the pool or the host tier has
     changed readers (their `epoch`s): admitting requests one after another beside the busy and idle
     sequences would otherwise walk every chunk of every sequence for each request, a cost that grows
-    with the square of the requests that arrive together. One thread's (the scheduler's)."""
+    with the square of the requests that arrive together. One thread's (the scheduler's). It holds
+    the sequences weakly: a sequence freed since keeps no memory alive here."""
 
     def __init__(self, pool: ChunkPool, host: HostTier):
         self.pool, self.host = pool, host
         self._epochs = (-1, -1)
-        self._memo: dict[int, tuple[PagedKV, Held]] = {}
+        self._memo: dict[int, tuple[weakref.ref[PagedKV], Held]] = {}
 
     def __call__(self, kv: PagedKV | None) -> Held | None:
         if kv is None:
@@ -77,10 +79,10 @@ class HeldCache:
             self._memo.clear()
             self._epochs = epochs
         hit = self._memo.get(id(kv))
-        if hit is not None and hit[0] is kv:
+        if hit is not None and hit[0]() is kv:
             return hit[1]
         held = Held.of(kv)
-        self._memo[id(kv)] = kv, held
+        self._memo[id(kv)] = weakref.ref(kv), held
         return held
 
 
