@@ -135,10 +135,10 @@ def main() -> None:
     sweep = list(itertools.product(args.merge, blocks, args.warps, stages, args.waves))
     copy = copy_bandwidth()
     rows = []
+    kv_bytes = 1 if args.fp8 else DTYPE.itemsize
     for model, ctx, b in track(shapes, description="shapes"):
         timer, sdpa_gbps = shape_timer(model, ctx, b, args.fp8)
         rows.append({"model": model, "context": ctx, "batch": b, "setting": "sdpa", "gbps": sdpa_gbps})
-        kv_bytes = 1 if args.fp8 else DTYPE.itemsize
         defaults = [default_setting(m, MODELS[model][0], b, args.rule, kv_bytes) for m in args.merge]
         for s in dict.fromkeys(sweep + defaults):
             try:
@@ -165,7 +165,7 @@ def main() -> None:
         for m in args.merge:
             ok = [s for s in mine if s[0] == m and mine[s]["gbps"] == mine[s]["gbps"]]
             best = max(ok, key=lambda s: mine[s]["gbps"])
-            base = mine[default_setting(m, MODELS[model][0], b, args.rule, 1 if args.fp8 else DTYPE.itemsize)]
+            base = mine[default_setting(m, MODELS[model][0], b, args.rule, kv_bytes)]
             cells += [f"{base['gbps'] / copy:.1%}", f"{mine[best]['gbps'] / copy:.1%}"]
             cells.append(f"{show(best)} ({mine[best]['splits']})")
         t.add_row(*cells)

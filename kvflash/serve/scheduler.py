@@ -459,8 +459,7 @@ class Scheduler:
             return False
         if tok is None:
             return self._finish(job)
-        job.timed_out = job.expired()
-        if job.gen.last() or job.gone.is_set() or self._cancel.is_set() or job.timed_out:
+        if self._stops(job) or job.gen.last():
             try:
                 job.gen.emit(tok)
             except Exception as e:
@@ -535,11 +534,16 @@ class Scheduler:
         except Exception as e:
             self._failed(job, e)
             return False
-        job.timed_out = tok is not None and job.expired()
-        if tok is not None and not (job.gone.is_set() or self._cancel.is_set() or job.timed_out):
+        if tok is not None and not self._stops(job):
             job.next = tok
             return True
         return self._finish(job)
+
+    def _stops(self, job: Job) -> bool:
+        """Whether a job that has a next token ends its answer there anyway: its client gone, its
+        time up (`timed_out`) or the server stopping."""
+        job.timed_out = job.expired()
+        return job.gone.is_set() or self._cancel.is_set() or job.timed_out
 
     def _finish(self, job: Job) -> bool:
         """Ends a job's answer: its sequence kept live for the next turn, `on_done` told. False (the
