@@ -117,6 +117,81 @@ def test_new_sequences_replay_the_graphs_the_engine_captured_before(lm) -> None:
     assert buffers[0] == buffers[1] and answers[0] == answers[1]
 
 
+def test_a_step_of_tokens_on_the_device_computes_what_their_ids_compute(lm) -> None:
+    """A batch fed the last step's argmax where it lies (replayed graphs, a pad row) computes, bit
+    for bit, what the same ids sent from the host compute, and its sequences hold those ids once
+    `settle`d; steps that complete a chunk take host ids (`next_seals`)."""
+    eng = Engine(lm, EngineConfig(pool_tokens=8192))
+    prompts = [_prompt(lm, n)[0] for n in (300, 700, 1200)]
+    runs = []
+    for on_device in (False, True):
+        seqs = [eng.new_sequence(2048) for _ in prompts]
+        logits = torch.stack([eng.prefill(kv, ids) for kv, ids in zip(seqs, prompts, strict=True)])
+        steps, fed = [], 0
+        for _ in range(70):
+            top = logits.argmax(-1)
+            if on_device and not any(kv.next_seals for kv in seqs):
+                logits = eng.decode_batch(seqs, top)
+                for kv, tok in zip(seqs, top.tolist(), strict=True):
+                    kv.settle(tok)
+                fed += 1
+            else:
+                logits = eng.decode_batch(seqs, top.tolist())
+            steps.append(logits.clone())
+        runs.append((torch.stack(steps), [kv.seq.tokens[:] for kv in seqs], fed))
+        for kv in seqs:
+            kv.free()
+    (host, host_ids, _), (device, device_ids, fed) = runs
+    assert fed > 60 and torch.equal(host, device) and host_ids == device_ids
+
+
+def test_the_scheduler_on_cuda_answers_as_the_decode_loop_does(lm) -> None:
+    """Requests one at a time through the scheduler (graphs replayed, each step taking the last
+    step's tokens on the device, through chunk boundaries, ending at max_tokens or eos) answer what
+    the one-sequence decode loop answers."""
+    from kvflash.serve.job import Job
+    from kvflash.serve.scheduler import Scheduler
+
+    prompts = [_prompt(lm, n)[0] for n in (300, 700, 1200)]
+    eng = Engine(lm, EngineConfig(pool_tokens=16384))
+    sched = Scheduler(eng, None, lm.tokenizer.eos_ids, max_batch=4)
+    alone = []  # the scheduler waits for work meanwhile; its sequences' budget, so the same graphs
+    for ids in prompts:
+        kv = eng.new_sequence(sched.budget * eng.cfg.residency.chunk_tokens)
+        logits = eng.prefill(kv, ids)
+        gen = Generation(90, Sampler(Sampling(), lm.device), lm.tokenizer.eos_ids)
+        alone.append(decode(eng.decode_step(kv), logits, len(kv.seq), gen))
+        kv.free()
+    fed = 0
+    forward = eng.forward
+
+    def counted(seqs, tokens, pieces):
+        nonlocal fed
+        fed += isinstance(tokens, torch.Tensor)
+        return forward(seqs, tokens, pieces)
+
+    eng.forward = counted
+    got: list[list[int] | BaseException] = []
+    done = threading.Semaphore(0)
+
+    def answered(out, *_) -> None:
+        got.append(out)
+        done.release()
+
+    def failed(e: BaseException) -> None:
+        got.append(e)
+        done.release()
+
+    try:
+        for ids in prompts:
+            sched.submit(Job(ids, 90, Sampling(), lambda tok: False, answered, failed))
+            assert done.acquire(timeout=120)
+    finally:
+        sched.close()
+    assert got == alone
+    assert fed > sum(map(len, alone)) // 2  # most steps took the last one's tokens on the device
+
+
 def test_full_budget_logits_match_dense_cache(lm) -> None:
     ids, _ = _prompt(lm, 2000)
     eng = Engine(lm, EngineConfig(pool_tokens=4096))

@@ -14,7 +14,7 @@ import torch
 from kvflash import KVFlashError
 from kvflash.config import EngineConfig, ResidencyConfig
 from kvflash.engine.engine import Engine
-from kvflash.engine.generate import Sampling
+from kvflash.engine.generate import Generation, Sampler, Sampling, decode
 from kvflash.models.loader import LoadedModel
 from kvflash.serve.admission import HeldCache
 from kvflash.serve.job import Job
@@ -555,17 +555,17 @@ def test_calls_run_on_the_scheduler_thread_between_steps_and_while_it_waits(lm) 
             sched.submit(job)
             assert finished.wait(30)
         assert len(outs[0]) == 6
-        # on_token sees the step its token came from, and runs while the next step runs: the call
-        # queued there runs once that next step has ended, before the one after it
+        # on_token runs while the step after its token's runs (the one `steps` counts last): the
+        # call queued there runs once that step has ended, before the next one
         i = steps.index(next(s for s in steps if s < 0))
-        assert -steps[i] == steps[i - 1] + 1 == steps[i + 1]
+        assert -steps[i] == steps[i - 1] == steps[i + 1] - 1
     finally:
         sched.close()
 
 
-def test_quiet_is_clear_while_a_request_waits_for_its_first_token(lm) -> None:
+def test_quiet_is_clear_while_a_request_is_in_flight(lm) -> None:
     """`quiet` (what a server's snapshot saves wait for) is clear from a request's arrival until its
-    first token, and set while requests only decode and while the loop waits for work."""
+    answer ends, and set while the loop waits for work."""
     sched = Scheduler(engine(lm), None, frozenset(), max_batch=4)
     try:
         assert sched.quiet.is_set()
@@ -580,60 +580,99 @@ def test_quiet_is_clear_while_a_request_waits_for_its_first_token(lm) -> None:
                   lambda e: finished.set(), min_tokens=6)  # fmt: skip
         sched.submit(job)
         assert finished.wait(30)
-        assert seen == [False] + [True] * 5
-        assert sched.quiet.is_set()
+        assert seen == [False] * 6
+        assert sched.quiet.wait(10)
     finally:
         sched.close()
 
 
 def test_a_steps_tokens_reach_their_consumer_while_the_next_step_runs(lm) -> None:
-    """A decode step's token is handed to `on_token` once the next step is launched (the first token,
-    from the prefill, and an answer's last, at max_tokens, at once); an answer `on_token` ends runs
-    that one step more, whose token is dropped, and its sequence holds every token of the answer."""
-    sched = Scheduler(engine(lm), None, frozenset(), max_batch=4)
-    launched = 0
+    """A greedy decode step's tokens stay on the device: the next step is launched with them there,
+    then they are read back and handed to `on_token` while it runs (the first token, from the
+    prefill, and an answer's last, at max_tokens, at once). An answer `on_token` ends, or a stop id
+    read back ends, has run that one step more, whose token is dropped: its sequence holds every
+    token of the answer (and the stop id)."""
+    answer_of_6, seen, ends, fed, launched = run_counted(lm, frozenset(), [(6, None)])
+    # (forwards launched, steps counted) as each token is handed over
+    assert seen == [(1, 1), (3, 3), (4, 4), (5, 5), (6, 6), (6, 6)]
+    assert fed == 4  # steps 3-6 took the last step's tokens on the device; step 2 the prefill's
+    ((out, held),) = ends
+    assert out == answer_of_6 and len(out) == 6 and held == 40 + 5  # the last token is not fed
+
+    _, seen, ends, _, launched = run_counted(lm, frozenset(), [(20, 3)])  # its consumer ends it at 3
+    ((out, held),) = ends
+    assert out == answer_of_6[:3] and held == 40 + 3  # the step after the third ran, its token dropped
+    assert launched == 4  # the prefill, two steps for tokens 2 and 3, one more
+
+    k = next(i for i in range(1, 6) if answer_of_6[i] not in answer_of_6[:i])
+    _, seen, ends, _, launched = run_counted(lm, frozenset({answer_of_6[k]}), [(20, None)], min_tokens=0)
+    ((out, held),) = ends
+    assert out == answer_of_6[:k] and held == 40 + k + 1  # the stop id was fed, its step's token dropped
+    assert launched == 1 + k + 1
+
+
+def test_tokens_chosen_on_the_device_keep_the_min_tokens_rule(lm) -> None:
+    """Tokens chosen on the device (`greedy_tokens`) follow `Generation.choose`'s rule: no stop id
+    before min_tokens (the next likeliest id instead), then the stop id ends the answer; the answer
+    is the one-sequence decode loop's."""
+    answer_of_6 = run_counted(lm, frozenset(), [(6, None)])[0]
+    stop = answer_of_6[1]
+    _, _, ends, fed, _ = run_counted(lm, frozenset({stop}), [(12, None)], min_tokens=4)
+    ((out, _),) = ends
+    eng = engine(lm)
+    kv = eng.new_sequence(256)
+    logits = eng.prefill(kv, prompt(40, 1))
+    gen = Generation(12, Sampler(Sampling(), eng.lm.device), frozenset({stop}), min_tokens=4)
+    alone = decode(eng.decode_step(kv), logits, len(kv.seq), gen)
+    assert fed > 0 and out == alone and len(out) >= 4 and stop not in out
+    assert stop in answer_of_6[:4]  # the rule held a stop id back
+
+
+def run_counted(
+    lm: LoadedModel,
+    stop_ids: frozenset[int],
+    jobs: list[tuple[int, int | None]],
+    min_tokens: int | None = None,
+) -> tuple[list[int], list[tuple[int, int]], list[tuple[list[int], int]], int, int]:
+    """Runs (max_tokens, on_token ends it at this token) jobs of one prompt, one after the other,
+    on a scheduler of `stop_ids` (min_tokens: max_tokens unless given), counting its forwards.
+    Returns the first answer, (forwards, sched.steps) at each on_token, each (answer, tokens its
+    sequence holds), the forwards that took their tokens on the device, and the forwards."""
+    sched = Scheduler(engine(lm), None, stop_ids, max_batch=4)
+    launched = fed = 0
     forward = sched.engine.forward
 
-    def counted(*args, **kwargs):
-        nonlocal launched
+    def counted(seqs, tokens, pieces):
+        nonlocal launched, fed
         launched += 1
-        return forward(*args, **kwargs)
+        fed += isinstance(tokens, torch.Tensor)
+        return forward(seqs, tokens, pieces)
 
     sched.engine.forward = counted
+    seen: list[tuple[int, int]] = []
+    ends: list[tuple[list[int], int]] = []
+    done = threading.Semaphore(0)
+
+    def job(max_tokens: int, stop_at: int | None) -> Job:
+        def during(_: int) -> bool:
+            seen.append((launched, sched.steps))
+            return len(seen) == stop_at
+
+        def answered(out, stats, kv) -> None:
+            ends.append((out, len(kv.seq)))
+            done.release()
+
+        mins = max_tokens if min_tokens is None else min_tokens
+        return Job(prompt(40, 1), max_tokens, Sampling(), during, answered, lambda e: done.release(),
+                   min_tokens=mins)  # fmt: skip
+
     try:
-        seen: list[tuple[int, int]] = []
-        ends: list[tuple[list[int], int]] = []
-        done = threading.Semaphore(0)
-
-        def job(max_tokens: int, stop_at: int | None) -> Job:
-            def during(_: int) -> bool:
-                seen.append((launched, sched.steps))
-                return len(seen) == stop_at
-
-            def answered(out, stats, kv) -> None:
-                ends.append((out, len(kv.seq)))
-                done.release()
-
-            return Job(prompt(40, 1), max_tokens, Sampling(), during, answered, lambda e: done.release(),
-                       min_tokens=max_tokens)  # fmt: skip
-
-        sched.submit(job(6, None))
-        assert done.acquire(timeout=30)
-        # (forwards launched, steps ended) as each token is handed over
-        assert seen == [(1, 1), (3, 2), (4, 3), (5, 4), (6, 5), (6, 6)]
-        ((out, held),) = ends
-        assert len(out) == 6 and held == 40 + 5  # the last token is not fed
-
-        seen.clear()
-        ends.clear()
-        before = launched
-        sched.submit(job(20, 3))  # its consumer ends it at its third token
-        assert done.acquire(timeout=30)
-        ((out, held),) = ends
-        assert len(out) == 3 and held == 40 + 3  # the step after the third ran, its token dropped
-        assert launched - before == 4  # the prefill, two steps for tokens 2 and 3, one more
+        for max_tokens, stop_at in jobs:
+            sched.submit(job(max_tokens, stop_at))
+            assert done.acquire(timeout=30)
     finally:
         sched.close()
+    return ends[0][0], seen, ends, fed, launched
 
 
 def test_the_admission_memo_keeps_no_freed_sequence_alive(lm) -> None:

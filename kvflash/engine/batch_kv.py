@@ -17,6 +17,7 @@ import torch
 from kvflash import kernels
 from kvflash.engine.decode_staging import DECODE_FIELDS, Staged
 from kvflash.engine.paged_kv import PagedKV
+from kvflash.engine.sequence import UNKNOWN
 
 PAD_FIELDS = (0, 0, None, 0, 1, 1)
 """A pad row's decode inputs: token 0 at position 0, written to the pool's pad slot, which it lists
@@ -55,9 +56,20 @@ class BatchKV:
         """The `DecodeStaging.table_write` of each sequence whose table (and rotations) the buffers
         hold."""
         self._host_inputs: tuple[list[int], list[int]] = ([], [])
+        self._fed: torch.Tensor | None = None
 
-    def begin_decode(self, tokens: list[int], positions: list[int]) -> None:
+    def begin_decode(self, tokens: list[int] | torch.Tensor, positions: list[int]) -> None:
+        """Starts a step of tokens[i] at positions[i]. Tokens on the device (a tensor [B]: the last
+        step's choices, not read back yet) go into the step as they are, so the host prepares it
+        while that step still runs; each sequence holds `UNKNOWN` in their place until `settle`d,
+        so such a step may not complete a chunk (`PagedKV.next_seals`: sealing names a chunk by
+        its ids)."""
         seqs = self.seqs  # a decode step on the Triton kernels: a CUDA graph can replay it
+        self._fed = tokens if isinstance(tokens, torch.Tensor) else None
+        if self._fed is not None:
+            if any(kv.next_seals for kv in seqs):
+                raise ValueError("a step of tokens on the device may not complete a chunk")
+            tokens = [UNKNOWN] * len(seqs)
         self.joint = (
             all(kv.uses_triton and not kv.scout for kv in seqs) and len({kv.budget for kv in seqs}) == 1
         )
@@ -68,6 +80,8 @@ class BatchKV:
         self.queries = [] if self.joint and self.recording else None
         if self.joint:
             self._stage()
+            if self._fed is not None:  # after the step's fields, in stream order
+                self._ins.device[0, : len(seqs)].copy_(self._fed)
 
     def begin(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
         self.begin_decode(input_ids.tolist(), positions.tolist())
@@ -99,7 +113,8 @@ class BatchKV:
             return self._ins.device[0], self._ins.device[1]
         dev = self.seqs[0].device
         tokens, positions = self._host_inputs
-        return torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev)
+        ids = self._fed if self._fed is not None else torch.tensor(tokens, device=dev)
+        return ids, torch.tensor(positions, device=dev)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if not self.joint:

@@ -62,7 +62,9 @@ class BatchGraphs:
         self.captures = 0
 
     @torch.inference_mode()  # as the model's forward: `end` writes summaries into inference tensors
-    def __call__(self, batch: BatchKV, tokens: list[int], positions: list[int]) -> torch.Tensor:
+    def __call__(
+        self, batch: BatchKV, tokens: list[int] | torch.Tensor, positions: list[int]
+    ) -> torch.Tensor:
         """One decode step of each of the batch's sequences (Triton kernels, one budget): logits
         [B, V], valid until the next step (the graphs share their memory). Graphs are keyed by the
         batch's rows, pad rows included."""

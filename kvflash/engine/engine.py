@@ -207,12 +207,13 @@ class Engine:
         )
 
     def forward(
-        self, seqs: list[PagedKV], tokens: list[int], pieces: list[Piece]
+        self, seqs: list[PagedKV], tokens: list[int] | torch.Tensor, pieces: list[Piece]
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """One step: tokens[i] goes next in seqs[i] and each piece's ids into its sequence, in one
-        forward (`MixedKV`). Returns the decode logits [B, V] (None without seqs) and the logits
-        after each piece's last id [P, V]. A lone piece runs as a prefill step, a step of decode
-        tokens alone as `decode_batch`."""
+        """One step: tokens[i] goes next in seqs[i] (ids, or a tensor of them on the device:
+        `BatchKV.begin_decode`) and each piece's ids into its sequence, in one forward (`MixedKV`).
+        Returns the decode logits [B, V] (None without seqs) and the logits after each piece's last
+        id [P, V]. A lone piece runs as a prefill step, a step of decode tokens alone as
+        `decode_batch`."""
         if not pieces:
             return self.decode_batch(seqs, tokens), self._no_logits
         if not seqs and len(pieces) == 1:
@@ -236,19 +237,19 @@ class Engine:
             return eager_step(self.lm.model, kv)
         return lambda token, position: self.batch_graphs(self._batch([kv]), [token], [position])[0]
 
-    def decode_batch(self, seqs: list[PagedKV], tokens: list[int]) -> torch.Tensor:
-        """One decode step of each sequence in one forward: tokens[i] goes next in seqs[i]; returns
-        the logits [B, V] after each (valid until the next step). Replayed from a CUDA graph of the
-        batch where every sequence `replays` and all have one budget."""
+    def decode_batch(self, seqs: list[PagedKV], tokens: list[int] | torch.Tensor) -> torch.Tensor:
+        """One decode step of each sequence in one forward: tokens[i] goes next in seqs[i] (as in
+        `forward`); returns the logits [B, V] after each (valid until the next step). Replayed from a
+        CUDA graph of the batch where every sequence `replays` and all have one budget."""
         positions = [len(kv.seq) for kv in seqs]
         if all(map(self.replays, seqs)) and len({kv.budget for kv in seqs}) == 1:
             return self.batch_graphs(self._batch(seqs, padded_size(len(seqs))), tokens, positions)
-        if len(seqs) == 1:
+        if len(seqs) == 1 and not isinstance(tokens, torch.Tensor):
             return self.decode_step(seqs[0])(tokens[0], positions[0])[None]
         return self.decode_batch_eager(seqs, tokens)
 
     @torch.inference_mode()
-    def decode_batch_eager(self, seqs: list[PagedKV], tokens: list[int]) -> torch.Tensor:
+    def decode_batch_eager(self, seqs: list[PagedKV], tokens: list[int] | torch.Tensor) -> torch.Tensor:
         """`decode_batch` without graphs: the forward launched from Python."""
         batch = self._batch(seqs)
         batch.begin_decode(tokens, [len(kv.seq) for kv in seqs])

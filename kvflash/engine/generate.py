@@ -96,16 +96,23 @@ class Generation:
         tok = self.choose(logits, argmax)
         return tok if tok is not None and self.emit(tok) else None
 
-    def choose(self, logits: torch.Tensor, argmax: int | None = None) -> int | None:
+    def choose(self, logits: torch.Tensor | None, argmax: int | None = None) -> int | None:
         """The answer's next token, sampled from logits [V] (a greedy answer takes `argmax` where the
-        caller has it, read back for a whole batch at once), or None: a stop id ended the answer (it
-        is not kept). The answer does not have it until `emit`."""
+        caller has it, read back for a whole batch at once, or chosen on the device by
+        `greedy_tokens`, when logits may be None), or None: a stop id ended the answer (it is not
+        kept). The answer does not have it until `emit`."""
         greedy = argmax is not None and self.sampler.greedy
-        if len(self.out) < self.min_tokens and not (greedy and argmax not in self.stop_ids):
+        if self.holds_stops and not (greedy and argmax not in self.stop_ids):
+            assert logits is not None, "a stop id chosen before min_tokens needs the logits"
             stops = torch.tensor(sorted(self.stop_ids), dtype=torch.long, device=logits.device)
             logits, greedy = logits.index_fill(-1, stops, -inf), False
         tok = argmax if greedy else self.sampler(logits)
         return None if tok in self.stop_ids else tok
+
+    @property
+    def holds_stops(self) -> bool:
+        """No stop id may be chosen yet: the answer is short of `min_tokens`."""
+        return len(self.out) < self.min_tokens
 
     def last(self) -> bool:
         """The token chosen now is the answer's last (it reaches max_tokens)."""
@@ -135,6 +142,16 @@ class Generation:
         if len(self.out) < 2:
             return 0.0
         return (len(self.out) - 1) / (self.t_end - self.t_first)
+
+
+def greedy_tokens(logits: torch.Tensor, stops: torch.Tensor, held: torch.Tensor | None) -> torch.Tensor:
+    """[B] int64 on the logits' device: each row's greedy token by `Generation.choose`'s rule, the
+    argmax, or where `held` [B] bool (the answer `holds_stops`) the argmax over every id but `stops`.
+    A batch's tokens are chosen where the logits are, so the next step can read them there."""
+    top = logits.argmax(-1)
+    if held is None:
+        return top
+    return torch.where(held, logits.index_fill(-1, stops, -inf).argmax(-1), top)
 
 
 def decode(step: Step, logits: torch.Tensor, position: int, gen: Generation) -> list[int]:

@@ -21,7 +21,7 @@ from kvflash.engine.pool import ChunkPool, summary_shape
 from kvflash.engine.positions import CachePositions
 from kvflash.engine.residency import Selector, pin_chunks
 from kvflash.engine.scoring import ChunkScorer
-from kvflash.engine.sequence import Chunk, Sequence
+from kvflash.engine.sequence import UNKNOWN, Chunk, Sequence
 from kvflash.engine.step_plan import Listing, StepPlan
 from kvflash.kvcache import sdpa
 from kvflash.storage import ROOT_HASH, chain_hashes
@@ -277,6 +277,17 @@ class PagedKV:
         old_sealed, new_sealed = plan.start // c, plan.end // c
         if new_sealed > old_sealed:
             self._seal(self.seq.chunks[old_sealed:new_sealed])
+
+    @property
+    def next_seals(self) -> bool:
+        """A decode step now would complete a chunk."""
+        return (len(self.seq) + 1) % self.cfg.chunk_tokens == 0
+
+    def settle(self, token: int) -> None:
+        """The id of the token a step fed on the device (`BatchKV.begin_decode`), once read back; a
+        sequence whose last id is known already (its step did not end) is left as it is."""
+        if self.seq.tokens and self.seq.tokens[-1] == UNKNOWN:
+            self.seq.tokens[-1] = token
 
     def _score(self, plan: StepPlan) -> torch.Tensor:
         """The candidates' scores for the step's recorded queries: from exact keys (a scout also

@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+UNKNOWN = -1
+"""A sequence's id for a token a step took on the device (`BatchKV.begin_decode`) until the host
+has read it back (`PagedKV.settle`)."""
+
 
 @dataclass
 class Chunk:

@@ -11,9 +11,10 @@ prompt has whole chunks in common with a prefilling one's (one document, several
 waits until that prefill has sealed them, then shares them in the pool (`PrefixCache`): the pool
 holds them once. A step of decode tokens alone replays CUDA graphs. A request ends at a stop id, at
 max_tokens or when its consumer says so; its sequence goes back to the prefix cache, live. A step's
-tokens are chosen as soon as the step is read back, and handed to their consumers (streaming, stop
-strings) while the next step runs on the device: an answer its consumer ends there runs that one
-step more, whose token is dropped.
+tokens are handed to their consumers (streaming, stop strings) while the next step runs on the
+device; greedy decode steps leave their tokens there for the next step (`Ahead`), which is launched
+before the host reads them back. An answer that ends at a token seen only then (its consumer ends
+it, a stop id) runs that one step more, whose token is dropped.
 
 Admission by room: every sequence has one budget (`sequence_tokens`, at most the pool), and a
 request reserves the pool slots its prompt and answer can fill, up to that budget (and, when it will
@@ -54,6 +55,7 @@ from kvflash.engine.engine import Engine
 from kvflash.engine.generate import Generation, Sampler
 from kvflash.engine.step import Piece
 from kvflash.serve.admission import HeldCache, Holdings, Room, owed
+from kvflash.serve.ahead import Ahead
 from kvflash.serve.job import Job
 from kvflash.serve.prefix_cache import PrefixCache, common_prefix
 from kvflash.serve.snapshots import KVSnapshots
@@ -137,12 +139,16 @@ class Scheduler:
         self._unsent: list[tuple[Job, int]] = []
         """Running jobs' tokens chosen at the last step, handed to their answers (`on_token`: the
         stream, the stop strings) while the next step runs on the device (`_send`)."""
+        self._ahead: Ahead | None = None
+        """The last step, when its tokens are still on the device (`_round`)."""
+        self._stops_on: torch.Tensor | None = None
+        """The stop ids on the device, for `Ahead`."""
         self._closed = False
         """The queue has been closed (`close`): the loop ends once nothing is left to answer."""
         self._cancel = threading.Event()
         self.quiet = threading.Event()
-        """Set while no request waits for its first token (none queued, sent back, deferred or
-        prefilling): a server's snapshot saves wait for it (`Server`)."""
+        """Set while no request is in flight (none queued, sent back, deferred, prefilling or
+        answering): a server's snapshot saves wait for it (`Server`)."""
         self.quiet.set()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="kvflash-scheduler", daemon=True)
@@ -225,7 +231,7 @@ class Scheduler:
         while self._running or self._filling or self._retry or self._deferred or not self._closed:
             self._run_calls()
             self._admit()
-            if self._filling or self.waiting:
+            if self._running or self._filling or self.waiting:
                 self.quiet.clear()
             else:
                 self.quiet.set()
@@ -331,6 +337,8 @@ class Scheduler:
             return None
         while True:
             idle = not (self._running or self._filling)
+            if idle:  # it waits for work: nothing is in flight meanwhile
+                self.quiet.set()
             try:
                 job = self._queue.get(block=idle)
             except queue.Empty:
@@ -378,7 +386,63 @@ class Scheduler:
 
     def _round(self) -> None:
         """One step: a decode token of every running job and the next pieces of the filling ones,
-        within the step's token budget (the first filling job always gets a piece)."""
+        within the step's token budget (the first filling job always gets a piece).
+
+        A step of decode tokens alone whose jobs are all greedy leaves its tokens on the device
+        (`Ahead`): the next step, if it too is decode alone and completes no chunk, takes them
+        there and is launched before the host reads them. A job whose answer ends at a token
+        read then (a stop id) has run that next step too, whose token is dropped: its sequence
+        holds the stop id. What ends an answer whatever the token (max_tokens, `on_token`, its
+        client gone, its time up) keeps the job out of the next step."""
+        planned = self._plan_pieces()
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            live = {id(j) for j in self._running}
+            going = [j for j in ahead.jobs if id(j) in live and not self._will_end(j)]
+            if planned or not going or any(j.kv.next_seals for j in going):
+                self._collect(ahead, [])
+                ahead = None
+        if ahead is None:
+            running, tokens = self._running, [j.next for j in self._running]
+        else:
+            running, tokens = going, ahead.rows(going)
+        if not (planned or running):  # every filling job ended before its piece
+            return
+        try:
+            pieces = [p for _, p in planned]
+            decoded, filled = self.engine.forward([j.kv for j in running], tokens, pieces)
+        except Exception as e:
+            if ahead is not None:
+                self._collect(ahead, running)
+            self._send()
+            running = [j for j in self._running if not self._ended(j)]
+            if not planned:
+                self._running = self._step_each(running, e) if running else []
+                return
+            self._running = self._step(running) if running else []
+            for job, piece in planned:
+                self._piece_alone(job, piece)
+            return
+        self.steps += 1
+        self.batched += len(running)
+        self.prefill_steps += bool(planned)
+        self.pieces += len(planned)
+        if ahead is not None:
+            self._collect(ahead, running)
+        self._send()  # the last step's tokens, while this one runs on the device
+        if running and not planned and all(j.gen.sampler.greedy for j in running):
+            if self._running:  # else every job ended at the last tokens: this step's are dropped
+                self._ahead = Ahead.launch(running, decoded, self._stop_tensor(decoded.device))
+            return
+        argmax = decoded.argmax(-1).tolist() if running else []  # greedy jobs' tokens in one read
+        rows = zip(running, decoded if running else [], argmax, strict=True)
+        self._running = [j for j, row, top in rows if self._choose(j, row, top)]
+        for (job, piece), row in zip(planned, filled, strict=True):
+            self._filled(job, piece, row)
+
+    def _plan_pieces(self) -> list[tuple[Job, Piece]]:
+        """The filling jobs' next pieces, in the order they came, within the step's token budget
+        beside the running jobs' decode tokens."""
         room = self.engine.step_tokens - len(self._running)
         planned: list[tuple[Job, Piece]] = []
         for job in list(self._filling):
@@ -395,32 +459,30 @@ class Scheduler:
                 continue
             planned.append((job, piece))
             room -= len(piece.ids)
-        running = self._running
-        if not (planned or running):  # every filling job ended before its piece
-            return
-        try:
-            pieces = [p for _, p in planned]
-            decoded, filled = self.engine.forward([j.kv for j in running], [j.next for j in running], pieces)
-            self._send()  # the last step's tokens, while this one runs on the device
-            argmax = decoded.argmax(-1).tolist() if running else []  # greedy jobs' tokens in one read
-        except Exception as e:
-            self._send()
-            running = [j for j in running if not self._ended(j)]
-            if not planned:
-                self._running = self._step_each(running, e) if running else []
-                return
-            self._running = self._step(running) if running else []
-            for job, piece in planned:
-                self._piece_alone(job, piece)
-            return
-        self.steps += 1
-        self.batched += len(running)
-        self.prefill_steps += bool(planned)
-        self.pieces += len(planned)
-        rows = zip(running, decoded if running else [], argmax, strict=True)
-        self._running = [j for j, row, top in rows if self._choose(j, row, top)]
-        for (job, piece), row in zip(planned, filled, strict=True):
-            self._filled(job, piece, row)
+        return planned
+
+    def _collect(self, ahead: Ahead, fed: list[Job]) -> None:
+        """Reads back the tokens `ahead`'s step chose and chooses with them (`_choose`) for its jobs
+        still running; `fed`, the jobs of the step launched since with those tokens on the device,
+        learn them in their sequences."""
+        tokens = ahead.tokens()
+        row = {id(j): i for i, j in enumerate(ahead.jobs)}
+        for job in fed:
+            job.kv.settle(tokens[row[id(job)]])
+        live = {id(j) for j in self._running}
+        pairs = zip(ahead.jobs, tokens, strict=True)
+        self._running = [j for j, tok in pairs if id(j) in live and self._choose(j, None, tok)]
+
+    def _will_end(self, job: Job) -> bool:
+        """Whether a running job's answer ends at its last step's token whatever that token is (see
+        `_choose`): no further step need run it."""
+        gone = job.gone.is_set() or self._cancel.is_set() or job.expired()
+        return bool(job.ended) or job.gen.last() or gone
+
+    def _stop_tensor(self, device: torch.device) -> torch.Tensor:
+        if self._stops_on is None or self._stops_on.device != device:
+            self._stops_on = torch.tensor(sorted(self.stop_ids), dtype=torch.long, device=device)
+        return self._stops_on
 
     def _send(self) -> None:
         """Hands the tokens chosen at the last step to their answers. It runs once the next step is
@@ -446,7 +508,7 @@ class Scheduler:
             self._finish(job)
         return True
 
-    def _choose(self, job: Job, logits: torch.Tensor, argmax: int) -> bool:
+    def _choose(self, job: Job, logits: torch.Tensor | None, argmax: int) -> bool:
         """A running job's next token, chosen from its step; whether it goes on. Its answer gets the
         token at the next `_send`, unless the answer ends with it (a stop id, max_tokens, its client
         gone, its time up, the server stopping): then now, and the job is finished."""
