@@ -118,9 +118,9 @@ def test_new_sequences_replay_the_graphs_the_engine_captured_before(lm) -> None:
 
 
 def test_a_step_of_tokens_on_the_device_computes_what_their_ids_compute(lm) -> None:
-    """A batch fed the last step's argmax where it lies (replayed graphs, a pad row) computes, bit
-    for bit, what the same ids sent from the host compute, and its sequences hold those ids once
-    `settle`d; steps that complete a chunk take host ids (`next_seals`)."""
+    """A batch fed the last step's argmax where it lies (replayed graphs, a pad row, steps that
+    complete chunks) computes, bit for bit, what the same ids sent from the host compute, and its
+    sequences hold those ids, and name their chunks, once `settle`d."""
     eng = Engine(lm, EngineConfig(pool_tokens=8192))
     prompts = [_prompt(lm, n)[0] for n in (300, 700, 1200)]
     runs = []
@@ -130,7 +130,7 @@ def test_a_step_of_tokens_on_the_device_computes_what_their_ids_compute(lm) -> N
         steps, fed = [], 0
         for _ in range(70):
             top = logits.argmax(-1)
-            if on_device and not any(kv.next_seals for kv in seqs):
+            if on_device:
                 logits = eng.decode_batch(seqs, top)
                 for kv, tok in zip(seqs, top.tolist(), strict=True):
                     kv.settle(tok)
@@ -138,11 +138,17 @@ def test_a_step_of_tokens_on_the_device_computes_what_their_ids_compute(lm) -> N
             else:
                 logits = eng.decode_batch(seqs, top.tolist())
             steps.append(logits.clone())
-        runs.append((torch.stack(steps), [kv.seq.tokens[:] for kv in seqs], fed))
+        c = eng.cfg.residency.chunk_tokens
+        sealed_in_decode = [  # by a step whose token was still on the device, in the second run
+            ch.key for kv, ids in zip(seqs, prompts, strict=True) for ch in kv.seq.chunks
+            if ch.sealed and (ch.index + 1) * c > len(ids)
+        ]  # fmt: skip
+        runs.append((torch.stack(steps), [kv.seq.tokens[:] for kv in seqs], sealed_in_decode, fed))
         for kv in seqs:
             kv.free()
-    (host, host_ids, _), (device, device_ids, fed) = runs
-    assert fed > 60 and torch.equal(host, device) and host_ids == device_ids
+    (host, host_ids, host_names, _), (device, device_ids, device_names, fed) = runs
+    assert fed == 70 and torch.equal(host, device) and host_ids == device_ids
+    assert len(device_names) >= 3 and None not in device_names and device_names == host_names
 
 
 def test_the_scheduler_on_cuda_answers_as_the_decode_loop_does(lm) -> None:

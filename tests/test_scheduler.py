@@ -15,6 +15,7 @@ from kvflash import KVFlashError
 from kvflash.config import EngineConfig, ResidencyConfig
 from kvflash.engine.engine import Engine
 from kvflash.engine.generate import Generation, Sampler, Sampling, decode
+from kvflash.engine.sequence import UNKNOWN
 from kvflash.models.loader import LoadedModel
 from kvflash.serve.admission import HeldCache
 from kvflash.serve.job import Job
@@ -70,6 +71,33 @@ def batched_against_alone(lm: LoadedModel) -> None:
         runs.append(torch.stack(steps))
         assert any(kv.approximate for kv in seqs)  # some of them evicted: the hard case ran
     torch.testing.assert_close(runs[1], runs[0], rtol=1e-5, atol=1e-5)
+
+
+def test_a_step_of_tokens_left_on_the_device_computes_what_their_ids_compute(lm) -> None:
+    """`decode_batch` given the last step's argmax as a tensor (the scheduler's `Ahead`) computes
+    what the same ids from the host compute; each sequence holds `UNKNOWN` until it is `settle`d,
+    and names a chunk such a step completed then, as the host ids' run names it."""
+    lengths, runs = (40, 70), []
+    for on_device in (False, True):
+        eng = engine(lm)
+        seqs = [eng.new_sequence(256) for _ in lengths]
+        pairs = zip(seqs, lengths, strict=True)
+        logits = torch.stack([eng.prefill(kv, prompt(n, i)) for i, (kv, n) in enumerate(pairs)])
+        steps = []
+        for _ in range(20):
+            top = logits.argmax(-1)
+            logits = eng.decode_batch(seqs, top if on_device else top.tolist())
+            if on_device:
+                assert all(kv.seq.tokens[-1] == UNKNOWN for kv in seqs)
+                for kv, tok in zip(seqs, top.tolist(), strict=True):
+                    kv.settle(tok)
+            steps.append(logits.clone())
+        names = [[ch.key for ch in kv.seq.chunks if ch.sealed] for kv in seqs]
+        runs.append((torch.stack(steps), [kv.seq.tokens for kv in seqs], names))
+    (host, host_ids, host_names), (device, device_ids, device_names) = runs
+    assert torch.equal(host, device) and host_ids == device_ids and device_names == host_names
+    # chunks 2 (tokens 32-47) and 4 (64-79) were completed by decode steps, and are named
+    assert [len(n) for n in device_names] == [3, 5] and None not in device_names[0] + device_names[1]
 
 
 def run_jobs(sched: Scheduler, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -563,9 +591,9 @@ def test_calls_run_on_the_scheduler_thread_between_steps_and_while_it_waits(lm) 
         sched.close()
 
 
-def test_quiet_is_clear_while_a_request_is_in_flight(lm) -> None:
+def test_quiet_is_clear_while_a_request_waits_for_its_first_token(lm) -> None:
     """`quiet` (what a server's snapshot saves wait for) is clear from a request's arrival until its
-    answer ends, and set while the loop waits for work."""
+    first token, and set while requests only decode and while the loop waits for work."""
     sched = Scheduler(engine(lm), None, frozenset(), max_batch=4)
     try:
         assert sched.quiet.is_set()
@@ -580,8 +608,8 @@ def test_quiet_is_clear_while_a_request_is_in_flight(lm) -> None:
                   lambda e: finished.set(), min_tokens=6)  # fmt: skip
         sched.submit(job)
         assert finished.wait(30)
-        assert seen == [False] * 6
-        assert sched.quiet.wait(10)
+        assert seen == [False] + [True] * 5
+        assert sched.quiet.is_set()
     finally:
         sched.close()
 

@@ -61,14 +61,11 @@ class BatchKV:
     def begin_decode(self, tokens: list[int] | torch.Tensor, positions: list[int]) -> None:
         """Starts a step of tokens[i] at positions[i]. Tokens on the device (a tensor [B]: the last
         step's choices, not read back yet) go into the step as they are, so the host prepares it
-        while that step still runs; each sequence holds `UNKNOWN` in their place until `settle`d,
-        so such a step may not complete a chunk (`PagedKV.next_seals`: sealing names a chunk by
-        its ids)."""
+        while that step still runs; each sequence holds `UNKNOWN` in their place, and names a chunk
+        the step completes, once the caller has read them back (`PagedKV.settle`)."""
         seqs = self.seqs  # a decode step on the Triton kernels: a CUDA graph can replay it
         self._fed = tokens if isinstance(tokens, torch.Tensor) else None
         if self._fed is not None:
-            if any(kv.next_seals for kv in seqs):
-                raise ValueError("a step of tokens on the device may not complete a chunk")
             tokens = [UNKNOWN] * len(seqs)
         self.joint = (
             all(kv.uses_triton and not kv.scout for kv in seqs) and len({kv.budget for kv in seqs}) == 1

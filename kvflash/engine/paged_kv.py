@@ -65,6 +65,8 @@ class PagedKV:
         self.fingerprint = fingerprint
         """The model fingerprint its sealed chunks of exact KV are named under (the engine's):
         named chunks are shared with every sequence whose prompt begins the same (`share`)."""
+        self._unnamed: list[Chunk] = []
+        """Chunks sealed by a step whose token is still on the device, named at `settle`."""
         self.approximate = False
         """Some step ran without every earlier chunk resident: this KV is not what the dense cache
         computes, and is stored apart from exact KV (snapshots.APPROX_SUFFIX)."""
@@ -278,16 +280,15 @@ class PagedKV:
         if new_sealed > old_sealed:
             self._seal(self.seq.chunks[old_sealed:new_sealed])
 
-    @property
-    def next_seals(self) -> bool:
-        """A decode step now would complete a chunk."""
-        return (len(self.seq) + 1) % self.cfg.chunk_tokens == 0
-
     def settle(self, token: int) -> None:
-        """The id of the token a step fed on the device (`BatchKV.begin_decode`), once read back; a
-        sequence whose last id is known already (its step did not end) is left as it is."""
+        """The id of the token a step fed on the device (`BatchKV.begin_decode`), once read back: a
+        chunk that token completed is named now. A sequence whose last id is known already (its
+        step did not end) is left as it is."""
         if self.seq.tokens and self.seq.tokens[-1] == UNKNOWN:
             self.seq.tokens[-1] = token
+            unnamed, self._unnamed = self._unnamed, []
+            if unnamed:
+                self._name(unnamed)
 
     def _score(self, plan: StepPlan) -> torch.Tensor:
         """The candidates' scores for the step's recorded queries: from exact keys (a scout also
@@ -304,7 +305,10 @@ class PagedKV:
         for ch, summary in zip(chunks, summaries, strict=True):
             self.seq.set_summary(ch.index, summary)
             ch.sealed = True
-        self._name(chunks)
+        if self.seq.tokens[-1] == UNKNOWN:  # a name commits to every id: it waits for `settle`
+            self._unnamed = chunks
+        else:
+            self._name(chunks)
 
     def _name(self, chunks: list[Chunk]) -> None:
         """Names newly sealed chunks by their chain hash and publishes their slots, where their KV is

@@ -147,8 +147,8 @@ class Scheduler:
         """The queue has been closed (`close`): the loop ends once nothing is left to answer."""
         self._cancel = threading.Event()
         self.quiet = threading.Event()
-        """Set while no request is in flight (none queued, sent back, deferred, prefilling or
-        answering): a server's snapshot saves wait for it (`Server`)."""
+        """Set while no request waits for its first token (none queued, sent back, deferred or
+        prefilling): a server's snapshot saves wait for it (`Server`)."""
         self.quiet.set()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="kvflash-scheduler", daemon=True)
@@ -231,7 +231,7 @@ class Scheduler:
         while self._running or self._filling or self._retry or self._deferred or not self._closed:
             self._run_calls()
             self._admit()
-            if self._running or self._filling or self.waiting:
+            if self._filling or self.waiting:
                 self.quiet.clear()
             else:
                 self.quiet.set()
@@ -337,8 +337,6 @@ class Scheduler:
             return None
         while True:
             idle = not (self._running or self._filling)
-            if idle:  # it waits for work: nothing is in flight meanwhile
-                self.quiet.set()
             try:
                 job = self._queue.get(block=idle)
             except queue.Empty:
@@ -389,8 +387,8 @@ class Scheduler:
         within the step's token budget (the first filling job always gets a piece).
 
         A step of decode tokens alone whose jobs are all greedy leaves its tokens on the device
-        (`Ahead`): the next step, if it too is decode alone and completes no chunk, takes them
-        there and is launched before the host reads them. A job whose answer ends at a token
+        (`Ahead`): the next step, if it too is decode alone, takes them there and is launched
+        before the host reads them. A job whose answer ends at a token
         read then (a stop id) has run that next step too, whose token is dropped: its sequence
         holds the stop id. What ends an answer whatever the token (max_tokens, `on_token`, its
         client gone, its time up) keeps the job out of the next step."""
@@ -399,7 +397,7 @@ class Scheduler:
         if ahead is not None:
             live = {id(j) for j in self._running}
             going = [j for j in ahead.jobs if id(j) in live and not self._will_end(j)]
-            if planned or not going or any(j.kv.next_seals for j in going):
+            if planned or not going:
                 self._collect(ahead, [])
                 ahead = None
         if ahead is None:

@@ -78,11 +78,12 @@ if it is still idle by then (a next turn saves it itself; one freed for room res
 saved last)."""
 
 SAVE_YIELD_S = 0.5
-"""Seconds a snapshot save waits, in all, for the moments when no request is in flight
-(`Scheduler.quiet`): its encoding shares the interpreter and the cores with the scheduler, and the
-next turns of many conversations (their first tokens, then their decode steps) should not share
-them with the last turns' saves. Bounded, so that a server never idle still saves each answer at
-most this much later."""
+"""Seconds a snapshot save waits, in all, for the moments when no request waits for its first
+token (`Scheduler.quiet`): its encoding shares the interpreter with the scheduler, and a burst of
+new questions (the next turns of many conversations) should not share it with the last burst's
+saves. Bounded, so that a server never idle still saves each answer at most this much later.
+Saves that waited while requests decode as well would spend the bound before the next burst's
+first tokens, which need it more."""
 
 
 IDLE_TRIM_S = 1.0

@@ -59,9 +59,9 @@ class SnapshotWriter:
 
     def yield_to(self, quiet: threading.Event, max_wait_s: float) -> None:
         """Saves wait for `quiet` before each chunk they encode, up to max_wait_s a save in all: a
-        server's saves encode on the interpreter its scheduler runs on, and a request in flight
-        should not share it with a background save (the wait bounds how late a save ends under
-        steady load)."""
+        server's saves encode on the interpreter its scheduler runs on, and a request waiting for its
+        first token should not share it with a background save (the wait bounds how late a save
+        ends under steady load)."""
         self.quiet, self.max_yield_s = quiet, max_wait_s
 
     def put_snapshot(
