@@ -388,10 +388,11 @@ class Scheduler:
 
         A step of decode tokens alone whose jobs are all greedy leaves its tokens on the device
         (`Ahead`): the next step, if it too is decode alone, takes them there and is launched
-        before the host reads them. A job whose answer ends at a token
-        read then (a stop id) has run that next step too, whose token is dropped: its sequence
-        holds the stop id. What ends an answer whatever the token (max_tokens, `on_token`, its
-        client gone, its time up) keeps the job out of the next step."""
+        before the host reads them. A job whose answer ends at a token read then (a stop id) has
+        run that next step too, whose token is dropped: its sequence holds the stop id. What ends
+        an answer whatever the token (max_tokens, `on_token`, its client gone, its time up) keeps
+        the job out of the next step. The read-back of a step's tokens runs outside the step's
+        recovery (a failed read is a failed device, which no step run again gets past)."""
         planned = self._plan_pieces()
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
