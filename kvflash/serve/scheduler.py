@@ -141,7 +141,7 @@ class Scheduler:
         stream, the stop strings) while the next step runs on the device (`_send`)."""
         self._ahead: Ahead | None = None
         """The last step, when its tokens are still on the device (`_round`)."""
-        self._stops_on: torch.Tensor | None = None
+        self._stops_on = torch.tensor(sorted(stop_ids), dtype=torch.long, device=engine.lm.device)
         """The stop ids on the device, for `Ahead`."""
         self._closed = False
         """The queue has been closed (`close`): the loop ends once nothing is left to answer."""
@@ -431,7 +431,7 @@ class Scheduler:
         self._send()  # the last step's tokens, while this one runs on the device
         if running and not planned and all(j.gen.sampler.greedy for j in running):
             if self._running:  # else every job ended at the last tokens: this step's are dropped
-                self._ahead = Ahead.launch(running, decoded, self._stop_tensor(decoded.device))
+                self._ahead = Ahead.launch(running, decoded, self._stops_on)
             return
         argmax = decoded.argmax(-1).tolist() if running else []  # greedy jobs' tokens in one read
         rows = zip(running, decoded if running else [], argmax, strict=True)
@@ -475,13 +475,7 @@ class Scheduler:
     def _will_end(self, job: Job) -> bool:
         """Whether a running job's answer ends at its last step's token whatever that token is (see
         `_choose`): no further step need run it."""
-        gone = job.gone.is_set() or self._cancel.is_set() or job.expired()
-        return bool(job.ended) or job.gen.last() or gone
-
-    def _stop_tensor(self, device: torch.device) -> torch.Tensor:
-        if self._stops_on is None or self._stops_on.device != device:
-            self._stops_on = torch.tensor(sorted(self.stop_ids), dtype=torch.long, device=device)
-        return self._stops_on
+        return bool(job.ended) or job.gen.last() or self._cut_short(job)
 
     def _send(self) -> None:
         """Hands the tokens chosen at the last step to their answers. It runs once the next step is
@@ -603,8 +597,13 @@ class Scheduler:
     def _stops(self, job: Job) -> bool:
         """Whether a job that has a next token ends its answer there anyway: its client gone, its
         time up (`timed_out`) or the server stopping."""
-        job.timed_out = job.expired()
-        return job.gone.is_set() or self._cancel.is_set() or job.timed_out
+        stops = self._cut_short(job)
+        job.timed_out = stops and job.expired()
+        return stops
+
+    def _cut_short(self, job: Job) -> bool:
+        """Its client gone, its time up or the server stopping (`_stops`, without marking it)."""
+        return job.gone.is_set() or self._cancel.is_set() or job.expired()
 
     def _finish(self, job: Job) -> bool:
         """Ends a job's answer: its sequence kept live for the next turn, `on_done` told. False (the
