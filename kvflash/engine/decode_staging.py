@@ -37,7 +37,7 @@ class Staged:
 
     def send(self, values) -> None:
         """values: anything numpy assigns to the buffer's shape (a [B, F] buffer takes B rows)."""
-        if self._sent is not None:
+        if self._sent is not None and not self._sent.query():  # asking does not let go of the GIL
             self._sent.synchronize()  # the previous copy has read the host buffer
         self._host.numpy()[:] = values
         self.device.copy_(self._host, non_blocking=True)

@@ -4,12 +4,32 @@ choosing and handing over tokens) overlaps the device's instead of adding to it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
 from kvflash.engine.generate import greedy_tokens
 from kvflash.serve.job import Job
+
+
+class Readback:
+    """What every `Ahead` of one scheduler shares: the stop ids on the device, pinned host memory
+    for the tokens and the event that says they arrived. A step is read back before the next one is
+    launched, so one of each serves every step; they are made once because each torch call of a
+    step lets another thread (a store encoding a save) take the interpreter the step waits for."""
+
+    def __init__(self, stops: Iterable[int], device: torch.device):
+        self.stops = torch.tensor(sorted(stops), dtype=torch.long, device=device)
+        self.cuda = device.type == "cuda"
+        self._host = torch.empty(0, dtype=torch.long)
+        self.ready = torch.cuda.Event() if self.cuda else None
+
+    def host(self, n: int) -> torch.Tensor:
+        """[n] int64 pinned host memory (grown when a step has more rows than any before)."""
+        if self._host.numel() < n:
+            self._host = torch.empty(max(n, 2 * self._host.numel()), dtype=torch.long, pin_memory=True)
+        return self._host[:n]
 
 
 @dataclass
@@ -26,19 +46,19 @@ class Ahead:
     ready: torch.cuda.Event | None
 
     @classmethod
-    def launch(cls, jobs: list[Job], logits: torch.Tensor, stops: torch.Tensor) -> Ahead:
-        """The tokens of a step whose decode logits [B, V] (valid until the next step) are `logits`."""
+    def launch(cls, jobs: list[Job], logits: torch.Tensor, rb: Readback) -> Ahead:
+        """The tokens of a step whose decode logits [B, V] (valid until the next step) are `logits`;
+        the last `Ahead` of `rb` must have been read (`tokens`)."""
         held = [j.gen.holds_stops for j in jobs]
-        dev = logits.device
-        mask = torch.tensor(held).to(dev, non_blocking=True) if stops.numel() and any(held) else None
+        stops = rb.stops
+        mask = torch.tensor(held).to(stops.device, non_blocking=True) if stops.numel() and any(held) else None
         chosen = greedy_tokens(logits, stops, mask)
-        if dev.type != "cuda":
+        if not rb.cuda:
             return cls(jobs, chosen, chosen, None)
-        host = torch.empty(chosen.shape, dtype=chosen.dtype, pin_memory=True)
+        host = rb.host(len(jobs))
         host.copy_(chosen, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return cls(jobs, chosen, host, ready)
+        rb.ready.record()
+        return cls(jobs, chosen, host, rb.ready)
 
     def tokens(self) -> list[int]:
         """Each job's token, read back (waiting for the step, not for any launched after it)."""

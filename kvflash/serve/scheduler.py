@@ -55,7 +55,7 @@ from kvflash.engine.engine import Engine
 from kvflash.engine.generate import Generation, Sampler
 from kvflash.engine.step import Piece
 from kvflash.serve.admission import HeldCache, Holdings, Room, owed
-from kvflash.serve.ahead import Ahead
+from kvflash.serve.ahead import Ahead, Readback
 from kvflash.serve.job import Job
 from kvflash.serve.prefix_cache import PrefixCache, common_prefix
 from kvflash.serve.snapshots import KVSnapshots
@@ -141,8 +141,8 @@ class Scheduler:
         stream, the stop strings) while the next step runs on the device (`_send`)."""
         self._ahead: Ahead | None = None
         """The last step, when its tokens are still on the device (`_round`)."""
-        self._stops_on = torch.tensor(sorted(stop_ids), dtype=torch.long, device=engine.lm.device)
-        """The stop ids on the device, for `Ahead`."""
+        self._readback = Readback(stop_ids, engine.lm.device)
+        """What the steps left `Ahead` share: the stop ids on the device, pinned memory, an event."""
         self._closed = False
         """The queue has been closed (`close`): the loop ends once nothing is left to answer."""
         self._cancel = threading.Event()
@@ -431,7 +431,7 @@ class Scheduler:
         self._send()  # the last step's tokens, while this one runs on the device
         if running and not planned and all(j.gen.sampler.greedy for j in running):
             if self._running:  # else every job ended at the last tokens: this step's are dropped
-                self._ahead = Ahead.launch(running, decoded, self._stops_on)
+                self._ahead = Ahead.launch(running, decoded, self._readback)
             return
         argmax = decoded.argmax(-1).tolist() if running else []  # greedy jobs' tokens in one read
         rows = zip(running, decoded if running else [], argmax, strict=True)
