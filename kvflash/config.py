@@ -17,6 +17,8 @@ KV_DTYPE_NAMES = {**DTYPES, "fp8": torch.float8_e4m3fn}
 (kvflash/engine/pool.py: `slot_shape`)."""
 KV_DTYPES = ("auto", *KV_DTYPE_NAMES)
 """`EngineConfig.kv_dtype` choices: `auto` or a name of KV_DTYPE_NAMES."""
+CACHE_ORDERS = ("document", "score")
+"""`ResidencyConfig.cache_order` choices."""
 
 
 def resolve_kv_dtype(name: str, compute: torch.dtype, device: torch.device) -> torch.dtype:
@@ -108,6 +110,14 @@ class ResidencyConfig:
     (StreamingLLM's positions within the cache): a selected far chunk sits just before the resident
     ones after it, instead of at a distance the model rarely bridges with the chunks between gone.
     KV is still stored at its absolute positions; the kernels turn each chunk's keys on the fly."""
+    cache_order: str = "document"
+    """Where each resident chunk sits among the cache positions (`CachePositions.listed`) where some
+    are evicted: `document` in the document's order; `score` lays the chunks between the sinks and
+    the tail out by score, ascending, so the best-scoring one sits just before the tail, where the
+    selection scored it (`CachePositions.candidates`): a larger pool then does not push a far chunk
+    that the question needs past the distances the model was trained on. Policies that score no
+    chunk tie everywhere, and keep the document's order. Not part of the model fingerprint: exact KV
+    is computed with nothing evicted, where every chunk keeps its own position under either order."""
     keep_margin: float = 1.0
     """Hysteresis of a document's prefill steps (`residency.select_resident`): a chunk pages in only
     by scoring more than (1 + keep_margin) times the weakest resident chunk it would replace. The
@@ -121,6 +131,12 @@ class ResidencyConfig:
 
         if self.policy not in POLICIES:
             raise KVFlashError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.cache_order not in CACHE_ORDERS:
+            raise KVFlashError(
+                f"unknown cache order {self.cache_order!r}; choose one of {', '.join(CACHE_ORDERS)}"
+            )
+        if self.cache_order != "document" and not self.cache_positions:
+            raise KVFlashError(f"cache order {self.cache_order!r} needs positions within the cache")
         if self.keep_margin < 0:
             raise KVFlashError(f"keep_margin {self.keep_margin} must be non-negative")
         if self.chunk_tokens < 1 or min(self.sink_chunks, self.tail_chunks, self.scout_rounds) < 0:

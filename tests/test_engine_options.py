@@ -31,7 +31,7 @@ def test_every_engine_command_takes_the_same_engine_options() -> None:
     engine = set(FLAGS.values())
     assert engine == {
         "--model", "--dtype", "--kv-dtype", "--device", "--pool-tokens", "--host-bytes", "--policy",
-        "--absolute-positions", "--step-tokens", "--cuda-graphs",
+        "--absolute-positions", "--cache-order", "--step-tokens", "--cuda-graphs",
     }  # fmt: skip
     assert list(OPTIONS) == [f.name for f in dataclasses.fields(EngineOptions)]
     for command in ENGINE_COMMANDS:
@@ -68,6 +68,8 @@ def test_a_command_receives_its_flags_as_one_engine_options(monkeypatch) -> None
     [
         (["bench", "--policy", "nope"], "unknown policy"),
         (["serve", "--pool-tokens", "lots"], "--pool-tokens takes"),
+        (["bench", "--cache-order", "nope"], "unknown cache order"),
+        (["bench", "--absolute-positions", "--cache-order", "score"], "needs positions within the cache"),
         (["niah", "--policy", "qk", "--pool-tokens", "auto"], "number of tokens"),
     ],
 )

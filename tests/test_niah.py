@@ -111,6 +111,13 @@ def test_another_arm_in_the_same_directory_is_refused(tmp_path) -> None:
         Grid(small(tmp_path, policy="qk", budget_frac=0.125))
     with pytest.raises(KVFlashError, match="mode"):
         Grid(small(tmp_path, policy="qk", budget_frac=0.25, mode="restore"))
+    with pytest.raises(KVFlashError, match=r"cache_order 'document' -> 'score'"):
+        Grid(small(tmp_path, policy="qk", budget_frac=0.25, cache_order="score"))
+    saved = tmp_path / "arm" / "config.json"
+    old = json.loads(saved.read_text())
+    del old["cache_order"]  # saved before the field existed: the document's order
+    saved.write_text(json.dumps(old))
+    Grid(small(tmp_path, policy="qk", budget_frac=0.25))
 
 
 def test_summary_and_heatmap(tmp_path) -> None:
@@ -134,6 +141,9 @@ def test_pool_sizes() -> None:
     assert NiahConfig().pool_for(2048, 2100) == 2176  # full: prompt + answer, whole chunks
     assert NiahConfig(policy="sink", pool_tokens=700).pool_for(2048, 2100) == 700
     assert qk.label == "qk @ 1/8 of length, cold"
+    assert NiahConfig(policy="qk", budget_frac=1 / 8, cache_order="score").label == (
+        "qk @ 1/8 of length, cold, score order"
+    )
 
 
 @pytest.mark.parametrize(
@@ -145,6 +155,7 @@ def test_pool_sizes() -> None:
         (dict(policy="lru", budget_frac=1.5), "budget-frac"),
         (dict(mode="warm"), "unknown mode"),
         (dict(codec="zip"), "unknown codec"),
+        (dict(cache_order="random"), "unknown cache order"),
         (dict(needle="no value here"), r"\{value\}"),
         (dict(question="What about {name}?"), "bad needle or question template"),
         (dict(depths=(0.5, 2.0)), "depths"),

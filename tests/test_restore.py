@@ -4,6 +4,8 @@ a save replaces only the snapshots it supersedes."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import threading
 import warnings
 from pathlib import Path
@@ -11,11 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvflash.config import EngineConfig, ResidencyConfig
+from kvflash.config import CACHE_ORDERS, EngineConfig, ResidencyConfig
 from kvflash.engine import paged_kv
 from kvflash.engine.engine import Engine
 from kvflash.engine.generate import Sampling
 from kvflash.engine.pool import chunk_bytes
+from kvflash.engine.positions import CachePositions
 from kvflash.models.loader import LoadedModel
 from kvflash.serve import snapshots
 from kvflash.serve.job import Job
@@ -155,6 +158,48 @@ def test_a_lazy_restore_counts_its_hit_when_its_turn_completes(lm, store) -> Non
         sched.close()
     assert stats.source == "lazy" and stats.restored_tokens == 288
     assert store.get_snapshot(sid).hits == 1
+
+
+@pytest.mark.parametrize("cache_order", CACHE_ORDERS)
+def test_a_restored_document_answers_as_the_sequence_that_prefilled_it(
+    lm, store, monkeypatch, cache_order: str
+) -> None:
+    """A document of 24 chunks prefilled over a budget of 10 and snapshotted, then a question and
+    teacher-forced decode steps: after an eager restore, the logits of the sequence that prefilled
+    it. Under `score` some selections lay the chunks out away from the document's order, by scores
+    the restored sequence computes as the live one did."""
+    reordered: list[bool] = []
+    layout = CachePositions.layout
+
+    def spy(pos: CachePositions, order: list[int], first: int, scores: list[float]) -> list[int]:
+        out = layout(pos, order, first, scores)
+        reordered.append(out != order)
+        return out
+
+    monkeypatch.setattr(CachePositions, "layout", spy)
+    res = dataclasses.replace(RES, cache_order=cache_order)
+    eng = Engine(lm, EngineConfig(pool_tokens=512, residency=res))
+    snaps = KVSnapshots(store, FP, prefetch=False)
+    doc, question, forced = prompt(24 * 16, 5), prompt(20, 6), prompt(24, 7)
+
+    def ask(kv) -> torch.Tensor:
+        out = [eng.prefill(kv, question)]
+        step = eng.decode_step(kv)
+        out += [step(tok, len(doc) + len(question) + i).reshape(-1).clone() for i, tok in enumerate(forced)]
+        kv.free()
+        return torch.stack(out)
+
+    kv = eng.new_sequence(10 * 16)
+    eng.prefill(kv, doc)
+    snaps.save(kv, "doc")
+    live = ask(kv)
+    fp, hashes = snaps.lookup(doc + question, 16, approximate=True)
+    assert fp == snaps.approx_fp and len(hashes) == 24
+    with contextlib.ExitStack() as leases:
+        kv = eng.new_sequence(10 * 16)
+        snaps.restore(kv, fp, hashes, False, leases)
+        torch.testing.assert_close(ask(kv), live, rtol=1e-5, atol=1e-5)
+    assert any(reordered) == (cache_order == "score")
 
 
 def test_a_save_replaces_only_the_snapshots_it_supersedes(lm, store) -> None:

@@ -40,6 +40,11 @@ PolicyOpt = typer.Option("qk", "--policy", help=f"Residency policy: {', '.join(P
 AbsolutePositionsOpt = typer.Option(
     False, "--absolute-positions", help="Attend at absolute positions, not positions within the cache."
 )
+CacheOrderOpt = typer.Option(
+    "document", "--cache-order",
+    help="Order of the resident chunks' positions within the cache: document, or score (the "
+    "best-scoring chunk just before the recent ones).",
+)  # fmt: skip
 StepTokensOpt = typer.Option(
     None, "--step-tokens", min=64,
     help="Most prompt tokens one forward computes, of one prompt or several (default: 32768 on CUDA, "
@@ -63,6 +68,7 @@ class EngineOptions:
     host_bytes: int | None = None
     policy: str = "qk"
     absolute_positions: bool = False
+    cache_order: str = "document"
     step_tokens: int | None = None
     cuda_graphs: bool = True
 
@@ -75,7 +81,9 @@ class EngineOptions:
         caller sizes the pool itself (niah, per trial)."""
         from kvflash.config import EngineConfig, ResidencyConfig
 
-        res = ResidencyConfig(policy=self.policy, cache_positions=not self.absolute_positions)
+        res = ResidencyConfig(
+            policy=self.policy, cache_positions=not self.absolute_positions, cache_order=self.cache_order
+        )
         given = {
             "host_bytes": self.host_bytes,
             "kv_dtype": self.kv_dtype,
@@ -98,6 +106,7 @@ OPTIONS: dict[str, Any] = {
     "host_bytes": HostBytesOpt,
     "policy": PolicyOpt,
     "absolute_positions": AbsolutePositionsOpt,
+    "cache_order": CacheOrderOpt,
     "step_tokens": StepTokensOpt,
     "cuda_graphs": GraphsOpt,
 }

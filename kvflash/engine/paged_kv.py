@@ -197,7 +197,7 @@ class PagedKV:
         dev, i32, c = self.device, torch.int32, self.cfg.chunk_tokens
         slots = torch.tensor([self.seq.chunks[i].gpu for i in order], device=dev, dtype=i32)
         index = torch.tensor(order, device=dev, dtype=i32)
-        rot = self.positions.listed(order, first)
+        rot = self.positions.listed(order, first, [ch.score for ch in wanted])
         key_pos = None
         if self.staging is not None:
             self.staging.list(slots, rot)

@@ -2,7 +2,8 @@
 
 Pool, host tier and disk keep every key at its absolute position. Under `cache_positions` a step
 attends over its resident chunks as if they sat next to each other (StreamingLLM's cache positions),
-and selection scores each earlier chunk from where it would sit if selected. Both are a rotation:
+in the document's order or by score (`ResidencyConfig.cache_order`), and selection scores each
+earlier chunk from where it would sit if selected. Both are a rotation:
 [n, 2, D/2] fp32, the cos and sin of each chunk's shift (in positions) times RoPE's inverse
 frequencies, which the kernels apply to the chunk's keys (`kernels.reference.shift_keys`). None
 stands for no shift at all, and the kernels then run unchanged.
@@ -26,19 +27,33 @@ class CachePositions:
         self.cfg = cfg
         self._inv_freq = _inv_frequencies(model, device)
 
-    def listed(self, order: list[int], first: int) -> torch.Tensor | None:
+    def listed(self, order: list[int], first: int, scores: list[float]) -> torch.Tensor | None:
         """[len(order), 2, D/2]: each listed chunk (`order`, ascending, holding `first`, the step's
-        first chunk) moves forward by the evicted chunks between it and the step's first chunk (its
-        rank; the step's own chunks are the last, contiguous ranks, so they stay put). None when no
-        chunk moves, or cache positions are off."""
+        first chunk; `scores`, theirs) moves forward to its place in the cache (`layout`), so that
+        the evicted chunks take no positions; the step's own chunks are the last, contiguous places,
+        so they stay put. None when no chunk moves, or cache positions are off."""
         if not self.cfg.cache_positions:
             return None
         c = self.cfg.chunk_tokens
-        gap_q = first - order.index(first)
-        shift = [(gap_q - (i - rank)) * c for rank, i in enumerate(order)]
+        place = {i: p for p, i in enumerate(self.layout(order, first, scores))}
+        gap_q = first - place[first]
+        shift = [(gap_q - (i - place[i])) * c for i in order]
         if not any(shift):
             return None
         return self._rotation(torch.tensor(shift, device=self._inv_freq.device))
+
+    def layout(self, order: list[int], first: int, scores: list[float]) -> list[int]:
+        """The listed chunks in the order they sit in the cache. `document`: as listed. `score`: the
+        sinks first, then the chunks between them and the tail by score, ascending (ties by index),
+        then the tail and the step's own chunks: the best-scoring chunk sits just before the tail,
+        where `candidates` scored it. With no chunk evicted every chunk keeps its own position, and
+        the step computes what full attention computes."""
+        if self.cfg.cache_order == "document" or len(order) == order[-1] + 1:
+            return order
+        lo = self.cfg.sink_chunks
+        hi = max(lo, first - self.cfg.tail_chunks)
+        middle = sorted((s, i) for i, s in zip(order, scores, strict=True) if lo <= i < hi)
+        return [*(i for i in order if i < lo), *(i for _, i in middle), *(i for i in order if i >= hi)]
 
     def candidates(self, first: int) -> torch.Tensor | None:
         """[first, 2, D/2]: scores each earlier chunk where it would be attended from if selected:

@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvflash import KVFlashError
-from kvflash.config import KV_DTYPES, POLICIES, EngineConfig, ResidencyConfig
+from kvflash.config import CACHE_ORDERS, KV_DTYPES, POLICIES, EngineConfig, ResidencyConfig
 from kvflash.engine.engine import Engine
 from kvflash.eval.haystack import TEMPLATES, Haystack, NeedleTemplate, build_haystack, filler_sentences
 from kvflash.eval.niah_report import cell_key, heatmap, summarize
@@ -39,8 +39,8 @@ MODES = ("cold", "restore", "lazy")
 NEUTRAL_QUESTION = "Summarise the document in one sentence."
 """Asked by the session that stores the document in restore modes: it only needs the prefill."""
 ARM_FIELDS = (
-    "pool_tokens", "budget_frac", "policy", "mode", "cache_positions", "codec", "template", "haystack",
-    "needle", "question", "seed", "max_tokens", "model", "dtype", "kv_dtype", "pin_needle",
+    "pool_tokens", "budget_frac", "policy", "mode", "cache_positions", "cache_order", "codec", "template",
+    "haystack", "needle", "question", "seed", "max_tokens", "model", "dtype", "kv_dtype", "pin_needle",
 )  # fmt: skip
 """Settings that change answers: a resumed run must agree on all of them (the grid may grow)."""
 LENGTH_TOLERANCE = 0.03
@@ -61,6 +61,8 @@ class NiahConfig:
     mode: str = "cold"
     cache_positions: bool = True
     """ResidencyConfig.cache_positions: off attends at absolute positions (the A/B arm)."""
+    cache_order: str = "document"
+    """ResidencyConfig.cache_order."""
     codec: str = "lossless"
     """The snapshot codec in restore modes: lossless, or fp8 to check that its error spares the needle."""
     template: str = "passcode"
@@ -88,6 +90,10 @@ class NiahConfig:
             raise KVFlashError("trials and max_tokens must be positive")
         if self.policy not in POLICIES:
             raise KVFlashError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.cache_order not in CACHE_ORDERS:
+            raise KVFlashError(
+                f"unknown cache order {self.cache_order!r}; choose one of {', '.join(CACHE_ORDERS)}"
+            )
         if self.mode not in MODES:
             raise KVFlashError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
         if self.codec not in CODEC_NAMES:
@@ -148,13 +154,16 @@ class NiahConfig:
             pool = f"{self.policy} @ {share} of length"
         codec = f", {self.codec}" if self.codec != "lossless" and self.mode != "cold" else ""
         absolute = ", absolute positions" if not self.cache_positions and self.policy != "full" else ""
+        order = ", score order" if self.cache_order == "score" and self.policy != "full" else ""
         pinned = ", needle pinned" if self.pin_needle else ""
         kv = f", {self.kv_dtype} KV" if self.kv_dtype != "auto" else ""
-        return f"{pool}, {self.mode}{codec}{absolute}{pinned}{kv}"
+        return f"{pool}, {self.mode}{codec}{absolute}{order}{pinned}{kv}"
 
     def engine_config(self) -> EngineConfig:
         """The engine of this arm's trials but for its pool (`pool_for`)."""
-        res = ResidencyConfig(policy=self.policy, cache_positions=self.cache_positions)
+        res = ResidencyConfig(
+            policy=self.policy, cache_positions=self.cache_positions, cache_order=self.cache_order
+        )
         return EngineConfig(residency=res, kv_dtype=self.kv_dtype)
 
     def pool_for(self, length: int, prompt_tokens: int) -> int:
@@ -311,7 +320,8 @@ class Grid:
         except json.JSONDecodeError:
             raise KVFlashError(f"{saved} is not readable JSON; use another --out") from None
         new = self.cfg.arm()
-        old.setdefault("codec", "lossless")  # saved before the field existed
+        old.setdefault("codec", "lossless")  # saved before these fields existed
+        old.setdefault("cache_order", "document")
         diff = [k for k in ARM_FIELDS if old.get(k) != new[k]]
         if diff:
             detail = ", ".join(f"{k} {old.get(k)!r} -> {new[k]!r}" for k in diff)
