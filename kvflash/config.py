@@ -111,11 +111,11 @@ class ResidencyConfig:
     ones after it, instead of at a distance the model rarely bridges with the chunks between gone.
     KV is still stored at its absolute positions; the kernels turn each chunk's keys on the fly."""
     cache_order: str = "document"
-    """Where each resident chunk sits among the cache positions (`CachePositions.listed`) where some
-    are evicted: `document` in the document's order; `score` lays the chunks between the sinks and
-    the tail out by score, ascending, so the best-scoring one sits just before the tail, where the
-    selection scored it (`CachePositions.candidates`): a larger pool then does not push a far chunk
-    that the question needs past the distances the model was trained on. Policies that score no
+    """Where each resident chunk sits among the cache positions (`CachePositions.layout`) where some
+    are evicted: `document` in the document's order; `score` lays the chunks before the tail out by
+    score, ascending, the sinks among them, so the best-scoring one sits just before the tail, where
+    the selection scored it (`CachePositions.candidates`): a larger pool then does not push a far
+    chunk the question needs past the distances the model was trained on. Policies that score no
     chunk tie everywhere, and keep the document's order. Not part of the model fingerprint: exact KV
     is computed with nothing evicted, where every chunk keeps its own position under either order."""
     keep_margin: float = 1.0

@@ -18,7 +18,7 @@ ORDER = [0, 3, 5, 7, 9, 10, 11, 12]
 """The sink 0, chunks 3, 5 and 7 between it and the tail, the tail 9 and 10, and the step's own
 chunks 11 and 12 (its first is 11); chunks 1, 2, 4, 6 and 8 are evicted."""
 SCORES = [5.0, 0.9, 0.1, 0.5, 0.0, 0.0, float("-inf"), float("-inf")]
-"""Chunk 3 scores best of the middle ones, 5 worst; the others' scores do not place them."""
+"""The sink scores best, then chunk 3, 7 and 5; the tail's and the step's scores do not place them."""
 
 
 def positions(cache_order: str) -> CachePositions:
@@ -39,14 +39,15 @@ def test_document_order_closes_the_gaps_in_the_documents_order() -> None:
     assert torch.equal(pos.listed(ORDER, 11, SCORES), pos.listed(ORDER, 11, [0.0] * 8))  # scores unread
 
 
-def test_score_order_puts_the_best_middle_chunk_just_before_the_tail() -> None:
-    """Chunks 5, 7 and 3 (ascending scores) take places 1 to 3; the sink, the tail and the step's own
-    chunks keep the places, and the rotations, that the document's order gives them."""
+def test_score_order_puts_the_best_chunk_before_the_tail_just_before_it() -> None:
+    """Chunks 5, 7, 3 and the sink 0 (ascending scores) take places 0 to 3: the sink, which scores
+    best, sits just before the tail; the tail and the step's own chunks keep the places, and the
+    rotations, that the document's order gives them."""
     pos = positions("score")
-    assert pos.layout(ORDER, 11, SCORES) == [0, 5, 7, 3, 9, 10, 11, 12]
-    rot = pos.listed(ORDER, 11, SCORES)  # rows follow ORDER: chunk 3 moves 5 chunks, 5 one, 7 none
-    torch.testing.assert_close(rot, rotation([5, 5, 1, 0, 0, 0, 0, 0]))
-    kept = [0, 4, 5, 6, 7]
+    assert pos.layout(ORDER, 11, SCORES) == [5, 7, 3, 0, 9, 10, 11, 12]
+    rot = pos.listed(ORDER, 11, SCORES)  # rows follow ORDER: the sink moves 8 chunks on, 7 one back
+    torch.testing.assert_close(rot, rotation([8, 4, 0, -1, 0, 0, 0, 0]))
+    kept = [4, 5, 6, 7]
     assert torch.equal(rot[kept], positions("document").listed(ORDER, 11, SCORES)[kept])
 
 

@@ -43,7 +43,7 @@ AbsolutePositionsOpt = typer.Option(
 CacheOrderOpt = typer.Option(
     "document", "--cache-order",
     help="Order of the resident chunks' positions within the cache: document, or score (the "
-    "best-scoring chunk just before the recent ones).",
+    "best-scoring chunk just before the recent ones, the first chunks placed by score too).",
 )  # fmt: skip
 StepTokensOpt = typer.Option(
     None, "--step-tokens", min=64,

@@ -44,16 +44,17 @@ class CachePositions:
 
     def layout(self, order: list[int], first: int, scores: list[float]) -> list[int]:
         """The listed chunks in the order they sit in the cache. `document`: as listed. `score`: the
-        sinks first, then the chunks between them and the tail by score, ascending (ties by index),
-        then the tail and the step's own chunks: the best-scoring chunk sits just before the tail,
-        where `candidates` scored it. With no chunk evicted every chunk keeps its own position, and
-        the step computes what full attention computes."""
+        chunks before the tail by score, ascending (ties by index), the sinks among them, then the
+        tail and the step's own chunks: the best-scoring chunk sits just before the tail, where
+        `candidates` scored it. A sink keeps no place of its own, since the document's first chunk
+        is where a fact the question needs may stand too, and at the cache's first place it would
+        stand a whole pool away from the question. With no chunk evicted every chunk keeps its own
+        position, and the step computes what full attention computes."""
         if self.cfg.cache_order == "document" or len(order) == order[-1] + 1:
             return order
-        lo = self.cfg.sink_chunks
-        hi = max(lo, first - self.cfg.tail_chunks)
-        middle = sorted((s, i) for i, s in zip(order, scores, strict=True) if lo <= i < hi)
-        return [*(i for i in order if i < lo), *(i for _, i in middle), *(i for i in order if i >= hi)]
+        hi = max(0, first - self.cfg.tail_chunks)
+        before = sorted((s, i) for i, s in zip(order, scores, strict=True) if i < hi)
+        return [*(i for _, i in before), *(i for i in order if i >= hi)]
 
     def candidates(self, first: int) -> torch.Tensor | None:
         """[first, 2, D/2]: scores each earlier chunk where it would be attended from if selected:
