@@ -4,8 +4,9 @@ For each KV dtype, a fresh engine (--kv-dtype) prefills the reference document (
 --tokens tokens by the model's tokenizer) with a pool that holds all of it (exact KV), snapshots it
 into an empty store with the given codec, and reads every chunk back against the live KV (the
 lossless codec must give it bit for bit). Bytes per token count the stored chunks' tokens; a chunk
-file is its header, token ids, key summary (fp32) and the compressed KV; the summaries file of the
-chain holds every chunk's token ids and summary again (docs/FORMAT.md). The f16 reference is the
+file is its header, token ids and payload: the compressed KV, and the key summary as its residual
+against the keys' block means (a few bytes); the summaries file of the chain holds every chunk's
+token ids and summary (docs/FORMAT.md). The f16 reference is the
 model's KV in f16, uncompressed: what a llama.cpp state file holds per token.
 
     python -m bench.kv_bytes --tokens 4096 --out out/kv_bytes
@@ -14,7 +15,6 @@ model's KV in f16, uncompressed: what a llama.cpp state file holds per token.
 from __future__ import annotations
 
 import argparse
-import math
 import tempfile
 import time
 from pathlib import Path
@@ -27,7 +27,7 @@ from bench.document import reference_text
 from bench.harness import save
 from kvflash.config import DTYPES, KV_DTYPE_NAMES, EngineConfig, ResidencyConfig
 from kvflash.engine.engine import Engine
-from kvflash.engine.pool import chunk_shape, summary_shape
+from kvflash.engine.pool import chunk_shape
 from kvflash.models.loader import LoadedModel, load_model
 from kvflash.serve.snapshots import KVSnapshots
 from kvflash.storage import SnapshotStore
@@ -61,8 +61,7 @@ def measure(lm: LoadedModel, ids: list[int], kv_dtype: str, args) -> dict:
     kv.free()
     n = len(hashes)
     tokens = n * c
-    summary = 4 * math.prod(summary_shape(lm.config, res.summary_blocks))
-    meta = n * (HEADER_SIZE + 4 * c + summary)
+    meta = n * (HEADER_SIZE + 4 * c)
     raw = du.raw_bytes
     return {
         "kv_dtype": kv_dtype,
@@ -104,7 +103,7 @@ def table(rows: list[dict], f16: int, codec: str) -> Table:
 
 
 def plot(rows: list[dict], path: Path, f16: int) -> None:
-    """Stacked bars per KV dtype: compressed KV, the chunk files' header, ids and summary, the
+    """Stacked bars per KV dtype: compressed KV, the chunk files' header and ids, the
     summaries file; a line at the uncompressed f16 KV."""
     import matplotlib
 
@@ -116,7 +115,7 @@ def plot(rows: list[dict], path: Path, f16: int) -> None:
     bottom = [0.0] * len(rows)
     for label, key in (
         ("compressed KV", "payload_per_token"),
-        ("chunk header, ids, summary", "chunk_meta_per_token"),
+        ("chunk header, ids", "chunk_meta_per_token"),
         ("summaries file", "summaries_per_token"),
     ):
         values = [r[key] / 1000 for r in rows]

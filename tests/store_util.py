@@ -7,10 +7,12 @@ import zlib
 from pathlib import Path
 
 import torch
+import zstandard
 
 from kvflash.storage import (
     ROOT_HASH,
     ChunkBlob,
+    codec,
     format,
 )
 
@@ -93,3 +95,30 @@ def noise_chain(n_chunks: int, start: int, shape=(2, 2, 4, 64, 64)) -> list[Chun
         blobs.append(blob)
         parent = blob.chain_hash
     return blobs
+
+
+def version2_file(blob: ChunkBlob, level: int = 1) -> bytes:
+    """The chunk file a kvflash of format version 2 wrote for a blob: header, token ids, the summary
+    section, then one zstd frame of the KV's byte planes (codec 1; fp8 KV in codec 2, as held)."""
+    kv = blob.kv.contiguous()
+    tokens = format.token_bytes(blob.tokens)
+    meta = tokens + blob.summary.numpy().astype("<f4").tobytes()
+    if kv.dtype == torch.float8_e4m3fn:
+        codec_id, raw = format.Codec.FP8, bytes(codec._fp8_held_raw(kv))
+    else:
+        codec_id, raw = format.Codec.LOSSLESS, bytes(codec._split_planes(kv))
+    payload = zstandard.ZstdCompressor(level=level, write_checksum=True).compress(raw)
+    h = format.ChunkHeader(
+        version=2, codec=codec_id, dtype=kv.dtype, fingerprint=blob.fingerprint, index=blob.index,
+        chain_hash=blob.chain_hash, parent_hash=blob.parent_hash, shape=codec.kv_shape(kv),
+        n_tokens=len(blob.tokens), summary_blocks=blob.summary.shape[2], raw_len=len(raw),
+        stored_len=len(payload), raw_crc=zlib.crc32(raw), stored_crc=zlib.crc32(payload),
+        meta_crc=zlib.crc32(meta),
+    )  # fmt: skip
+    return format.pack_header(h) + meta + payload
+
+
+def write_version2(root: Path, blobs: list[ChunkBlob]) -> None:
+    """Replaces the stored chunk files of `blobs` by the files format version 2 wrote."""
+    for b in blobs:
+        chunk_path(root, b.chain_hash).write_bytes(version2_file(b))

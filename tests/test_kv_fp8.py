@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import zstandard
 
 from kvflash.config import resolve_kv_dtype
 from kvflash.kernels._common import chunk_tokens, fp8_scales
@@ -19,6 +20,7 @@ from kvflash.models.loader import LoadedModel
 from kvflash.serve.snapshots import KVSnapshots
 from kvflash.storage import SnapshotStore, codec, format
 from kvflash.storage.errors import ChunkCorrupt
+from tests.store_util import version2_file
 from tests.test_kv_dtype import CFG, C, assert_host_round_trip, bits, engine, prompt, teacher_forced, turn
 from tests.tiny import tiny_model
 
@@ -63,13 +65,15 @@ def test_fp8_round_trips_bit_exact_through_host_tier_and_store(lm, tmp_path) -> 
         fp, hashes = snapshots.lookup(kv.seq.tokens, C, approximate=True)
         assert len(hashes) == n
         head = store.read_header(hashes[0])
-        assert (head.version, head.codec, head.dtype) == (2, codec.Codec.FP8, FP8)
+        assert (head.version, head.codec, head.dtype) == (3, codec.Codec.FP8, FP8)
         assert head.shape == (CFG.n_layers, 2, CFG.n_kv_heads, C, CFG.head_dim)
         raw = (
             fp8_scales(before[0]).contiguous().numpy().tobytes()
             + bits(before[0][..., :-1, :]).numpy().tobytes()
         )
-        assert (head.raw_len, head.raw_crc) == (len(raw), zlib.crc32(raw))  # as held, not rounded again
+        payload = store.chunk_file(hashes[0])[format.HEADER_SIZE + head.meta_len :]
+        held = zstandard.ZstdDecompressor().decompress(payload)
+        assert head.raw_len == len(raw) + head.extra_len and held[: len(raw)] == raw  # not rounded again
         for lazy in (False, True):
             dst = eng.new_sequence(8 * C)
             snapshots.restore(dst, fp, hashes, lazy, leases)
@@ -93,7 +97,8 @@ def test_fp8_codec_raw_bytes_are_the_held_scales_then_the_held_bytes() -> None:
 
 def test_old_version_1_files_still_read_and_fp8_needs_version_2(lm, tmp_path) -> None:
     """A bf16 chunk file written as version 1 (the format before fp8 KV) reads as before; a file
-    claiming fp8 KV in version 1, or fp8 KV in the lossless codec, is refused as damage."""
+    claiming fp8 KV in version 1, fp8 KV in the lossless codec, or lossless-bf16 before version 3,
+    is refused as damage."""
     eng = engine(lm, "bf16")
     kv = eng.new_sequence()
     eng.prefill(kv, prompt(2 * C + 1))
@@ -101,7 +106,7 @@ def test_old_version_1_files_still_read_and_fp8_needs_version_2(lm, tmp_path) ->
         snapshots = KVSnapshots(store, eng.fingerprint, prefetch=False)
         snapshots.save(kv, "doc")
         _, hashes = snapshots.lookup(kv.seq.tokens, C, approximate=False)
-        buf = bytearray(store.chunk_file(hashes[0]))
+        buf = bytearray(version2_file(store.read_chunk(hashes[0], eng.fingerprint)))
 
     def patched(version: int, codec_id: int, dtype: int) -> bytearray:
         out = bytearray(buf)
@@ -114,6 +119,8 @@ def test_old_version_1_files_still_read_and_fp8_needs_version_2(lm, tmp_path) ->
     for version, codec_id in ((1, 2), (2, 1)):
         with pytest.raises(ChunkCorrupt, match="with dtype 4"):
             format.parse_header(patched(version, codec_id, 4), len(buf), hashes[0])
+    with pytest.raises(ChunkCorrupt, match="codec 3 with dtype 1 in a version 2"):
+        format.parse_header(patched(2, 3, 1), len(buf), hashes[0])
 
 
 def test_fp8_and_bf16_snapshots_never_restore_as_each_other_and_restore_equals_cold(lm, tmp_path) -> None:

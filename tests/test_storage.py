@@ -44,6 +44,7 @@ from tests.store_util import (
     forkserver,
     make_chain,
     toks,
+    write_version2,
 )
 
 # chain hashes and the store's round trip
@@ -188,14 +189,31 @@ def test_summaries_are_read_without_the_kv(store) -> None:
         for name in ("index", "chain_hash", "parent_hash", "tokens"):
             assert getattr(g, name) == getattr(b, name)
         assert torch.equal(g.summary, b.summary)
-    # the chunk files' own sections (what a snapshot without a summaries file is read from)
+    # the chunk files (what a snapshot without a summaries file is read from): the summary comes
+    # back with the KV, so damage to either refuses it
+    got = store.chunk_summaries(hs, FP)
+    assert all(torch.equal(g.summary, b.summary) for g, b in zip(got, blobs, strict=True))
+    flip(chunk_path(store.root, hs[0]), -10)
+    with pytest.raises(ChunkCorrupt):
+        store.chunk_summaries(hs[:1], FP)
+    with pytest.raises(ForeignFingerprint):
+        store.read_summaries(hs, "fp-other")
+
+
+def test_version_2_files_read_their_summary_section_without_the_kv(store) -> None:
+    blobs = make_chain(toks(3))
+    hs = store.get_snapshot(store.put_snapshot("s", FP, blobs)).chunk_hashes
+    write_version2(store.root, blobs)
+    assert store.read_header(hs[0]).version == 2
+    got = store.chunk_summaries(hs, FP)
+    assert all(torch.equal(g.summary, b.summary) for g, b in zip(got, blobs, strict=True))
+    read = store.read_chunks_parallel(hs, FP)
+    assert all(torch.equal(bits(g.kv), bits(b.kv)) for g, b in zip(read, blobs, strict=True))
     flip(chunk_path(store.root, hs[0]), -10)  # payload: found when the KV itself is read
     assert store.chunk_summaries(hs[:1], FP)[0].tokens == blobs[0].tokens
     flip(chunk_path(store.root, hs[1]), format.HEADER_SIZE + 4 * C + 3)  # summary
     with pytest.raises(ChunkCorrupt, match="summary"):
         store.chunk_summaries(hs, FP)
-    with pytest.raises(ForeignFingerprint):
-        store.read_summaries(hs, "fp-other")
 
 
 def test_summaries_fill_out_rows_in_order_whatever_the_section_length(store) -> None:
@@ -220,7 +238,7 @@ def test_summary_blocks_round_trip(store, blocks) -> None:
     hs = store.get_snapshot(store.put_snapshot("s", FP, blobs)).chunk_hashes
     h = store.read_header(hs[0])
     assert h.summary_blocks == blocks and h.summary_shape == (L, H, blocks, D)
-    assert h.file_len == format.HEADER_SIZE + 4 * C + 4 * L * H * blocks * D + h.stored_len
+    assert h.version == 3 and h.file_len == format.HEADER_SIZE + 4 * C + h.stored_len  # summary in payload
     for got in (store.read_chunks_parallel(hs, FP), store.read_summaries(hs, FP)):
         assert all(torch.equal(g.summary, b.summary) for g, b in zip(got, blobs, strict=True))
 

@@ -3,6 +3,7 @@ that are refused when they do not add up."""
 
 from __future__ import annotations
 
+import math
 import zlib
 
 import pytest
@@ -32,8 +33,87 @@ def test_lossless_codec_is_bit_exact(dtype, level) -> None:
     flat = kv.view(-1)
     flat[:6] = torch.tensor([float("inf"), float("-inf"), float("nan"), -0.0, 1e-40, 0.0]).to(dtype)
     enc = codec.encode(kv, Codec.LOSSLESS, level)
-    out = codec.decode(enc.payload, Codec.LOSSLESS, dtype, tuple(kv.shape), enc.raw_len, enc.raw_crc)
+    assert enc.codec == (Codec.LOSSLESS_BF16 if dtype == torch.bfloat16 else Codec.LOSSLESS)
+    out = codec.decode(enc.payload, enc.codec, dtype, tuple(kv.shape), enc.raw_len, enc.raw_crc)
     assert out.dtype == dtype and torch.equal(bits(out), bits(kv))
+
+
+def _bf16(words: torch.Tensor) -> torch.Tensor:
+    return words.to(torch.int16).view(torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "every pattern",
+        "random bits",
+        "one channel spans every exponent",
+        "signs one way",
+        "zeros",
+        "odd shape",
+    ],
+)
+def test_lossless_bf16_is_bit_exact_on_adversarial_kv(case) -> None:
+    """Every bf16 bit pattern (NaNs, infinities, subnormals, -0), channels whose exponents lie
+    further apart than a head spans (escapes), all-one signs and odd axes come back bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    shape = {"every pattern": (4, 2, 2, 64, 64), "odd": (3, 2, 1, 5, 3)}.get(case, (2, 2, 3, 16, 8))
+    n = math.prod(shape)
+    words = torch.randint(-(1 << 15), 1 << 15, (n,), generator=g, dtype=torch.int32)
+    if case == "every pattern":
+        words = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32)
+    elif case == "one channel spans every exponent":
+        words = torch.randint(0, 1 << 7, (n,), generator=g, dtype=torch.int32)
+        words[:: shape[-1]] |= torch.arange(0, n, shape[-1]) % 256 << 7  # channel 0: exponents 0..255
+    elif case == "signs one way":
+        words = torch.randint(0, 1 << 15, (n,), generator=g, dtype=torch.int32) | -(1 << 15)
+    elif case == "zeros":
+        words = torch.zeros(n, dtype=torch.int32)
+    kv = _bf16(words).reshape(shape)
+    enc = codec.encode(kv, Codec.LOSSLESS)
+    assert enc.codec == Codec.LOSSLESS_BF16
+    out = codec.decode(enc.payload, enc.codec, kv.dtype, shape, enc.raw_len, enc.raw_crc)
+    assert torch.equal(bits(out), bits(kv))
+
+
+def test_lossless_bf16_escapes_an_exponent_15_below_its_channels_largest() -> None:
+    """A channel's exponents 0..14 below its largest are in the heads; 15 and more below, each
+    costs one escape (5 raw bytes)."""
+    shape = (1, 2, 1, 4, 1)
+    exps = torch.tensor([130, 116, 115, 0, 130, 130, 130, 130])  # K: 0, 14, 15 and 130 below 130
+    kv = _bf16(exps << 7 | 0x55).reshape(shape)
+    enc = codec.encode(kv, Codec.LOSSLESS)
+    assert enc.raw_len == codec.raw_bounds(Codec.LOSSLESS_BF16, kv.dtype, shape)[0] + 2 * 5
+    out = codec.decode(enc.payload, enc.codec, kv.dtype, shape, enc.raw_len, enc.raw_crc)
+    assert torch.equal(bits(out), bits(kv))
+
+
+def test_lossless_bf16_refuses_escapes_that_do_not_add_up() -> None:
+    shape = (1, 2, 1, 4, 2)
+    least = codec.raw_bounds(Codec.LOSSLESS_BF16, torch.bfloat16, shape)[0]
+    for raw, match in (
+        (bytes(least + 3), "not 5 an escape"),
+        (bytes(least) + (1 << 20).to_bytes(4, "little") + b"\x80", "past the chunk"),
+    ):
+        payload = zstandard.ZstdCompressor(write_checksum=True).compress(raw)
+        with pytest.raises(ValueError, match=match):
+            codec.decode(payload, Codec.LOSSLESS_BF16, torch.bfloat16, shape, len(raw), zlib.crc32(raw))
+
+
+def test_lossless_bf16_holds_only_bf16() -> None:
+    assert not codec.fits(Codec.LOSSLESS_BF16, torch.float16)
+    assert codec.stored_as(Codec.LOSSLESS, torch.float16) == Codec.LOSSLESS
+    with pytest.raises(ValueError, match="does not hold"):
+        codec.decode(b"", Codec.LOSSLESS_BF16, torch.float16, (1, 2, 1, 1, 1), 1, 0)
+
+
+def test_the_old_lossless_codec_still_decodes_bf16() -> None:
+    """Chunk files before lossless-bf16 hold bf16 KV in byte planes (codec 1)."""
+    kv = kv_for(toks(1))
+    raw = bytes(codec._split_planes(kv))
+    payload = zstandard.ZstdCompressor(write_checksum=True).compress(raw)
+    out = codec.decode(payload, Codec.LOSSLESS, kv.dtype, tuple(kv.shape), len(raw), zlib.crc32(raw))
+    assert torch.equal(bits(out), bits(kv))
 
 
 def test_byte_planes_put_high_bytes_first() -> None:
@@ -47,7 +127,7 @@ def test_fp8_error_is_reported_and_bounded(dtype) -> None:
     kv[1, 0, 1] = 0  # an all-zero block keeps scale 1 and decodes to zeros
     kv[0, 1, 0] *= 1000  # blocks of very different magnitude each get their own scale
     enc = codec.encode(kv, Codec.FP8)
-    assert enc.raw_len == codec.raw_size(Codec.FP8, dtype, tuple(kv.shape))
+    assert enc.raw_len == codec.raw_bounds(Codec.FP8, dtype, tuple(kv.shape))[0]
     out = codec.decode(enc.payload, Codec.FP8, dtype, tuple(kv.shape), enc.raw_len, enc.raw_crc)
     err = codec.fp8_error(kv, out)
     assert err.shape == (L, 2, H)
@@ -83,7 +163,7 @@ def test_fp8_refuses_non_finite() -> None:
 
 def test_decode_refuses_a_frame_larger_than_the_header_says() -> None:
     kv = kv_for(toks(1))
-    raw = codec.raw_size(Codec.LOSSLESS, kv.dtype, tuple(kv.shape))
+    raw = codec.raw_bounds(Codec.LOSSLESS, kv.dtype, tuple(kv.shape))[0]
     bigger = zstandard.ZstdCompressor().compress(bytes(raw * 64))
     with pytest.raises(ValueError, match="declares"):
         codec.decode(bigger, Codec.LOSSLESS, kv.dtype, tuple(kv.shape), raw, 0)
@@ -95,7 +175,7 @@ def test_frame_checksum_is_verified_and_old_frames_fall_back_to_the_raw_crc() ->
     """Frames carry zstd's content checksum, which replaces the raw crc32 on decode: a frame whose
     checksum disagrees with its content is refused even when the header's raw crc matches that
     content; a frame without one (older files) is still held to the raw crc."""
-    kv = torch.randn(2, 2, 1, 4, 8).bfloat16()
+    kv = torch.randn(2, 2, 1, 4, 8).half()
     enc = codec.encode(kv, Codec.LOSSLESS)
     assert zstandard.get_frame_parameters(enc.payload).has_checksum
     other = codec._split_planes(kv + 1)

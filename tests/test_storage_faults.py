@@ -18,10 +18,13 @@ from kvflash.storage import (
     SizeMismatch,
     SnapshotStore,
     UnsupportedVersion,
+    codec,
     format,
 )
+from kvflash.storage.codec import Codec
 from tests.store_util import (
     FP,
+    B,
     C,
     D,
     H,
@@ -42,7 +45,7 @@ CORRUPTIONS = {
     "payload byte": (lambda p: flip(p, -10), ChunkCorrupt, "payload"),
     "payload byte, mid-frame": (lambda p: flip(p, p.stat().st_size * 3 // 4), ChunkCorrupt, "payload"),
     "header byte": (lambda p: flip(p, 40), ChunkCorrupt, "header checksum"),
-    "token byte": (lambda p: flip(p, format.HEADER_SIZE + 1), ChunkCorrupt, "token/summary"),
+    "token byte": (lambda p: flip(p, format.HEADER_SIZE + 1), ChunkCorrupt, "chain hash"),
     "bad magic": (lambda p: flip(p, 0), ChunkCorrupt, "magic"),
     "truncated": (lambda p: p.write_bytes(p.read_bytes()[:-7]), SizeMismatch, "the file has"),
     "truncated header": (lambda p: p.write_bytes(p.read_bytes()[:50]), ChunkCorrupt, "truncated"),
@@ -64,17 +67,22 @@ CORRUPTIONS = {
         "3 summary blocks",
     ),
     "summary blocks 2**31": (lambda p: rewrite_header(p, summary_blocks=1 << 31), SizeMismatch, "summary"),
-    "summary blocks that divide C, file does not agree": (
+    "summary blocks that divide C, raw length does not agree": (  # the summary's residual is raw
         lambda p: rewrite_header(p, summary_blocks=C),
         SizeMismatch,
-        "the file has",
+        "raw length",
     ),
-    "shape and raw agree, file does not": (
-        lambda p: rewrite_header(p, shape=(L, 2, H, C, 4096), raw_len=L * 2 * H * C * 4096 * 2),
-        SizeMismatch,
-        "the file has",
+    "shape and raw agree, the frame does not": (  # refused before the raw length is allocated
+        lambda p: rewrite_header(p, shape=(L, 2, H, C, 4096), raw_len=_raw_len((L, 2, H, C, 4096))),
+        ChunkCorrupt,
+        "declares",
     ),
 }
+
+
+def _raw_len(shape: tuple[int, ...]) -> int:
+    """The least raw length of a bf16 chunk file of this shape: the KV's, then the summary's."""
+    return codec.raw_bounds(Codec.LOSSLESS_BF16, torch.bfloat16, shape)[0] + 4 * L * H * B * shape[4]
 
 
 @pytest.mark.parametrize("kind", list(CORRUPTIONS))

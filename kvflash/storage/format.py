@@ -1,4 +1,5 @@
-"""The chunk file (docs/FORMAT.md): a fixed little-endian header, token ids, summary, payload.
+"""The chunk file (docs/FORMAT.md): a fixed little-endian header, token ids, then the payload (and, in
+files before version 3, a summary section between them).
 
 `struct` and `numpy.frombuffer` only: a file from anywhere is data, never code. Every length in a
 header is checked against the shape and the file size before anything is allocated for it.
@@ -25,13 +26,15 @@ from kvflash.storage.errors import (
     SizeMismatch,
     UnsupportedVersion,
 )
+from kvflash.storage.key_means import key_means, residual, summary_of
 from kvflash.storage.names import MAX_FINGERPRINT, check_fingerprint
 
 MAGIC = b"KVFLCHNK"
-VERSION = 2
-"""Version 2 adds KV dtype 4 (fp8 e4m3, stored in the fp8 codec as held); a version 1 file reads as
-before and never holds it."""
-VERSIONS = (1, 2)
+VERSION = 3
+"""Version 2 adds KV dtype 4 (fp8 e4m3, stored in the fp8 codec as held); version 3 the
+lossless-bf16 codec and the summary kept as a residual in the payload (kvflash/storage/key_means.py)
+instead of a section of its own. Files of versions 1 and 2 read as before."""
+VERSIONS = (1, 2, 3)
 
 _PREFIX = struct.Struct("<8sH")
 _HEADER = struct.Struct(f"<8sHBB{MAX_FINGERPRINT}sQ32s32s5IIIQQIII")
@@ -73,11 +76,26 @@ class ChunkHeader:
     raw_crc: int
     stored_crc: int
     meta_crc: int
-    """crc32 of the token ids and summary sections."""
+    """crc32 of the token ids then the summary (version 3: the summary the payload gives back)."""
 
     @property
     def tokens_len(self) -> int:
         return 4 * self.n_tokens
+
+    @property
+    def summary_in_payload(self) -> bool:
+        """Version 3: the payload's raw bytes end with the summary's residual (no summary section)."""
+        return self.version >= 3
+
+    @property
+    def meta_len(self) -> int:
+        """Bytes between the header and the payload: token ids, and the summary before version 3."""
+        return self.tokens_len + (0 if self.summary_in_payload else self.summary_len)
+
+    @property
+    def extra_len(self) -> int:
+        """Raw bytes of the payload past the codec's: the summary's residual in version 3."""
+        return self.summary_len if self.summary_in_payload else 0
 
     @property
     def summary_shape(self) -> tuple[int, int, int, int]:
@@ -90,7 +108,7 @@ class ChunkHeader:
 
     @property
     def file_len(self) -> int:
-        return HEADER_SIZE + self.tokens_len + self.summary_len + self.stored_len
+        return HEADER_SIZE + self.meta_len + self.stored_len
 
     @property
     def kv_bytes(self) -> int:
@@ -99,30 +117,33 @@ class ChunkHeader:
 
 
 def encode_chunk(blob: ChunkBlob, codec_id: Codec, level: int) -> tuple[bytes, bytes, ChunkHeader]:
-    """(header + tokens + summary, payload, header): two buffers so the payload is never copied.
-    fp8 KV takes the fp8 codec whatever `codec_id` says (`codec.fits`)."""
-    if not codec.fits(codec_id, blob.kv.dtype):
-        codec_id = Codec.FP8
-    enc = codec.encode(blob.kv, codec_id, level)
-    meta = token_bytes(blob.tokens) + blob.summary.detach().cpu().contiguous().numpy().astype("<f4").tobytes()
+    """(header + tokens, payload, header): two buffers so the payload is never copied. The KV is
+    written in `codec.stored_as(codec_id, dtype)`; the summary rides in the payload as its residual
+    against the keys' block means."""
+    kv = blob.kv.detach().cpu().contiguous()
+    summary = blob.summary.detach().cpu().contiguous().numpy().astype("<f4")
+    tokens = token_bytes(blob.tokens)
+    exact = codec.exact(codec.stored_as(codec_id, kv.dtype), kv.dtype)
+    means = key_means(kv, summary.shape[2], exact)
+    enc = codec.encode(kv, codec_id, level, residual(summary, means))
     h = ChunkHeader(
         version=VERSION,
-        codec=codec_id,
-        dtype=blob.kv.dtype,
+        codec=enc.codec,
+        dtype=kv.dtype,
         fingerprint=blob.fingerprint,
         index=blob.index,
         chain_hash=blob.chain_hash,
         parent_hash=blob.parent_hash,
-        shape=codec.kv_shape(blob.kv),
+        shape=codec.kv_shape(kv),
         n_tokens=len(blob.tokens),
-        summary_blocks=blob.summary.shape[2],
+        summary_blocks=summary.shape[2],
         raw_len=enc.raw_len,
         stored_len=len(enc.payload),
         raw_crc=enc.raw_crc,
         stored_crc=zlib.crc32(enc.payload),
-        meta_crc=zlib.crc32(meta),
+        meta_crc=zlib.crc32(summary, zlib.crc32(tokens)),
     )
-    return pack_header(h) + meta, enc.payload, h
+    return pack_header(h) + tokens, enc.payload, h
 
 
 def pack_header(h: ChunkHeader) -> bytes:
@@ -159,7 +180,8 @@ def parse_header(buf: bytes | memoryview, file_len: int, chunk_hash: str) -> Chu
     if codec_id not in Codec._value2member_map_ or dtype_code not in codec.DTYPES_BY_CODE:
         raise ChunkCorrupt(chunk_hash, f"unknown codec {codec_id} or dtype {dtype_code}")
     dtype = codec.DTYPES_BY_CODE[dtype_code]
-    if not codec.fits(Codec(codec_id), dtype) or (dtype == codec.FP8 and f[1] < 2):
+    too_new = (dtype == codec.FP8 and f[1] < 2) or (codec_id == Codec.LOSSLESS_BF16 and f[1] < 3)
+    if not codec.fits(Codec(codec_id), dtype) or too_new:
         raise ChunkCorrupt(chunk_hash, f"codec {codec_id} with dtype {dtype_code} in a version {f[1]} file")
     h = ChunkHeader(
         version=f[1],
@@ -225,9 +247,9 @@ def _check_sizes(h: ChunkHeader, file_len: int, chunk_hash: str) -> None:
     b = h.summary_blocks
     if not 1 <= b <= MAX_SUMMARY_BLOCKS or h.shape[3] % b:
         raise SizeMismatch(chunk_hash, f"{b} summary blocks for a {h.shape[3]}-token chunk")
-    expected_raw = codec.raw_size(h.codec, h.dtype, h.shape)
-    if h.raw_len != expected_raw or expected_raw > MAX_RAW_BYTES:
-        raise SizeMismatch(chunk_hash, f"raw length {h.raw_len}, shape implies {expected_raw}")
+    least, most = (n + h.extra_len for n in codec.raw_bounds(h.codec, h.dtype, h.shape))
+    if not least <= h.raw_len <= most or h.raw_len > MAX_RAW_BYTES:
+        raise SizeMismatch(chunk_hash, f"raw length {h.raw_len}, shape implies {least}..{most}")
     if h.stored_len > stored_bound(h.raw_len):
         raise SizeMismatch(chunk_hash, f"stored length {h.stored_len} exceeds any zstd output of the raw")
     if h.file_len != file_len:
@@ -254,12 +276,13 @@ def check_identity(
 
 def decode_meta(
     h: ChunkHeader, meta: bytes | memoryview, chunk_hash: str, out: torch.Tensor | None = None
-) -> tuple[list[int], torch.Tensor]:
-    """Token ids and summary from their two sections, checked by their checksum and the chain hash.
-    The summary goes into `out` (fp32 CPU, of the header's summary shape) when given."""
-    if len(meta) != h.tokens_len + h.summary_len:
+) -> tuple[list[int], torch.Tensor | None]:
+    """Token ids, checked by the chain hash, and the summary where the file has a section for it
+    (before version 3; checked by the meta crc, and put into `out`, fp32 CPU of the header's summary
+    shape, when given). A version 3 file's summary comes with its payload: None."""
+    if len(meta) != h.meta_len:
         raise ChunkCorrupt(chunk_hash, "truncated token/summary sections")
-    if zlib.crc32(meta) != h.meta_crc:
+    if not h.summary_in_payload and zlib.crc32(meta) != h.meta_crc:
         raise ChunkCorrupt(chunk_hash, "token/summary checksum mismatch")
     view = memoryview(meta)
     if chain_digest(bytes.fromhex(h.parent_hash), h.fingerprint, view[: h.tokens_len]) != h.chain_hash:
@@ -267,23 +290,37 @@ def decode_meta(
     tokens = np.frombuffer(view, dtype="<i4", count=h.n_tokens).tolist()
     if min(tokens) < 0:  # on a list of a chunk's tokens, cheaper than a numpy reduction
         raise ChunkCorrupt(chunk_hash, "negative token id")
+    if out is not None and tuple(out.shape) != h.summary_shape:
+        raise ChunkMismatch(chunk_hash, f"summary shape {list(h.summary_shape)}, expected {list(out.shape)}")
+    if h.summary_in_payload:
+        return tokens, None
     summary = np.frombuffer(view, dtype="<f4", offset=h.tokens_len).reshape(h.summary_shape)
     if out is None:
         return tokens, torch.from_numpy(summary.copy())
-    if tuple(out.shape) != h.summary_shape:
-        raise ChunkMismatch(chunk_hash, f"summary shape {list(h.summary_shape)}, expected {list(out.shape)}")
     np.copyto(out.numpy(), summary)
     return tokens, out
 
 
+def _payload_summary(
+    h: ChunkHeader, kv: torch.Tensor, extra: bytearray, tokens: memoryview, chunk_hash: str
+) -> torch.Tensor:
+    """A version 3 file's summary: its residual (the payload's last raw bytes) on the decoded keys'
+    block means, checked by the meta crc."""
+    summary = summary_of(extra, key_means(kv, h.summary_blocks, codec.exact(h.codec, h.dtype)))
+    if zlib.crc32(summary, zlib.crc32(tokens)) != h.meta_crc:
+        raise ChunkCorrupt(chunk_hash, "token/summary checksum mismatch")
+    return torch.from_numpy(summary)
+
+
 def check_file(buf: bytes | memoryview, chunk_hash: str) -> ChunkHeader:
     """A whole chunk file's header, sections, chain hash and payload checksum, without decoding its
-    KV: what a copy of the file from one store to another checks."""
+    KV: what a copy of the file from one store to another checks (a version 3 summary, in the
+    payload, is checked by the payload's crc here and by the meta crc where it is decoded)."""
     h = parse_header(buf, len(buf), chunk_hash)
     if h.chain_hash != chunk_hash:
         raise ChunkCorrupt(chunk_hash, f"file holds chunk {h.chain_hash[:16]}")
     view = memoryview(buf)
-    meta_end = HEADER_SIZE + h.tokens_len + h.summary_len
+    meta_end = HEADER_SIZE + h.meta_len
     decode_meta(h, view[HEADER_SIZE:meta_end], chunk_hash)
     if zlib.crc32(view[meta_end:]) != h.stored_crc:
         raise ChunkCorrupt(chunk_hash, "payload checksum mismatch")
@@ -311,13 +348,16 @@ def decode_chunk(
     h = parse_header(buf, len(buf), chunk_hash)
     check_identity(h, chunk_hash, expect_fingerprint, expect_shape, expect_dtype)
     view = memoryview(buf)
-    meta_end = HEADER_SIZE + h.tokens_len + h.summary_len
+    meta_end = HEADER_SIZE + h.meta_len
     tokens, summary = decode_meta(h, view[HEADER_SIZE:meta_end], chunk_hash)
     payload = view[meta_end:]
     if (stored_crc or not codec.frame_checksummed(payload)) and zlib.crc32(payload) != h.stored_crc:
         raise ChunkCorrupt(chunk_hash, "payload checksum mismatch")
+    extra = bytearray(h.extra_len) if h.summary_in_payload else None
     try:
-        kv = codec.decode(payload, h.codec, h.dtype, h.shape, h.raw_len, h.raw_crc, out)
+        kv = codec.decode(payload, h.codec, h.dtype, h.shape, h.raw_len, h.raw_crc, out, extra)
     except ValueError as e:
         raise ChunkCorrupt(chunk_hash, f"payload: {e}") from None
+    if summary is None:
+        summary = _payload_summary(h, kv, extra, view[HEADER_SIZE:meta_end], chunk_hash)
     return ChunkBlob(h.fingerprint, h.index, h.chain_hash, h.parent_hash, tokens, summary, kv)

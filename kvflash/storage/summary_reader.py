@@ -2,9 +2,9 @@
 lookup of stored documents read up front.
 
 They come from one summaries file (kvflash/storage/summaries.py) where a snapshot's chain starts with
-the chunks asked for, else from the token and summary sections of each chunk file. A summaries file
-only ever spares reads: one that is missing or fails a check marks nothing, and the chunk files
-answer instead.
+the chunks asked for, else from each chunk file: its token and summary sections, or (version 3) its
+token ids and whole payload, decoded. A summaries file only ever spares reads: one that is missing
+or fails a check marks nothing, and the chunk files answer instead.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ class SummaryReader:
         self, hashes: Sequence[str], expect_fingerprint: str, out: torch.Tensor | None = None
     ) -> list[ChunkSummary]:
         """Token ids and key summaries without the KV: from one summaries file where a snapshot's
-        chain starts with `hashes` (`chain_summaries`), else from each chunk file's sections (a few
-        percent of it; `chunk_summaries`). `out`, contiguous fp32 `[len(hashes), L, Hkv, B, D]` on
+        chain starts with `hashes` (`chain_summaries`), else from each chunk file
+        (`chunk_summaries`). `out`, contiguous fp32 `[len(hashes), L, Hkv, B, D]` on
         the CPU, receives the summaries in order."""
         if out is not None:
             assert out.dtype == torch.float32 and out.device.type == "cpu" and len(out) == len(hashes)
@@ -105,7 +105,7 @@ class SummaryReader:
             buf, size = self.backend.get_range(h, 0, HEADER_SIZE + self._meta_len_hint)
             header = parse_header(buf, size, h)
             check_identity(header, h, fp)
-            end = HEADER_SIZE + header.tokens_len + header.summary_len
+            end = HEADER_SIZE + header.meta_len
             if len(buf) < end:
                 more, _ = self.backend.get_range(h, len(buf), end - len(buf))
                 buf += more
@@ -114,6 +114,10 @@ class SummaryReader:
         except ChunkError as e:
             self.chunks.mark(e)
             raise
+        if summary is None:  # version 3: the summary comes back with the KV
+            summary = self.chunks.load(h, fp=fp).summary
+            if out is not None:
+                summary = out.copy_(summary)
         return ChunkSummary(header.index, h, header.parent_hash, tokens, summary)
 
     def has_summaries(self, fp: str, hashes: Sequence[str]) -> bool:
