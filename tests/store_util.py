@@ -106,7 +106,7 @@ def version2_file(blob: ChunkBlob, level: int = 1) -> bytes:
     if kv.dtype == torch.float8_e4m3fn:
         codec_id, raw = format.Codec.FP8, bytes(codec._fp8_held_raw(kv))
     else:
-        codec_id, raw = format.Codec.LOSSLESS, bytes(codec._split_planes(kv))
+        codec_id, raw = format.Codec.LOSSLESS, bytes(codec.split_planes(kv))
     payload = zstandard.ZstdCompressor(level=level, write_checksum=True).compress(raw)
     h = format.ChunkHeader(
         version=2, codec=codec_id, dtype=kv.dtype, fingerprint=blob.fingerprint, index=blob.index,

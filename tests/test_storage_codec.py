@@ -110,7 +110,7 @@ def test_lossless_bf16_holds_only_bf16() -> None:
 def test_the_old_lossless_codec_still_decodes_bf16() -> None:
     """Chunk files before lossless-bf16 hold bf16 KV in byte planes (codec 1)."""
     kv = kv_for(toks(1))
-    raw = bytes(codec._split_planes(kv))
+    raw = bytes(codec.split_planes(kv))
     payload = zstandard.ZstdCompressor(write_checksum=True).compress(raw)
     out = codec.decode(payload, Codec.LOSSLESS, kv.dtype, tuple(kv.shape), len(raw), zlib.crc32(raw))
     assert torch.equal(bits(out), bits(kv))
@@ -118,7 +118,7 @@ def test_the_old_lossless_codec_still_decodes_bf16() -> None:
 
 def test_byte_planes_put_high_bytes_first() -> None:
     kv = torch.tensor([0x1234, 0x5678], dtype=torch.int16).view(torch.float16).reshape(1, 2, 1, 1, 1)
-    assert codec._split_planes(kv) == bytes([0x12, 0x56, 0x34, 0x78])
+    assert codec.split_planes(kv) == bytes([0x12, 0x56, 0x34, 0x78])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -178,7 +178,7 @@ def test_frame_checksum_is_verified_and_old_frames_fall_back_to_the_raw_crc() ->
     kv = torch.randn(2, 2, 1, 4, 8).half()
     enc = codec.encode(kv, Codec.LOSSLESS)
     assert zstandard.get_frame_parameters(enc.payload).has_checksum
-    other = codec._split_planes(kv + 1)
+    other = codec.split_planes(kv + 1)
     forged = zstandard.ZstdCompressor(write_checksum=True).compress(other)
     bad = bytearray(forged)
     bad[-1] ^= 0xFF  # the frame's checksum no longer matches its content

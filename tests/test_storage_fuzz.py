@@ -29,6 +29,7 @@ from kvflash.storage.summaries import (
     entry_crc,
     pack_head,
     parse_summaries_header,
+    summary_frame,
 )
 
 FP = "fp-fuzz"
@@ -55,14 +56,16 @@ def _summaries_file() -> tuple[bytes, list[str]]:
     for i in range(3):
         summary = torch.randn((2, 2, 4, 8), generator=g)
         blob = ChunkBlob.build(FP, i, parent, list(range(16 * i, 16 * i + 16)), summary, torch.empty(0))
-        entries.append((token_bytes(blob.tokens), summary.numpy().astype("<f4").tobytes()))
+        entries.append((token_bytes(blob.tokens), summary))
         parent = blob.chain_hash
         hashes.append(parent)
-    head = pack_head(FP, parent, 16, (2, 2, 4, 8), [entry_crc(t, s) for t, s in entries])
-    return head + b"".join(t for t, _ in entries) + b"".join(s for _, s in entries), hashes
+    crcs = [entry_crc(t, s.numpy().tobytes()) for t, s in entries]
+    frames = [summary_frame(s, 1) for _, s in entries]
+    head = pack_head(FP, parent, 16, (2, 2, 4, 8), crcs, [len(f) for f in frames])
+    return head + b"".join(t for t, _ in entries) + b"".join(frames), hashes
 
 
-FILES = {c: _file(c) for c in (Codec.LOSSLESS, Codec.FP8)}
+FILES = {c: _file(c) for c in (Codec.LOSSLESS, Codec.FP8)}  # bf16 KV: lossless-bf16 and fp8
 SUMMARIES, CHAIN = _summaries_file()
 ORIGINAL = {c: decode_chunk(data, h, FP) for c, (data, h) in FILES.items()}
 CODECS = st.sampled_from(list(FILES))
@@ -146,7 +149,7 @@ def _summaries_refused(data: bytes) -> None:
             check_summaries_file(data, CHAIN[-1], FP, CHAIN)
         with pytest.raises(ChunkError):
             read = HeadRead(CHAIN[-1], FP, CHAIN, None)
-            for at, dest in read.plan(memoryview(data)[:SUMMARIES_HEADER_SIZE], len(data)):
+            for at, dest in read.plan(memoryview(data)[: read.head_len], len(data)):
                 dest[:] = data[at : at + len(dest)]
             read.check_tokens()
             read.check_entries(0, len(CHAIN))

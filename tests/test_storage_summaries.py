@@ -9,17 +9,21 @@ redis-server."""
 from __future__ import annotations
 
 import shutil
+import zlib
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 
 from kvflash.serve.prefix_cache import PrefixCache
 from kvflash.serve.snapshots import KVSnapshots
-from kvflash.storage import SnapshotStore
+from kvflash.storage import SnapshotStore, summaries
+from kvflash.storage.chunk import token_bytes
+from kvflash.storage.format import with_crc
 from kvflash.storage.local_backend import LocalDirBackend
 from kvflash.storage.redis_store import RedisStore
-from kvflash.storage.summaries import SUMMARIES_HEADER_SIZE
+from kvflash.storage.summaries import SUMMARIES_HEADER_SIZE, entry_crc
 from kvflash.storage.tiered import TieredStore
 from tests.store_util import FP, C, bits, make_chain, toks
 from tests.test_restore import FP as MODEL_FP
@@ -90,6 +94,31 @@ def test_a_snapshots_summaries_are_one_read_of_one_file_straight_into_the_rows(s
     assert calls == {"get_summaries": 1} and same(head, got[:7])
 
 
+def version1_file(blobs) -> bytes:
+    """The summaries file format version 1 wrote: header, checksum table, token ids, summaries as
+    they are."""
+    tokens = [token_bytes(b.tokens) for b in blobs]
+    rows = [b.summary.numpy().astype("<f4").tobytes() for b in blobs]
+    table = np.asarray([entry_crc(t, r) for t, r in zip(tokens, rows, strict=True)], dtype="<u4").tobytes()
+    shape = tuple(blobs[0].summary.shape)
+    last = blobs[-1].chain_hash
+    fields = (summaries.MAGIC, 1, FP.encode(), bytes.fromhex(last), len(blobs), C, *shape, zlib.crc32(table))
+    return with_crc(summaries._HEADER.pack(*fields)) + table + b"".join(tokens) + b"".join(rows)
+
+
+def test_a_version_1_file_reads_as_before_and_version_2_is_smaller(store) -> None:
+    blobs = make_chain(toks(8))
+    hs = hashes_of(blobs)
+    store.put_snapshot("doc", FP, blobs)
+    path = sums_path(store, hs[-1])
+    old = version1_file(blobs)
+    assert path.stat().st_size < 0.8 * len(old)  # block means of bf16 keys: low bytes mostly zero
+    path.write_bytes(old)
+    got, calls = reads(store, hs[:5])
+    assert calls == {"get_summaries": 1} and same(got, store.chunk_summaries(hs[:5], FP))
+    assert store.verify().summaries == []
+
+
 def test_a_grown_chain_reads_its_prefix_from_the_file_of_the_snapshot_it_extends(store) -> None:
     first, longer = make_chain(toks(6)), make_chain(toks(9))
     store.put_snapshot("turn 1", FP, first)
@@ -131,10 +160,10 @@ def _damage(store: SnapshotStore, kind: str, blobs, other) -> str:
     path = sums_path(store, last)
     size = path.stat().st_size
     if kind == "summary bit":
-        flip(path, size - 5)
-        return "entry 4 checksum mismatch"
+        flip(path, size - 5)  # inside entry 4's frame
+        return "entry 4: zstd"
     if kind == "token bit":
-        flip(path, SUMMARIES_HEADER_SIZE + 4 * 5 + 4 * C + 2)  # entry 1's ids
+        flip(path, SUMMARIES_HEADER_SIZE + 12 * 5 + 4 * C + 2)  # entry 1's ids
         return "entry 1 is not chunk"
     if kind == "header bit":
         flip(path, 30)
@@ -144,7 +173,7 @@ def _damage(store: SnapshotStore, kind: str, blobs, other) -> str:
         return "checksum table mismatch"
     if kind == "truncated":
         path.write_bytes(path.read_bytes()[: size - 100])
-        return "the file has"
+        return "past the file"
     if kind == "missing":
         path.unlink()
         return "file missing"

@@ -139,12 +139,12 @@ def encode(
     elif codec == Codec.LOSSLESS_BF16:
         parts = _bf16_parts(kv)
     else:
-        parts = [_split_planes(kv) if codec == Codec.LOSSLESS else _fp8_raw(kv)]
+        parts = [split_planes(kv) if codec == Codec.LOSSLESS else _fp8_raw(kv)]
     parts.append(extra)
-    return Encoded(codec, *_compress(parts, level))
+    return Encoded(codec, *compress_parts(parts, level))
 
 
-def _compress(parts: list, level: int) -> tuple[bytes, int, int]:
+def compress_parts(parts: list, level: int) -> tuple[bytes, int, int]:
     """(one zstd frame of the parts, raw length, raw crc32). Each part ends a zstd block, so a part
     gets Huffman tables of its own: a block shared by two parts codes both with one table."""
     views = [memoryview(p).cast("B") for p in parts]
@@ -223,6 +223,21 @@ def decode(
     return out
 
 
+def unpack_planes(frame: bytes | memoryview, out: torch.Tensor) -> None:
+    """A frame of byte planes (`split_planes`) into `out`, a contiguous CPU tensor of the size the
+    frame must declare (ValueError otherwise, or on any zstd error)."""
+    n = out.numel() * out.element_size()
+    try:
+        if zstandard.get_frame_parameters(frame).content_size != n:
+            raise ValueError(f"a frame that does not declare {n} bytes")
+        raw = _decompressor().decompress(frame, max_output_size=n)
+    except zstandard.ZstdError as e:
+        raise ValueError(f"zstd: {e}") from None
+    if len(raw) != n:
+        raise ValueError(f"a frame of {len(raw)} bytes, expected {n}")
+    _merge_planes(memoryview(raw), _as_uint(out))
+
+
 def frame_checksummed(payload: bytes | memoryview) -> bool:
     """Whether the payload's zstd frame declares a content checksum (False if no frame parses)."""
     try:
@@ -242,7 +257,7 @@ def _scratch(name: str, n: int) -> memoryview:
     return memoryview(buf)[:n]
 
 
-def _split_planes(kv: torch.Tensor) -> memoryview:
+def split_planes(kv: torch.Tensor) -> memoryview:
     """kv's words as byte planes, most significant first, written by numpy into this thread's
     scratch buffer (a server's store threads encode beside its scheduler: the shifts release the
     interpreter, where a copy of each plane into bytes and their join held it)."""

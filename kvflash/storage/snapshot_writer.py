@@ -26,7 +26,7 @@ from kvflash.storage.errors import ChunkMissing, InvalidChunk, StoreError
 from kvflash.storage.format import check_file, encode_chunk
 from kvflash.storage.names import check_fingerprint, check_hash, check_label, check_snapshot_id
 from kvflash.storage.records import ChunkRow, Snapshot
-from kvflash.storage.summaries import check_summaries_file, entry_crc, pack_head
+from kvflash.storage.summaries import check_summaries_file, entry_crc, pack_head, summary_frame
 from kvflash.storage.summary_reader import SummaryReader
 from kvflash.storage.workers import StoreWorkers, WorkerFailed
 
@@ -212,14 +212,16 @@ class SnapshotWriter:
         self, fp: str, last: str, entries: list[tuple[list[int], torch.Tensor]]
     ) -> list[bytes | memoryview]:
         """The summaries file of a chain ending at `last`, as parts to write; the entries' checksums
-        are computed on the pool."""
+        and frames are made on the pool."""
         tokens = [token_bytes(t) for t, _ in entries]
         rows = [_f32_bytes(s) for _, s in entries]
         shape = tuple(entries[0][1].shape)
         if any(len(t) != len(tokens[0]) for t in tokens) or any(s.shape != shape for _, s in entries):
             raise InvalidChunk("the chain's chunks differ in length or summary shape")
         crcs = self.threads.map(lambda i: entry_crc(tokens[i], rows[i]), len(entries))
-        return [pack_head(fp, last, len(entries[0][0]), shape, crcs), *tokens, *rows]
+        frames = self.threads.map(lambda i: summary_frame(entries[i][1], self.level), len(entries))
+        lens = [len(f) for f in frames]
+        return [pack_head(fp, last, len(entries[0][0]), shape, crcs, lens), *tokens, *frames]
 
     def copy_in(
         self,

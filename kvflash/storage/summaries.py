@@ -10,8 +10,11 @@ from the chunk files finds them again under the chains it recovers.
 
 Any head of the file can be read alone: each entry carries the crc32 of its token ids and summary
 (the chunk file's meta crc), and the token ids must give the chain hashes the reader asked for. So
-a prompt that shares a prefix with a snapshot reads that prefix's entries only. `struct` and
-`numpy.frombuffer` only; every length is checked against the file size before it is read.
+a prompt that shares a prefix with a snapshot reads that prefix's entries only. Version 2 keeps each
+summary as a zstd frame of its fp32 byte planes (about 1.6x smaller: a mean of bf16 keys leaves the
+low mantissa bytes mostly zero) and a table of where each frame ends, right after the header, so a
+reader of m entries finds theirs in its first read. `struct` and `numpy.frombuffer` only; every
+length is checked against the file size before it is read.
 """
 
 from __future__ import annotations
@@ -26,13 +29,24 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvflash.storage import codec
 from kvflash.storage.chunk import chain_digest
 from kvflash.storage.errors import ChunkCorrupt, ChunkMismatch, ForeignFingerprint, SizeMismatch
-from kvflash.storage.format import MAX_DIMS, MAX_SUMMARY_BLOCKS, checked_fields, fingerprint_field, with_crc
+from kvflash.storage.format import (
+    MAX_DIMS,
+    MAX_SUMMARY_BLOCKS,
+    checked_fields,
+    fingerprint_field,
+    stored_bound,
+    with_crc,
+)
 from kvflash.storage.names import MAX_FINGERPRINT
 
 MAGIC = b"KVFLSUMS"
-VERSION = 1
+VERSION = 2
+"""Version 2 compresses each summary (a zstd frame) and places the frames by a table of their ends;
+version 1 files, summaries as they are, read as before."""
+VERSIONS = (1, 2)
 
 _HEADER = struct.Struct(f"<8sH2x{MAX_FINGERPRINT}s32s7I")
 SUMMARIES_HEADER_SIZE = _HEADER.size + 4
@@ -43,6 +57,7 @@ floats on such a host; elsewhere summaries are read per chunk file (which conver
 
 @dataclass(frozen=True)
 class SummariesHeader:
+    version: int
     fingerprint: str
     last_hash: str
     n_chunks: int
@@ -50,7 +65,7 @@ class SummariesHeader:
     summary_shape: tuple[int, int, int, int]
     """[L, Hkv, B, D] of every entry's summary."""
     table_crc: int
-    """crc32 of the table of entry checksums."""
+    """crc32 of the table of entry checksums (version 2: of the table of frame ends, then it)."""
 
     @property
     def tokens_len(self) -> int:
@@ -63,8 +78,18 @@ class SummariesHeader:
         return 4 * math.prod(self.summary_shape)
 
     @property
+    def compressed(self) -> bool:
+        """Version 2: summaries as zstd frames placed by a table of their ends."""
+        return self.version >= 2
+
+    @property
+    def tables_len(self) -> int:
+        """Bytes of the table of frame ends (version 2) and the table of entry checksums."""
+        return (12 if self.compressed else 4) * self.n_chunks
+
+    @property
     def tokens_at(self) -> int:
-        return SUMMARIES_HEADER_SIZE + 4 * self.n_chunks
+        return SUMMARIES_HEADER_SIZE + self.tables_len
 
     @property
     def summaries_at(self) -> int:
@@ -72,7 +97,8 @@ class SummariesHeader:
 
     @property
     def file_len(self) -> int:
-        return self.summaries_at + self.n_chunks * self.summary_len
+        """Version 1's size; version 2's is the last frame's end, at least `summaries_at`."""
+        return self.summaries_at + (0 if self.compressed else self.n_chunks * self.summary_len)
 
 
 def entry_crc(tokens: bytes | memoryview, summary: bytes | memoryview) -> int:
@@ -81,16 +107,25 @@ def entry_crc(tokens: bytes | memoryview, summary: bytes | memoryview) -> int:
 
 
 def pack_head(
-    fingerprint: str, last_hash: str, chunk_tokens: int, summary_shape: Sequence[int], crcs: Sequence[int]
+    fingerprint: str,
+    last_hash: str,
+    chunk_tokens: int,
+    summary_shape: Sequence[int],
+    crcs: Sequence[int],
+    frame_lens: Sequence[int],
 ) -> bytes:
-    """Header and table of entry checksums: what precedes the entries' token ids and summaries."""
-    table = np.asarray(crcs, dtype="<u4").tobytes()
+    """Header, table of frame ends and table of entry checksums: what precedes the entries' token
+    ids and summary frames."""
+    n = len(crcs)
+    at = SUMMARIES_HEADER_SIZE + 12 * n + 4 * n * chunk_tokens
+    ends = (at + np.cumsum(np.asarray(frame_lens, dtype=np.uint64))).astype("<u8").tobytes()
+    table = ends + np.asarray(crcs, dtype="<u4").tobytes()
     body = _HEADER.pack(
         MAGIC,
         VERSION,
         fingerprint.encode("ascii"),
         bytes.fromhex(last_hash),
-        len(crcs),
+        n,
         chunk_tokens,
         *summary_shape,
         zlib.crc32(table),
@@ -98,11 +133,19 @@ def pack_head(
     return with_crc(body) + table
 
 
+def summary_frame(summary: torch.Tensor, level: int) -> bytes:
+    """A summary's zstd frame: its fp32 byte planes, most significant first, a block each."""
+    planes = codec.split_planes(summary.detach().cpu().contiguous().to(torch.float32))
+    size = len(planes) // 4
+    return codec.compress_parts([planes[j * size : (j + 1) * size] for j in range(4)], level)[0]
+
+
 def parse_summaries_header(buf: bytes | memoryview, file_len: int, name: str) -> SummariesHeader:
     """The header of the file named after chain `name`, checked against the file's size before any
     of the rest is read."""
-    f = checked_fields(buf, _HEADER, MAGIC, (VERSION,), "summaries file", name)
+    f = checked_fields(buf, _HEADER, MAGIC, VERSIONS, "summaries file", name)
     h = SummariesHeader(
+        version=f[1],
         fingerprint=fingerprint_field(f[2], name),
         last_hash=f[3].hex(),
         n_chunks=f[4],
@@ -119,9 +162,20 @@ def parse_summaries_header(buf: bytes | memoryview, file_len: int, name: str) ->
         raise SizeMismatch(name, f"implausible shape {shape} (n, C, L, Hkv, B, D)")
     if not 1 <= B <= MAX_SUMMARY_BLOCKS or h.chunk_tokens % B:
         raise SizeMismatch(name, f"{B} summary blocks for a {h.chunk_tokens}-token chunk")
-    if h.file_len != file_len:
+    most = h.file_len + (h.n_chunks * stored_bound(h.summary_len) if h.compressed else 0)
+    if not h.file_len <= file_len <= most or (file_len != h.file_len and not h.compressed):
         raise SizeMismatch(name, f"header implies {h.file_len} bytes, the file has {file_len}")
     return h
+
+
+def check_ends(h: SummariesHeader, ends: np.ndarray, file_len: int, name: str) -> None:
+    """Frame ends of a version 2 file's first entries: in order, each frame no longer than zstd's
+    bound for a summary, the last inside the file."""
+    starts = np.concatenate([[h.summaries_at], ends[:-1]]).astype(np.uint64)
+    if len(ends) and (
+        (ends < starts).any() or (ends - starts > stored_bound(h.summary_len)).any() or ends[-1] > file_len
+    ):
+        raise ChunkCorrupt(name, "summary frames out of order or past the file")
 
 
 def check_identity(
@@ -136,11 +190,12 @@ def check_identity(
         raise ChunkMismatch(name, f"summary shape {list(h.summary_shape)}, expected {list(shape)}")
 
 
-def check_table(h: SummariesHeader, table: bytes | memoryview, name: str) -> np.ndarray:
-    """The entries' checksums, once the table's own checksum matches."""
-    if zlib.crc32(table) != h.table_crc:
+def check_table(h: SummariesHeader, tables: bytes | memoryview, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(frame ends, entry checksums) once the tables' checksum matches (no frame ends in version 1)."""
+    if zlib.crc32(tables) != h.table_crc:
         raise ChunkCorrupt(name, "checksum table mismatch")
-    return np.frombuffer(table, dtype="<u4")
+    n = 8 * h.n_chunks if h.compressed else 0
+    return np.frombuffer(tables, dtype="<u8", count=n // 8), np.frombuffer(tables, dtype="<u4", offset=n)
 
 
 def check_chain(
@@ -177,6 +232,20 @@ def check_entries(
             raise ChunkCorrupt(name, f"entry {i} checksum mismatch")
 
 
+def unpack_frames(
+    h: SummariesHeader, ends: np.ndarray, frames: memoryview, rows: torch.Tensor, lo: int, hi: int, name: str
+) -> None:
+    """Version 2: entries lo..hi-1's frames (`frames` holds those of entries 0.. from `summaries_at`)
+    decoded into rows[lo:hi]."""
+    starts = np.concatenate([[h.summaries_at], ends[:-1]]) - h.summaries_at
+    for i in range(lo, hi):
+        frame = frames[int(starts[i]) : int(ends[i]) - h.summaries_at]
+        try:
+            codec.unpack_planes(frame, rows[i])
+        except ValueError as e:
+            raise ChunkCorrupt(name, f"entry {i}: {e}") from None
+
+
 def check_summaries_file(
     buf: bytes | memoryview, name: str, fingerprint: str, hashes: Sequence[str]
 ) -> SummariesHeader:
@@ -186,39 +255,62 @@ def check_summaries_file(
     check_identity(h, name, fingerprint, len(hashes))
     if h.n_chunks != len(hashes):
         raise ChunkCorrupt(name, f"{h.n_chunks} chunks for a chain of {len(hashes)}")
-    table = check_table(h, view[SUMMARIES_HEADER_SIZE : h.tokens_at], name)
+    ends, table = check_table(h, view[SUMMARIES_HEADER_SIZE : h.tokens_at], name)
     tokens = view[h.tokens_at : h.summaries_at]
     check_chain(h, tokens, hashes, name)
-    check_entries(h, table, tokens, view[h.summaries_at :], 0, h.n_chunks, name)
+    summaries = view[h.summaries_at :]
+    if h.compressed:
+        check_ends(h, ends, len(view), name)
+        if ends[-1] != len(view):
+            raise SizeMismatch(name, f"the frames end at {ends[-1]}, the file has {len(view)} bytes")
+        rows = torch.empty((h.n_chunks, *h.summary_shape))
+        unpack_frames(h, ends, summaries, rows, 0, h.n_chunks, name)
+        summaries = byte_view(rows)
+    check_entries(h, table, tokens, summaries, 0, h.n_chunks, name)
     return h
 
 
 class HeadRead:
     """A read of the first len(hashes) entries of a summaries file: `plan` (a backend's ReadPlan)
-    lays out the destinations from the header, the summaries going straight into `rows`; the checks
-    then run on what was read."""
+    lays out the destinations from the head (`head_len`: the header and, in version 2, the first
+    entries' frame ends), the summaries of version 1 going straight into `rows`; the checks then
+    run on what was read."""
 
     def __init__(self, name: str, fingerprint: str, hashes: Sequence[str], out: torch.Tensor | None):
         self.name, self.fingerprint, self.hashes, self.out = name, fingerprint, hashes, out
+        self.head_len = SUMMARIES_HEADER_SIZE + 8 * len(hashes)
 
     def plan(self, head: memoryview, size: int) -> list[tuple[int, memoryview]]:
         n, out = len(self.hashes), self.out
         h = self.header = parse_summaries_header(head, size, self.name)
         check_identity(h, self.name, self.fingerprint, n, None if out is None else out.shape[1:])
         self.rows = out if out is not None else torch.empty((n, *h.summary_shape))
-        self.table, self.tokens = bytearray(4 * h.n_chunks), bytearray(n * h.tokens_len)
+        self.tables, self.tokens = bytearray(h.tables_len), bytearray(n * h.tokens_len)
+        if h.compressed:
+            if len(head) < self.head_len:
+                raise ChunkCorrupt(self.name, f"truncated: {len(head)} bytes")
+            self.head_ends = np.frombuffer(head, dtype="<u8", count=n, offset=SUMMARIES_HEADER_SIZE).copy()
+            check_ends(h, self.head_ends, size, self.name)
+            self.frames = bytearray(int(self.head_ends[-1]) - h.summaries_at)
+        summaries = memoryview(self.frames) if h.compressed else byte_view(self.rows)
         return [
-            (SUMMARIES_HEADER_SIZE, memoryview(self.table)),
+            (SUMMARIES_HEADER_SIZE, memoryview(self.tables)),
             (h.tokens_at, memoryview(self.tokens)),
-            (h.summaries_at, byte_view(self.rows)),
+            (h.summaries_at, summaries),
         ]
 
     def check_tokens(self) -> list[list[int]]:
-        """The checksum table and the entries' token ids (as `check_chain`)."""
-        self.crcs = check_table(self.header, self.table, self.name)
+        """The tables (whose frame ends must be those the plan placed) and the entries' token ids
+        (as `check_chain`)."""
+        self.ends, self.crcs = check_table(self.header, self.tables, self.name)
+        if self.header.compressed and not np.array_equal(self.ends[: len(self.hashes)], self.head_ends):
+            raise ChunkCorrupt(self.name, "the summaries file changed while it was read")
         return check_chain(self.header, self.tokens, self.hashes, self.name)
 
     def check_entries(self, lo: int, hi: int) -> None:
+        """Entries lo..hi-1: decoded (version 2) into their rows, then checked."""
+        if self.header.compressed:
+            unpack_frames(self.header, self.ends, memoryview(self.frames), self.rows, lo, hi, self.name)
         tokens, rows = memoryview(self.tokens), byte_view(self.rows)
         check_entries(self.header, self.crcs, tokens, rows, lo, hi, self.name)
 

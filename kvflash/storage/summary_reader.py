@@ -74,7 +74,7 @@ class SummaryReader:
         self, last: str, hashes: Sequence[str], fp: str, out: torch.Tensor | None
     ) -> list[ChunkSummary]:
         read = HeadRead(last, fp, hashes, out)
-        self.backend.get_summaries(last, SUMMARIES_HEADER_SIZE, read.plan)
+        self.backend.get_summaries(last, read.head_len, read.plan)
         tokens = read.check_tokens()
         n_runs = min(len(hashes), self.threads.n)
         bounds = [len(hashes) * i // n_runs for i in range(n_runs + 1)]
