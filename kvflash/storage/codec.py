@@ -3,8 +3,7 @@
 - lossless: byte planes (most significant byte of every element, then the next, ...), then zstd. The
   high bytes (sign, exponent) are highly repetitive while the low mantissa bytes are near-random, so
   splitting them lets zstd compress the first and store the second almost for free. fp16 and fp32
-  KV are stored so; bf16 KV in the next codec, which planes read as well (bf16 SmolLM2 KV, 4K tokens
-  of prose: 1.45x).
+  KV are stored so, and bf16 KV was before lossless-bf16 (bf16 SmolLM2 KV, 4K tokens of prose: 1.45x).
 - lossless-bf16: each element's exponent as its distance below its channel's largest (a channel
   being one (K/V, layer, kv-head, dim) across the chunk's tokens), in a byte with its sign (flipped
   by its channel's majority sign) and the top 3 mantissa bits; the low 4 mantissa bits of a K and a V
@@ -15,8 +14,9 @@
   that is fp8 already (`--kv-dtype fp8`, dtype code 4) is stored in this codec as it is held: its
   scales and bytes, no second rounding.
 
-The "raw" bytes of a codec are what zstd compresses: the planes, or the scales followed by the fp8
-bytes. Decoding never allocates more than the raw size the caller validated against the shape.
+The "raw" bytes of a codec are what zstd compresses: the planes, lossless-bf16's parts, or the scales
+followed by the fp8 bytes; each part ends a zstd block. Decoding never allocates more than the raw
+size the caller validated against the shape.
 """
 
 from __future__ import annotations
