@@ -83,7 +83,7 @@ def test_cli_commands(tmp_path) -> None:
         return json.loads(r.stdout) if code == 0 else {}
 
     facts = run("inspect", b)
-    assert facts["n_chunks"] == 3 and facts["header"]["codec"] == "lossless"
+    assert facts["n_chunks"] == 3 and facts["header"]["codec"] == "lossless_bf16"  # bf16 KV
     assert [c["refcount"] for c in facts["chunks"]] == [2, 2, 1]
     plan = run("prune", "--max-bytes", "10G", "--older-than", "7d", "--dry-run")
     assert plan["dry_run"] and plan["snapshots"] == []
