@@ -13,7 +13,9 @@ import zstandard
 from kvflash.storage import (
     codec,
 )
+from kvflash import kernels
 from kvflash.storage.codec import Codec
+from kvflash.storage.key_means import key_means
 from tests.store_util import (
     DTYPES,
     H,
@@ -187,3 +189,18 @@ def test_frame_checksum_is_verified_and_old_frames_fall_back_to_the_raw_crc() ->
     legacy = zstandard.ZstdCompressor(write_checksum=False).compress(other)
     with pytest.raises(ValueError, match="raw checksum"):
         codec.decode(legacy, Codec.LOSSLESS, kv.dtype, tuple(kv.shape), enc.raw_len, enc.raw_crc)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_key_means_are_the_engines_summaries_bit_for_bit_on_the_cpu(dtype) -> None:
+    """A chunk file stores its summary as the difference from these means: for 16-bit KV on a CPU
+    engine, at its runs of 16 tokens (64-token chunks, 4 summary blocks), it is zero, which keeps the
+    summary out of the chunk files' bytes (fp32 KV, where torch sums in another order, and other
+    devices leave a few bits in it)."""
+    torch.manual_seed(0)
+    pool = (torch.randn(3, 4, 2, 3, 64, 16) * torch.logspace(-3, 3, 16)).to(dtype)  # [slots, L, 2, H, C, D]
+    slots = torch.tensor([2, 0])
+    engine = kernels.reference.chunk_summaries(pool, slots, 4)
+    for i, s in enumerate(slots.tolist()):
+        means = torch.from_numpy(key_means(pool[s], 4))
+        assert torch.equal(means.view(torch.int32), engine[i].view(torch.int32))

@@ -2,9 +2,9 @@
 
 The summary is the engine's mean key of each of B equal runs of a chunk's tokens
 (`kernels.chunk_summaries`). A reader that has decoded the keys computes those means again, in a
-fixed order (fp32, token after token, then divided by the run length: on a CPU the engine's own
-result), so the difference carries bits only where the engine's arithmetic went another way (another
-summation order, on another device): a summary that took 4·L·Hkv·B·D bytes takes a few. The
+fixed order (fp32, token after token, then divided by the run length: for 16-bit KV on a CPU the
+engine's own result), so the difference carries bits only where the engine's arithmetic went another
+way (fp32 KV, another device): a summary that took 4·L·Hkv·B·D bytes takes a few. The
 difference is taken on the bit patterns, so any summary, NaN included, comes back bit for bit.
 """
 
@@ -26,9 +26,9 @@ def key_means(kv: torch.Tensor, blocks: int, exact: bool = True) -> np.ndarray:
     L, H, C, D = keys.shape
     runs = keys.reshape(L, H, blocks, C // blocks, D)
     with np.errstate(all="ignore"):  # inf and NaN keys sum as IEEE says; the difference keeps them
-        total = runs[:, :, :, 0].copy()
-        for t in range(1, C // blocks):
-            total += runs[:, :, :, t]
+        # a reduction over an axis that is not the innermost adds its slices in order, one after
+        # another (no pairwise summation): token after token, in one call
+        total = runs.sum(axis=3, dtype=np.float32)
         total /= np.float32(C // blocks)
     return total
 
