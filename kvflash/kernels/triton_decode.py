@@ -11,15 +11,18 @@ writes the output itself. bench/decode_tune.py times both merges side by side. W
 (positions within the cache) each chunk is scored against the query turned back by that chunk's
 rotation, one chunk per tile.
 
-An fp8 pool's tiles are loaded as e4m3 bytes, widened to fp16 in registers (exactly: e4m3 is a
-subset of fp16, and the GPU converts e4m3 pairs to fp16 pairs in one instruction where bf16 takes
-several) for fp16 dots, and their scales applied outside the dots. V is widened where it is loaded
-(`_load_e4m3_as_f16`: the second dot needs it transposed, which shared memory does for 16-bit tiles
-only). A tile of one chunk has one K and one V scale: the logits and the probability-weighted
-values are scaled once each, after their dots.
-A tile of several chunks scales each key column's logit by its chunk's K scale and each probability
-by its chunk's V scale before the second dot, those weights raised by `FP8_P_UP` (the output
-divided by it again) so that fp16 keeps small ones normal.
+An fp8 pool's tiles are loaded as e4m3 pairs and widened to fp16 pairs where they are loaded
+(exactly: e4m3 is a subset of fp16, and the GPU converts a pair in one instruction where bf16 takes
+several), then reach fp16 dots as a bf16 pool's tiles do (`_load_e4m3_as_f16`). A tile of one chunk
+has one K and one V scale: the K scale joins the score scale in the exponent's multiply-add, and the
+V scale (times `FP8_P_UP`) is an offset of the exponent, so the weights that meet V already carry it.
+A tile of several chunks scales each key column's logit by its chunk's K scale and each weight by
+its chunk's V scale before the second dot. Either way the weights are raised by `FP8_P_UP` (the
+output divided by it again) so that fp16 keeps small ones normal.
+Only a sequence's last block can hold unlisted chunks or unwritten tokens, so the blocks before it
+run without masks. What bounds an fp8 pool is shared memory, not issue: each e4m3 byte crosses it
+several times (copied in, read as a pair, written back as fp16 and read again by the dot:
+7.5 bytes of shared traffic a byte of KV at head_dim 64, against 3.1 for bf16).
 
 One module of some 600 lines: the split kernel, the two ways of merging its splits and the launch
 rule that picks the split count and tile are tuned together (bench/decode_tune.py times them as one).
@@ -151,78 +154,36 @@ def _decode_split_kernel(
         q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh + hd[None, :]
         qa = tl.load(q_rows, mask=(g < G)[:, None], other=0.0).to(tl.float32)
         qb = tl.load(q_rows + D // 2, mask=(g < G)[:, None], other=0.0).to(tl.float32)
-
-    t = tl.arange(0, CPI * C)
-    t_chunk = t // C
-    t_row = (t % C) * stride_tok
+        rot_row = rot_ptr + b * stride_rb
+    else:
+        qa = 0.0
+        qb = 0.0
+        rot_row = 0.0
     k_base = kv_ptr + layer_off + h * stride_head
+    sc_base = sc_ptr
     if FP8:
         sc_base = sc_ptr + (layer_off + h * stride_head) // 4  # the scale view starts C rows in
     m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D], tl.float32)
-    for blk in range(blk_lo, blk_hi):
-        ci = blk * CPI + t_chunk
-        valid = (ci < n - 1) | ((ci == n - 1) & (t % C < lv))
-        slot = tl.load(table_ptr + b * stride_tb + ci, mask=ci < n, other=0).to(tl.int64)
-        rows = slot * stride_slot + t_row
-        if SHIFTED:
-            qk = _shifted_qk(
-                qa,
-                qb,
-                rot_ptr + b * stride_rb + blk * D,
-                k_base + rows[:, None],
-                valid[:, None],
-                D,
-                F32_DOT,
-                PREC,
-                FP8,
-            )
-        else:
-            k = tl.load(k_base + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        if FP8 and not F32_DOT:
-            v = _load_e4m3_as_f16(k_base + stride_kv + rows, valid, D)
-        else:
-            v = tl.load(k_base + stride_kv + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        if FP8 and CPI == 1:  # one chunk a block: its two scales, applied to the dots' results
-            sc_one = sc_base + tl.load(table_ptr + b * stride_tb + blk).to(tl.int64) * stride_slot // 4
-            k_sc = tl.load(sc_one)
-            v_sc = tl.load(sc_one + stride_kv // 4)
-        elif FP8:  # each token's chunk's scales (one slot per chunk: cached after the first column)
-            sc_rows = sc_base + slot * stride_slot // 4
-            k_sc = tl.load(sc_rows, mask=valid, other=0.0)
-            v_sc = tl.load(sc_rows + stride_kv // 4, mask=valid, other=0.0)
-        if F32_DOT:
-            v = v.to(tl.float32)
-        if not SHIFTED:  # the order of the measured kernel: both loads issued before the dot
-            if F32_DOT:
-                k = k.to(tl.float32)
-            elif FP8:
-                k = k.to(tl.float16)
-            qk = tl.dot(q, tl.trans(k), input_precision=PREC)
-        if FP8 and CPI == 1:
-            qk = qk * (qk_scale * k_sc)
-        elif FP8:
-            qk = qk * k_sc[None, :] * qk_scale
-        else:
-            qk = qk * qk_scale
-        qk = tl.where(valid[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if FP8 and CPI > 1:
-            p = p * (v_sc * FP8_P_UP)[None, :]
-        pv = tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        if FP8 and CPI == 1:
-            pv = pv * v_sc
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
-
-    if FP8 and CPI > 1:
-        acc = acc * (1.0 / FP8_P_UP)
+    # Only the sequence's last block can hold unlisted chunks or unwritten tokens: the loop runs the
+    # blocks before it without masks (a mask costs a compare and a select a score), then that one.
+    last = n_blocks - 1
+    for blk in range(blk_lo, tl.minimum(blk_hi, last)):
+        m_i, l_i, acc = _attend_block(
+            q, qa, qb, m_i, l_i, acc, blk, n, lv, table_ptr + b * stride_tb, rot_row,
+            k_base, sc_base, qk_scale, stride_slot, stride_kv, stride_tok,
+            C, CPI, D, F32_DOT, PREC, SHIFTED, FP8, False,
+        )  # fmt: skip
+    if (blk_lo <= last) & (blk_hi > last):
+        m_i, l_i, acc = _attend_block(
+            q, qa, qb, m_i, l_i, acc, last, n, lv, table_ptr + b * stride_tb, rot_row,
+            k_base, sc_base, qk_scale, stride_slot, stride_kv, stride_tok,
+            C, CPI, D, F32_DOT, PREC, SHIFTED, FP8, True,
+        )  # fmt: skip
     seen = l_i > 0
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    norm = l_i * FP8_P_UP if FP8 else l_i
+    out = acc / tl.where(seen, norm, 1.0)[:, None]
     if DIRECT:
         out_rows = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
         tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=(g < G)[:, None])
@@ -247,13 +208,100 @@ def _decode_split_kernel(
 
 
 @triton.jit
+def _attend_block(
+    q, qa, qb, m_i, l_i, acc, blk, n, lv, table_row, rot_row, k_base, sc_base, qk_scale,
+    stride_slot, stride_kv, stride_tok,
+    C: tl.constexpr, CPI: tl.constexpr, D: tl.constexpr, F32_DOT: tl.constexpr, PREC: tl.constexpr,
+    SHIFTED: tl.constexpr, FP8: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    """One block of CPI chunks folded into the running maximum `m_i`, sum `l_i` and output `acc`.
+    Scores are scaled inside the exponent's multiply-add, and for a block of one fp8 chunk so are
+    its V scale and FP8_P_UP (as an offset of the exponent), so that a score costs a max, a
+    multiply-add, an exp2 and a sum. `l_i` sums the unscaled weights; an fp8 `acc` carries
+    FP8_P_UP, which the caller divides out with the sum."""
+    t = tl.arange(0, CPI * C)
+    d = tl.arange(0, D)
+    ci = blk * CPI + t // C
+    if MASKED:
+        valid = (ci < n - 1) | ((ci == n - 1) & (t % C < lv))
+        slot = tl.load(table_row + ci, mask=ci < n, other=0).to(tl.int64)
+    else:
+        valid = tl.full([CPI * C], 1, tl.int1)
+        slot = tl.load(table_row + ci).to(tl.int64)
+    rows = slot * stride_slot + (t % C) * stride_tok
+    if SHIFTED:
+        qk = _shifted_qk(
+            qa, qb, rot_row + blk * D, k_base + rows[:, None], valid[:, None], D, F32_DOT, PREC, FP8
+        )
+    elif FP8 and not F32_DOT:
+        k = _load_e4m3_as_f16(k_base + rows, valid, D)
+    else:
+        k = tl.load(k_base + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+    if FP8 and not F32_DOT:
+        v = _load_e4m3_as_f16(k_base + stride_kv + rows, valid, D)
+    else:
+        v = tl.load(k_base + stride_kv + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+    if FP8 and CPI == 1:  # one chunk a block: its two scales
+        sc_one = sc_base + tl.load(table_row + blk).to(tl.int64) * stride_slot // 4
+        k_sc = tl.load(sc_one)
+        v_sc = tl.maximum(tl.load(sc_one + stride_kv // 4), 1.0e-30)  # log2 of it below
+    elif FP8:  # each token's chunk's scales (one slot per chunk: cached after the first column)
+        sc_rows = sc_base + slot * stride_slot // 4
+        k_sc = tl.load(sc_rows, mask=valid, other=0.0)
+        v_sc = tl.load(sc_rows + stride_kv // 4, mask=valid, other=0.0)
+    if F32_DOT:
+        v = v.to(tl.float32)
+    if not SHIFTED:  # the order of the measured kernel: both loads issued before the dot
+        if F32_DOT:
+            k = k.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+    if FP8 and CPI > 1:  # a scale a column: applied before the maximum
+        qk = qk * (k_sc * qk_scale)[None, :]
+        scale = 1.0
+    elif FP8:
+        scale = qk_scale * k_sc
+    else:
+        scale = qk_scale
+    if MASKED:
+        qk = tl.where(valid[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * scale)
+    alpha = tl.exp2(m_i - m_new)
+    if FP8 and CPI == 1:  # w = p x v_sc x FP8_P_UP
+        if F32_DOT:  # the interpreter runs no inline assembly
+            up = tl.log2(v_sc * FP8_P_UP)
+        else:
+            up = _lg2_approx(v_sc * FP8_P_UP)
+        w = tl.exp2(tl.fma(qk, scale, (up - m_new)[:, None]))
+        l_i = l_i * alpha + tl.sum(w, 1) * tl.exp2(-up)
+    else:
+        w = tl.exp2(tl.fma(qk, scale, -m_new[:, None]))
+        l_i = l_i * alpha + tl.sum(w, 1)
+        if FP8:
+            w = w * (v_sc * FP8_P_UP)[None, :]
+    acc = tl.dot(w.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _lg2_approx(x):
+    """log2 of a positive scalar in one instruction (2^-22 relative error; tl.log2 is a polynomial
+    of some twenty): the same x comes back as exp2 of it, so only their ratio must be exact."""
+    return tl.inline_asm_elementwise(
+        "lg2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
+    )
+
+
+@triton.jit
 def _load_e4m3_as_f16(row_ptrs, mask, D: tl.constexpr):
     """A [T, D] tile of e4m3 rows (starting at `row_ptrs`, 2-byte aligned) widened to fp16 where it
     is loaded, a pair of values at a time. Where the tile is the second dot's operand (V, whose rows
     run along the dot's inner dimension) it must be transposed, and the GPU transposes 16-bit tiles
     in shared memory (ldmatrix) but not 8-bit ones: left to the compiler, the e4m3 tile would be
     widened inside the dot's operand layout, read from shared memory one byte at a time. Widened
-    here, it reaches the dot as an fp16 tile, as a bf16 pool's does (and takes fewer registers)."""
+    here, it reaches the dot as an fp16 tile, as a bf16 pool's does (and takes fewer registers).
+    The tile leaves through an opaque move: Triton sizes a dot's operand registers (kWidth) by the
+    narrowest load it finds behind them, and seeing the pairs' join it would pick 8-bit operands,
+    whose fragments the GPU then reshuffles for every fp16 instruction (some 120 moves a tile)."""
     pairs = row_ptrs.to(tl.pointer_type(tl.int16))[:, None] + tl.arange(0, D // 2)[None, :]
     lo, hi = tl.inline_asm_elementwise(
         "{ .reg .b32 x; cvt.rn.f16x2.e4m3x2 x, $2; mov.b32 {$0, $1}, x; }",
@@ -263,7 +311,10 @@ def _load_e4m3_as_f16(row_ptrs, mask, D: tl.constexpr):
         is_pure=True,
         pack=1,
     )
-    return tl.reshape(tl.join(lo, hi), (lo.shape[0], D))  # value 2i + 1 is the high byte of pair i
+    tile = tl.reshape(tl.join(lo, hi), (lo.shape[0], D))  # value 2i + 1 is the high byte of pair i
+    return tl.inline_asm_elementwise(
+        "mov.b32 $0, $1;", "=r,r", [tile], dtype=tl.float16, is_pure=False, pack=2
+    )
 
 
 @triton.jit
@@ -406,11 +457,10 @@ def decode_launch(head_dim: int, batch: int, kv_bytes: int = 2) -> Launch:
     head_dim 64 keeps the two-kernel merge below batch 16 (the fused merge is slower there at every
     split count tried) and takes 128-token tiles from batch 2; at batch 2-8 five stages deep in one
     wave of two programs per SM. An fp8 pool from batch 16 takes 64-token tiles over two waves of
-    two-warp programs, merged in the split kernel (at 64K, batch 16 and 64: 52-66 % of copy bandwidth
-    at head_dim 64 and 57-62 % at 128, against 45-61 % with four warps and 40-60 % with 128-token
-    tiles). fp8 is bound by the instructions that widen and scale its tiles, not by memory, and two
-    warps issue fewer a tile than four (fewer cross-warp reductions: 1,270 against 1,660 in the
-    compiled loop at head_dim 64)."""
+    two-warp programs, merged in the split kernel (at 64K, batch 16 and 64: 51-66 % of copy bandwidth
+    at head_dim 64 and 58-60 % at 128; 59 % on average against 49 % with four warps and 56 % three
+    stages deep). Shared memory, not issue, bounds fp8 (the module's docstring says why): halving the
+    compiled loop's instructions (655 to 412 a warp a tile at head_dim 64) left its speed as it was."""
     if batch >= 16 and kv_bytes == 1:
         return Launch(BLOCK_TOKENS, 2, 2, True, warps=2)
     if head_dim >= 128 and batch >= 16:
