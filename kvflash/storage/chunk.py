@@ -86,8 +86,10 @@ class ChunkBlob:
     # Out of the repr: formatting a chunk's tensors is slow, and a blob is formatted wherever one
     # appears in a log line, a warning or a task's repr.
     tokens: list[int] = field(repr=False)
-    summary: torch.Tensor = field(repr=False)
-    """[L, Hkv, B, D] fp32: the mean key of each of B equal runs of the chunk's tokens (B divides C)."""
+    summary: torch.Tensor | None = field(repr=False)
+    """[L, Hkv, B, D] fp32: the mean key of each of B equal runs of the chunk's tokens (B divides C).
+    None where the chunk was read without it (`with_summary=False`: a restore takes its summaries
+    from the summaries file); a chunk to save needs one."""
     kv: torch.Tensor = field(repr=False)
 
     @property
@@ -111,7 +113,8 @@ class ChunkBlob:
         )
 
     def check(self) -> None:
-        """Shapes, dtypes and chain hash agree; raises InvalidChunk otherwise."""
+        """Shapes, dtypes and chain hash agree (the summary's where there is one); raises InvalidChunk
+        otherwise."""
         kv, s = self.kv, self.summary
         if kv.dim() != 5 or kv.shape[1] != 2:
             raise InvalidChunk(f"chunk {self.index}: kv must be [L, 2, Hkv, C, D], got {tuple(kv.shape)}")
@@ -121,13 +124,15 @@ class ChunkBlob:
         C -= kv.dtype == torch.float8_e4m3fn  # its last row holds the scales
         if len(self.tokens) != C:
             raise InvalidChunk(f"chunk {self.index}: {len(self.tokens)} tokens for a {C}-token chunk")
-        if s.dtype != torch.float32 or s.dim() != 4 or (s.shape[0], s.shape[1], s.shape[3]) != (L, H, D):
-            raise InvalidChunk(
-                f"chunk {self.index}: summary must be fp32 [{L}, {H}, B, {D}], got {s.dtype} {tuple(s.shape)}"
-            )
-        B = s.shape[2]
-        if B < 1 or C % B:
-            raise InvalidChunk(f"chunk {self.index}: {B} summary blocks do not divide a {C}-token chunk")
+        if s is not None:
+            if s.dtype != torch.float32 or s.dim() != 4 or (s.shape[0], s.shape[1], s.shape[3]) != (L, H, D):
+                raise InvalidChunk(
+                    f"chunk {self.index}: summary must be fp32 [{L}, {H}, B, {D}], "
+                    f"got {s.dtype} {tuple(s.shape)}"
+                )
+            B = s.shape[2]
+            if B < 1 or C % B:
+                raise InvalidChunk(f"chunk {self.index}: {B} summary blocks do not divide a {C}-token chunk")
         if self.chain_hash != chain_hash(self.parent_hash, self.fingerprint, self.tokens):
             raise InvalidChunk(f"chunk {self.index}: chain hash does not match parent, fingerprint, tokens")
 

@@ -275,11 +275,16 @@ def check_identity(
 
 
 def decode_meta(
-    h: ChunkHeader, meta: bytes | memoryview, chunk_hash: str, out: torch.Tensor | None = None
+    h: ChunkHeader,
+    meta: bytes | memoryview,
+    chunk_hash: str,
+    out: torch.Tensor | None = None,
+    with_summary: bool = True,
 ) -> tuple[list[int], torch.Tensor | None]:
     """Token ids, checked by the chain hash, and the summary where the file has a section for it
     (before version 3; checked by the meta crc, and put into `out`, fp32 CPU of the header's summary
-    shape, when given). A version 3 file's summary comes with its payload: None."""
+    shape, when given). A version 3 file's summary comes with its payload: None; so is any summary
+    with `with_summary=False` (the section is checked all the same)."""
     if len(meta) != h.meta_len:
         raise ChunkCorrupt(chunk_hash, "truncated token/summary sections")
     if not h.summary_in_payload and zlib.crc32(meta) != h.meta_crc:
@@ -292,7 +297,7 @@ def decode_meta(
         raise ChunkCorrupt(chunk_hash, "negative token id")
     if out is not None and tuple(out.shape) != h.summary_shape:
         raise ChunkMismatch(chunk_hash, f"summary shape {list(h.summary_shape)}, expected {list(out.shape)}")
-    if h.summary_in_payload:
+    if h.summary_in_payload or not with_summary:
         return tokens, None
     summary = np.frombuffer(view, dtype="<f4", offset=h.tokens_len).reshape(h.summary_shape)
     if out is None:
@@ -335,6 +340,7 @@ def decode_chunk(
     expect_dtype: torch.dtype | None = None,
     out: torch.Tensor | None = None,
     stored_crc: bool = True,
+    with_summary: bool = True,
 ) -> ChunkBlob:
     """A whole chunk file -> ChunkBlob, after checking every checksum and the chain hash. The KV is
     decoded into `out` when given (which then sets the expected dtype, and shape: `codec.kv_shape`).
@@ -342,14 +348,20 @@ def decode_chunk(
     `stored_crc=False` (restores) skips the crc32 over the stored payload when its zstd frame carries
     a content checksum: damage there then fails decompression or that checksum, so the chunk is still
     refused, for one pass over the payload less (about a tenth of a restore's decode CPU). `verify`
-    checks both."""
+    checks both.
+
+    `with_summary=False` (restores, which take summaries from the summaries file) leaves the blob's
+    summary None. A version 3 file's summary is then not rebuilt from the key means, so its meta crc
+    (token ids, then that summary) goes unchecked; safe, since what it covers is checked otherwise:
+    the token ids against the chain hash, the KV and residual the summary is rebuilt from by the
+    frame's checksum (or the raw crc). `verify` rebuilds the summary and checks it."""
     if out is not None:
         expect_shape, expect_dtype = codec.kv_shape(out), out.dtype
     h = parse_header(buf, len(buf), chunk_hash)
     check_identity(h, chunk_hash, expect_fingerprint, expect_shape, expect_dtype)
     view = memoryview(buf)
     meta_end = HEADER_SIZE + h.meta_len
-    tokens, summary = decode_meta(h, view[HEADER_SIZE:meta_end], chunk_hash)
+    tokens, summary = decode_meta(h, view[HEADER_SIZE:meta_end], chunk_hash, with_summary=with_summary)
     payload = view[meta_end:]
     if (stored_crc or not codec.frame_checksummed(payload)) and zlib.crc32(payload) != h.stored_crc:
         raise ChunkCorrupt(chunk_hash, "payload checksum mismatch")
@@ -358,6 +370,6 @@ def decode_chunk(
         kv = codec.decode(payload, h.codec, h.dtype, h.shape, h.raw_len, h.raw_crc, out, extra)
     except ValueError as e:
         raise ChunkCorrupt(chunk_hash, f"payload: {e}") from None
-    if summary is None:
+    if with_summary and h.summary_in_payload:
         summary = _payload_summary(h, kv, extra, view[HEADER_SIZE:meta_end], chunk_hash)
     return ChunkBlob(h.fingerprint, h.index, h.chain_hash, h.parent_hash, tokens, summary, kv)

@@ -316,6 +316,8 @@ def _stored_link(row: ChunkRow | None, chunk_hash: str, fingerprint: str, pos: i
 
 def _check_link(blob: ChunkBlob, fingerprint: str, pos: int, parent: str) -> None:
     blob.check()
+    if blob.summary is None:
+        raise InvalidChunk(f"chunk {pos}: no summary (read with with_summary=False); a saved chunk needs one")
     if blob.fingerprint != fingerprint:
         raise InvalidChunk(f"chunk {pos}: fingerprint {blob.fingerprint}, snapshot is {fingerprint}")
     if blob.index != pos or blob.parent_hash != parent:
