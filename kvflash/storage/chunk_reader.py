@@ -57,14 +57,16 @@ class ChunkReader:
         expect_shape: Sequence[int] | None = None,
         expect_dtype: torch.dtype | None = None,
         out: torch.Tensor | None = None,
+        with_summary: bool = True,
     ) -> ChunkBlob:
         """One chunk, every checksum and the chain hash verified; ChunkError subclasses otherwise.
         `out` (a contiguous CPU tensor, e.g. a host-tier slot) receives the KV and sets the expected
-        shape and dtype; it is written only after every check has passed."""
+        shape and dtype; it is written only after every check has passed. `with_summary=False`: the
+        blob's summary is None (see format.decode_chunk)."""
         outs = None if out is None else [out]
-        return self.read_chunks_parallel([chunk_hash], expect_fingerprint, expect_shape, expect_dtype, outs)[
-            0
-        ]
+        return self.read_chunks_parallel(
+            [chunk_hash], expect_fingerprint, expect_shape, expect_dtype, outs, with_summary
+        )[0]
 
     def read_chunks_parallel(
         self,
@@ -73,8 +75,11 @@ class ChunkReader:
         expect_shape: Sequence[int] | None = None,
         expect_dtype: torch.dtype | None = None,
         out: Sequence[torch.Tensor] | None = None,
+        with_summary: bool = True,
     ) -> list[ChunkBlob]:
-        """Chunks in the given order (into `out[i]` where given); reads and decodes run on the pool."""
+        """Chunks in the given order (into `out[i]` where given); reads and decodes run on the pool.
+        `with_summary=False` (restores: their summaries come from the summaries file) spares each
+        chunk its summary, which is then None."""
         outs = _check_out(out, len(hashes))
         self.check_rows(hashes, expect_fingerprint)
         if len(hashes) > 1:
@@ -84,11 +89,18 @@ class ChunkReader:
         if self.workers is not None and self.workers.ready and len(hashes) > 1:
             shape = None if expect_shape is None else tuple(expect_shape)
             try:
-                return self._read_in_processes(hashes, expect_fingerprint, shape, expect_dtype, outs)
+                return self._read_in_processes(
+                    hashes, expect_fingerprint, shape, expect_dtype, outs, with_summary
+                )
             except WorkerFailed:
                 pass  # the threads below read every chunk again, and report their own errors
         load = partial(
-            self.load, fp=expect_fingerprint, shape=expect_shape, dtype=expect_dtype, stored_crc=False
+            self.load,
+            fp=expect_fingerprint,
+            shape=expect_shape,
+            dtype=expect_dtype,
+            stored_crc=False,
+            with_summary=with_summary,
         )
         return self.threads.map(lambda i: load(hashes[i], outs[i]), len(hashes))
 
@@ -99,6 +111,7 @@ class ChunkReader:
         shape: tuple[int, ...] | None,
         dtype: torch.dtype | None,
         outs: list[torch.Tensor | None],
+        with_summary: bool,
     ) -> list[ChunkBlob]:
         """Runs of consecutive chunks, a few per worker so a slow one does not hold up the end, each
         driven by a thread that waits on its worker and copies its output."""
@@ -109,7 +122,7 @@ class ChunkReader:
         def run(i: int) -> list[ChunkBlob]:
             lo, hi = bounds[i], bounds[i + 1]
             try:
-                return self.workers.read(hashes[lo:hi], fp, shape, dtype, outs[lo:hi])
+                return self.workers.read(hashes[lo:hi], fp, shape, dtype, outs[lo:hi], with_summary)
             except ChunkError as e:
                 self.mark(e)
                 raise
@@ -158,9 +171,10 @@ class ChunkReader:
         shape: Sequence[int] | None = None,
         dtype: torch.dtype | None = None,
         stored_crc: bool = True,
+        with_summary: bool = True,
     ) -> ChunkBlob:
-        """One chunk file read and decoded. `stored_crc=False` on restores: see
-        format.decode_chunk; `verify` checks every checksum."""
+        """One chunk file read and decoded. `stored_crc=False` and `with_summary=False` on restores:
+        see format.decode_chunk; `verify` checks every checksum."""
         if not hasattr(self._local, "buffer"):
             self._local.buffer = ReadBuffer()
         try:
@@ -169,7 +183,7 @@ class ChunkReader:
             self.mark(e)
             raise
         try:
-            blob = decode_chunk(buf, h, fp, shape, dtype, out, stored_crc)
+            blob = decode_chunk(buf, h, fp, shape, dtype, out, stored_crc, with_summary)
         except ChunkError as e:
             # the index vouched for this fingerprint, so a foreign one in the file is damage too
             self.mark(e)

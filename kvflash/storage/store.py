@@ -244,8 +244,11 @@ class SnapshotStore:
         expect_shape: Sequence[int] | None = None,
         expect_dtype: torch.dtype | None = None,
         out: torch.Tensor | None = None,
+        with_summary: bool = True,
     ) -> ChunkBlob:
-        return self.reader.read_chunk(chunk_hash, expect_fingerprint, expect_shape, expect_dtype, out)
+        return self.reader.read_chunk(
+            chunk_hash, expect_fingerprint, expect_shape, expect_dtype, out, with_summary
+        )
 
     def read_chunks_parallel(
         self,
@@ -254,8 +257,11 @@ class SnapshotStore:
         expect_shape: Sequence[int] | None = None,
         expect_dtype: torch.dtype | None = None,
         out: Sequence[torch.Tensor] | None = None,
+        with_summary: bool = True,
     ) -> list[ChunkBlob]:
-        return self.reader.read_chunks_parallel(hashes, expect_fingerprint, expect_shape, expect_dtype, out)
+        return self.reader.read_chunks_parallel(
+            hashes, expect_fingerprint, expect_shape, expect_dtype, out, with_summary
+        )
 
     def chunk_file(self, chunk_hash: str) -> bytes:
         return self.reader.chunk_file(chunk_hash)

@@ -150,11 +150,12 @@ class TieredStore:
         expect_shape: Sequence[int] | None = None,
         expect_dtype: torch.dtype | None = None,
         out: Sequence[torch.Tensor] | None = None,
+        with_summary: bool = True,
     ) -> list[ChunkBlob]:
         def read(tier: SnapshotStore, at: list[int]) -> list[ChunkBlob]:
             outs = None if out is None else [out[i] for i in at]
             return tier.read_chunks_parallel(
-                [hashes[i] for i in at], expect_fingerprint, expect_shape, expect_dtype, outs
+                [hashes[i] for i in at], expect_fingerprint, expect_shape, expect_dtype, outs, with_summary
             )
 
         with self._cond:

@@ -100,7 +100,8 @@ class _Decoded:
     shape: tuple[int, ...]
     kv_at: int
     summary_shape: tuple[int, ...]
-    summary_at: int
+    summary_at: int | None
+    """None: read without its summary."""
 
 
 def _send(stream: IO[bytes], msg: object) -> None:
@@ -169,9 +170,11 @@ class _Worker:
             raise WorkerFailed(f"store worker: a reply that is not an object: {reply!r:.80}")
         return reply
 
-    def run(self, hashes: Sequence[str], fp: str) -> tuple[list[_Decoded], errors.ChunkError | None]:
+    def run(
+        self, hashes: Sequence[str], fp: str, with_summary: bool
+    ) -> tuple[list[_Decoded], errors.ChunkError | None]:
         """Decodes a prefix of `hashes` (at least one chunk, unless the first fails or does not fit)."""
-        reply = self.ask({"op": "read", "hashes": list(hashes), "fp": fp})
+        reply = self.ask({"op": "read", "hashes": list(hashes), "fp": fp, "summary": with_summary})
         try:
             done = [
                 _Decoded(
@@ -314,14 +317,16 @@ class StoreWorkers:
         shape: tuple[int, ...] | None,
         dtype: torch.dtype | None,
         outs: Sequence[torch.Tensor | None],
+        with_summary: bool,
     ) -> list[ChunkBlob]:
         """The blobs of `hashes`, KV copied into `outs[i]` where given (the caller has checked them
-        as host memory); `shape` and `dtype`, where given, are expected of every chunk. Raises the
-        first chunk's ChunkError, or WorkerFailed (the caller then reads the chunks itself)."""
+        as host memory); `shape` and `dtype`, where given, are expected of every chunk; summaries
+        None without `with_summary` (format.decode_chunk). Raises the first chunk's ChunkError, or
+        WorkerFailed (the caller then reads the chunks itself)."""
         with self._borrowed() as w:
             blobs: list[ChunkBlob] = []
             while len(blobs) < len(hashes):
-                done, err = w.run(hashes[len(blobs) :], fp)
+                done, err = w.run(hashes[len(blobs) :], fp, with_summary)
                 for d in done:
                     blobs.append(self._copy_out(w, d, fp, shape, dtype, outs[len(blobs)]))
                 if err is not None:
@@ -380,9 +385,11 @@ class StoreWorkers:
         size = kv.numel() * kv.element_size()
         # numpy copies without the GIL; torch's copy_ would start an OpenMP team from each thread
         np.copyto(kv.view(torch.uint8).numpy().reshape(-1), np.frombuffer(w.mem, np.uint8, size, d.kv_at))
-        n_sum = int(np.prod(d.summary_shape))
-        summary = np.frombuffer(w.mem, "<f4", n_sum, d.summary_at).reshape(d.summary_shape)
-        summary = torch.from_numpy(summary.copy())
+        summary = None
+        if d.summary_at is not None:
+            n_sum = int(np.prod(d.summary_shape))
+            rows = np.frombuffer(w.mem, "<f4", n_sum, d.summary_at).reshape(d.summary_shape)
+            summary = torch.from_numpy(rows.copy())
         return ChunkBlob(fp, d.index, d.chain_hash, d.parent_hash, d.tokens, summary, kv)
 
     def close(self) -> None:
@@ -415,7 +422,7 @@ def serve(out_fd: int, root: str, shm_fd: str, segment_bytes: str) -> None:
             if msg["op"] == "write":
                 _send(conn_out, _encode_write(backend, mem, msg))
             else:
-                _send(conn_out, _decode_run(backend, buf, mem, msg["hashes"], msg["fp"]))
+                _send(conn_out, _decode_run(backend, buf, mem, msg["hashes"], msg["fp"], msg["summary"]))
     except (EOFError, BrokenPipeError):  # the parent has gone without a stop message
         pass
     mem.close()
@@ -425,9 +432,10 @@ def serve(out_fd: int, root: str, shm_fd: str, segment_bytes: str) -> None:
 
 
 def _decode_run(
-    backend: LocalDirBackend, buf: ReadBuffer, mem: mmap.mmap, hashes: list[str], fp: str
+    backend: LocalDirBackend, buf: ReadBuffer, mem: mmap.mmap, hashes: list[str], fp: str, with_summary: bool
 ) -> dict:
-    """Decodes chunks of `hashes` into `mem` one after another until one fails or does not fit."""
+    """Decodes chunks of `hashes` into `mem` one after another until one fails or does not fit; each
+    one's summary after its KV `with_summary`, else none (no room taken, "summary_at" null)."""
     chunks: list[dict] = []
     error = None
     at = 0
@@ -438,20 +446,21 @@ def _decode_run(
             held = held_shape(head.dtype, head.shape)
             kv_bytes = int(np.prod(held)) * head.dtype.itemsize
             sum_at = at + kv_bytes
-            end = sum_at + 4 * int(np.prod(head.summary_shape))
+            end = sum_at + (4 * int(np.prod(head.summary_shape)) if with_summary else 0)
             if end > len(mem):
                 break
             n = kv_bytes // head.dtype.itemsize
             out = torch.frombuffer(mem, dtype=head.dtype, count=n, offset=at).view(held)
-            blob = decode_chunk(raw, h, fp, out=out, stored_crc=False)
+            blob = decode_chunk(raw, h, fp, out=out, stored_crc=False, with_summary=with_summary)
         except errors.ChunkError as e:
             error = {"type": type(e).__name__, "hash": e.chunk_hash, "reason": e.reason}
             break
         except Exception as e:  # a bug, not damage: the parent reads the run itself
             error = {"type": type(e).__name__, "hash": h, "reason": str(e)}
             break
-        summary = blob.summary.numpy().reshape(-1)
-        np.copyto(np.frombuffer(mem, "<f4", summary.size, sum_at), summary)
+        if blob.summary is not None:
+            summary = blob.summary.numpy().reshape(-1)
+            np.copyto(np.frombuffer(mem, "<f4", summary.size, sum_at), summary)
         chunks.append(
             {
                 "index": blob.index,
@@ -462,7 +471,7 @@ def _decode_run(
                 "shape": list(head.shape),
                 "kv_at": at,
                 "summary_shape": list(head.summary_shape),
-                "summary_at": sum_at,
+                "summary_at": None if blob.summary is None else sum_at,
             }
         )
         at = end + (-end % 64)
