@@ -169,7 +169,7 @@ def inspect_snapshot(
         for i, h in enumerate(snap.chunk_hashes)
     ]
     if decode_tokens is not None:
-        blobs = st.read_chunks_parallel(snap.chunk_hashes, snap.fingerprint)
+        blobs = st.read_chunks_parallel(snap.chunk_hashes, snap.fingerprint, with_summary=False)
         facts["text"] = decode_tokens([t for b in blobs for t in b.tokens])
     return facts
 

@@ -288,7 +288,7 @@ class KVSnapshots:
                 for lo in range(0, len(hashes), batch):
                     outs = [kv.host.view(h) for h in slots[lo : lo + batch]]
                     self.store.read_chunks_parallel(
-                        hashes[lo : lo + batch], fp, shape, kv.pool.kv.dtype, outs
+                        hashes[lo : lo + batch], fp, shape, kv.pool.kv.dtype, outs, with_summary=False
                     )
                     if on_progress:
                         on_progress(min(lo + batch, len(hashes)), len(hashes))
@@ -310,7 +310,7 @@ class KVSnapshots:
 
     def _fetcher(self, fp, shape, dtype):
         def fetch(hashes: list[str], outs: list[torch.Tensor]) -> None:
-            self.store.read_chunks_parallel(hashes, fp, shape, dtype, out=outs)
+            self.store.read_chunks_parallel(hashes, fp, shape, dtype, out=outs, with_summary=False)
 
         return fetch
 
