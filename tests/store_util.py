@@ -50,6 +50,11 @@ def make_chain(
     return blobs
 
 
+def chain_fields(blob: ChunkBlob) -> tuple:
+    """What places a chunk in its chain: index, chain and parent hashes, token ids."""
+    return blob.index, blob.chain_hash, blob.parent_hash, blob.tokens
+
+
 def toks(n_chunks: int, start: int = 0) -> list[int]:
     return list(range(start, start + n_chunks * C))
 
@@ -83,6 +88,17 @@ def flip(path: Path, offset: int) -> None:
     buf = bytearray(path.read_bytes())
     buf[offset % len(buf)] ^= 0x40
     path.write_bytes(bytes(buf))
+
+
+def damage_at(head: format.ChunkHeader, where: str) -> int:
+    """A file offset of a version 3 chunk file: in its token ids, in its KV's zstd blocks, or the
+    byte of the one-byte (RLE) block of its summary's all-zero residual, before the end block (3
+    bytes) and the frame checksum (4)."""
+    return {
+        "token id": format.HEADER_SIZE + 5,
+        "kv": format.HEADER_SIZE + head.meta_len + head.stored_len // 2,
+        "summary residual": -8,
+    }[where]
 
 
 def noise_chain(n_chunks: int, start: int, shape=(2, 2, 4, 64, 64)) -> list[ChunkBlob]:

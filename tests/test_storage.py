@@ -39,7 +39,9 @@ from tests.store_util import (
     L,
     bits,
     block_summary,
+    chain_fields,
     chunk_path,
+    damage_at,
     flip,
     forkserver,
     make_chain,
@@ -126,6 +128,37 @@ def test_restore_into_given_tensors_only_after_every_check(store) -> None:
     with pytest.raises(ChunkCorrupt):
         store.read_chunk(hs[2], FP, out=dest)
     assert torch.count_nonzero(dest) == 0
+
+
+@pytest.mark.parametrize("version", [3, 2])
+def test_a_read_without_summaries_gives_the_kv_and_tokens_of_a_full_read(store, version) -> None:
+    blobs = make_chain(toks(3))
+    hs = store.get_snapshot(store.put_snapshot("s", FP, blobs)).chunk_hashes
+    if version == 2:
+        write_version2(store.root, blobs)
+    assert store.read_header(hs[0]).version == version
+    full = store.read_chunks_parallel(hs, FP)
+    outs = [torch.zeros(L, 2, H, C, D, dtype=torch.bfloat16) for _ in hs]
+    bare = store.read_chunks_parallel(hs, FP, out=outs, with_summary=False)
+    one = store.read_chunk(hs[1], FP, with_summary=False)
+    for f, g, o in zip(full, bare, outs, strict=True):
+        assert f.summary is not None and g.summary is None and g.kv is o
+        assert chain_fields(g) == chain_fields(f) and torch.equal(bits(g.kv), bits(f.kv))
+    assert one.summary is None and chain_fields(one) == chain_fields(full[1])
+    assert torch.equal(bits(one.kv), bits(full[1].kv))
+    with pytest.raises(InvalidChunk, match="no summary"):
+        store.put_snapshot("again", FP, bare)
+
+
+@pytest.mark.parametrize("where", ["token id", "kv", "summary residual"])
+def test_a_read_without_summaries_refuses_damage_all_the_same(store, where) -> None:
+    blobs = make_chain(toks(3))
+    hs = store.get_snapshot(store.put_snapshot("s", FP, blobs)).chunk_hashes
+    flip(chunk_path(store.root, hs[1]), damage_at(store.read_header(hs[1]), where))
+    outs = [torch.zeros(L, 2, H, C, D, dtype=torch.bfloat16) for _ in hs]
+    with pytest.raises(ChunkCorrupt, match=hs[1][:16]):
+        store.read_chunks_parallel(hs, FP, out=outs, with_summary=False)
+    assert not outs[1].any(), "a damaged chunk's destination is never written"
 
 
 def test_a_restore_does_not_wait_for_its_read_ahead_hint(tmp_path) -> None:

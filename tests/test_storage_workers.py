@@ -17,7 +17,7 @@ import torch
 
 from kvflash.storage import ChunkCorrupt, ChunkMismatch, SnapshotStore, StoreError, workers
 from kvflash.storage.workers import StoreWorkers
-from tests.store_util import FP, C, D, H, L, bits, chunk_path, flip, make_chain, toks
+from tests.store_util import FP, C, D, H, L, bits, chain_fields, chunk_path, damage_at, flip, make_chain, toks
 
 
 def _segments() -> set[str]:
@@ -69,6 +69,40 @@ def test_workers_give_what_threads_give(stores, codec) -> None:
         assert i.kv is o and torch.equal(bits(o), bits(w.kv))
         if codec == "lossless":
             assert torch.equal(bits(g.kv), bits(b.kv))
+
+
+@pytest.mark.parametrize("codec", ["lossless", "fp8"])
+def test_workers_read_without_summaries_what_a_full_read_gives(stores, codec) -> None:
+    _, sids, procs, threads = stores
+    hashes = procs[codec].get_snapshot(sids[codec]).chunk_hashes
+    before = procs[codec].processes.decoded
+    fresh = procs[codec].read_chunks_parallel(hashes, FP, with_summary=False)
+    outs = [torch.full((L, 2, H, C, D), float("nan"), dtype=torch.bfloat16) for _ in hashes]
+    into = procs[codec].read_chunks_parallel(hashes, FP, out=outs, with_summary=False)
+    assert procs[codec].processes.decoded - before == 2 * len(hashes), "the workers served both reads"
+    full = threads[codec].read_chunks_parallel(hashes, FP)
+    for g, i, o, f in zip(fresh, into, outs, full, strict=True):
+        assert g.summary is None and i.summary is None and f.summary is not None
+        assert chain_fields(g) == chain_fields(i) == chain_fields(f) and i.kv is o
+        assert torch.equal(bits(g.kv), bits(f.kv)) and torch.equal(bits(o), bits(f.kv))
+
+
+def test_workers_refuse_damage_without_summaries(stores, tmp_path) -> None:
+    blobs, _, _, _ = stores
+    st = SnapshotStore(tmp_path, processes=2)
+    st.processes.wait()
+    try:
+        hashes = st.get_snapshot(st.put_snapshot("s", FP, blobs[:9])).chunk_hashes
+        for victim, where in ((1, "token id"), (4, "kv"), (7, "summary residual")):
+            flip(chunk_path(st.root, hashes[victim]), damage_at(st.read_header(hashes[victim]), where))
+            run = hashes[victim - 1 : victim + 2]
+            outs = [torch.zeros(L, 2, H, C, D, dtype=torch.bfloat16) for _ in run]
+            with pytest.raises(ChunkCorrupt, match=hashes[victim][:16]):
+                st.read_chunks_parallel(run, FP, out=outs, with_summary=False)
+            assert not outs[1].any(), f"{where}: a damaged chunk's destination is never written"
+        assert st.processes.ready, "damage is the chunk's fault, not the worker's"
+    finally:
+        st.close()
 
 
 def test_workers_refuse_damage_and_mark_it(stores, tmp_path) -> None:
