@@ -5,10 +5,10 @@ posix_fadvise DONTNEED before each), read the way a restore reads them minus the
 hinted at once (WILLNEED), then read by as many threads as the restore uses into reused buffers.
 Each restore's share is against the read just before it, so a disk whose speed drifts between runs
 (docs/BENCHMARKS.md: Snapshot store) does not skew the ratio; --repeats pairs per kind, median share.
-Kinds: into fresh tensors, into destinations allocated before the clock starts (as the engine
-restores into its host-tier slots), and the same with the store's threads only (no decode
-processes). Then warm restores (files in the page cache: what decoding sustains). The raw write
-(fsync'd files of the chunk files' sizes) is measured at the end.
+Kinds: into fresh tensors, into destinations allocated before the clock starts and without the
+chunks' summaries (as the engine restores into its host-tier slots), and the same with the store's
+threads only (no decode processes). Then warm restores (files in the page cache: what decoding
+sustains). The raw write (fsync'd files of the chunk files' sizes) is measured at the end.
 Target: a cold restore reaches >= 80% of the raw read speed, counting stored bytes.
 
 Input: `--kv-file` safetensors whose 5-D tensors are chunks `[L, 2, Hkv, C, D]` (in name order) or
@@ -65,7 +65,8 @@ class Row:
     """(cold restore into fresh tensors, the raw cold read of the same files just before it), MB/s
     of stored bytes, once per repeat; the restore decodes in processes when the store has them."""
     slots_mbps: list[tuple[float, float]]
-    """The same into destinations allocated (and faulted in) before it, like host-tier slots."""
+    """The same into destinations allocated (and faulted in) before it, like host-tier slots, and
+    without the chunks' summaries, as the engine restores."""
     threads_slots_mbps: list[tuple[float, float]]
     """The same with the store's threads alone."""
     warm_mbps: float
@@ -222,8 +223,8 @@ def bench_codec(
         got: list[ChunkBlob] = []
         restores = {
             "cold": lambda: got.__setitem__(slice(None), st.read_chunks_parallel(hashes, FP, shape, dtype)),
-            "slots": lambda: st.read_chunks_parallel(hashes, FP, out=slots),
-            "threads": lambda: threads.read_chunks_parallel(hashes, FP, out=slots),
+            "slots": lambda: st.read_chunks_parallel(hashes, FP, out=slots, with_summary=False),
+            "threads": lambda: threads.read_chunks_parallel(hashes, FP, out=slots, with_summary=False),
         }
         pairs: dict[str, list[tuple[float, float]]] = {k: [] for k in restores}
         for _ in range(repeats):
