@@ -283,8 +283,8 @@ def decode_meta(
 ) -> tuple[list[int], torch.Tensor | None]:
     """Token ids, checked by the chain hash, and the summary where the file has a section for it
     (before version 3; checked by the meta crc, and put into `out`, fp32 CPU of the header's summary
-    shape, when given). A version 3 file's summary comes with its payload: None; so is any summary
-    with `with_summary=False` (the section is checked all the same)."""
+    shape, when given). A version 3 file's summary comes with its payload: None. None too with
+    `with_summary=False`, the section still checked by the meta crc."""
     if len(meta) != h.meta_len:
         raise ChunkCorrupt(chunk_hash, "truncated token/summary sections")
     if not h.summary_in_payload and zlib.crc32(meta) != h.meta_crc:

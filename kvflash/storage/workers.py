@@ -434,8 +434,8 @@ def serve(out_fd: int, root: str, shm_fd: str, segment_bytes: str) -> None:
 def _decode_run(
     backend: LocalDirBackend, buf: ReadBuffer, mem: mmap.mmap, hashes: list[str], fp: str, with_summary: bool
 ) -> dict:
-    """Decodes chunks of `hashes` into `mem` one after another until one fails or does not fit; each
-    one's summary after its KV `with_summary`, else none (no room taken, "summary_at" null)."""
+    """Decodes chunks of `hashes` into `mem` one after another until one fails or does not fit: each
+    one's KV, then its summary if `with_summary` (else no room is taken and "summary_at" is null)."""
     chunks: list[dict] = []
     error = None
     at = 0
