@@ -45,6 +45,7 @@ from tests.store_util import (
     flip,
     forkserver,
     make_chain,
+    rewrite_header,
     toks,
     write_version2,
 )
@@ -159,6 +160,20 @@ def test_a_read_without_summaries_refuses_damage_all_the_same(store, where) -> N
     with pytest.raises(ChunkCorrupt, match=hs[1][:16]):
         store.read_chunks_parallel(hs, FP, out=outs, with_summary=False)
     assert not outs[1].any(), "a damaged chunk's destination is never written"
+
+
+def test_a_summary_that_fails_its_check_leaves_the_destination_unwritten(store) -> None:
+    """A version 3 file whose rebuilt summary does not match its meta crc is refused before the
+    KV, decoded by then, reaches `out`, and is marked damaged for the reads after it."""
+    blobs = make_chain(toks(2))
+    hs = store.get_snapshot(store.put_snapshot("s", FP, blobs)).chunk_hashes
+    rewrite_header(chunk_path(store.root, hs[1]), meta_crc=store.read_header(hs[1]).meta_crc ^ 1)
+    out = torch.zeros(L, 2, H, C, D, dtype=torch.bfloat16)
+    with pytest.raises(ChunkCorrupt, match="token/summary checksum"):
+        store.read_chunk(hs[1], FP, out=out)
+    assert not out.any(), "a refused chunk's destination is never written"
+    with pytest.raises(ChunkCorrupt, match="found damaged earlier"):
+        store.read_chunk(hs[1], FP, out=out, with_summary=False)
 
 
 def test_a_restore_does_not_wait_for_its_read_ahead_hint(tmp_path) -> None:

@@ -366,10 +366,15 @@ def decode_chunk(
     if (stored_crc or not codec.frame_checksummed(payload)) and zlib.crc32(payload) != h.stored_crc:
         raise ChunkCorrupt(chunk_hash, "payload checksum mismatch")
     extra = bytearray(h.extra_len) if h.summary_in_payload else None
-    try:
-        kv = codec.decode(payload, h.codec, h.dtype, h.shape, h.raw_len, h.raw_crc, out, extra)
+    rebuild = with_summary and h.summary_in_payload
+    try:  # a summary to rebuild is checked after the decode: `out` is written only once it passes
+        kv = codec.decode(
+            payload, h.codec, h.dtype, h.shape, h.raw_len, h.raw_crc, None if rebuild else out, extra
+        )
     except ValueError as e:
         raise ChunkCorrupt(chunk_hash, f"payload: {e}") from None
-    if with_summary and h.summary_in_payload:
+    if rebuild:
         summary = _payload_summary(h, kv, extra, view[HEADER_SIZE:meta_end], chunk_hash)
+        if out is not None:
+            kv = out.copy_(kv)
     return ChunkBlob(h.fingerprint, h.index, h.chain_hash, h.parent_hash, tokens, summary, kv)
