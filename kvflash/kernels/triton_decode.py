@@ -459,8 +459,9 @@ def decode_launch(head_dim: int, batch: int, kv_bytes: int = 2) -> Launch:
     wave of two programs per SM. An fp8 pool from batch 16 takes 64-token tiles over two waves of
     two-warp programs, merged in the split kernel (at 64K, batch 16 and 64: 51-66 % of copy bandwidth
     at head_dim 64 and 58-60 % at 128; 59 % on average against 49 % with four warps and 56 % three
-    stages deep). Shared memory, not issue, bounds fp8 (the module's docstring says why): halving the
-    compiled loop's instructions (655 to 412 a warp a tile at head_dim 64) left its speed as it was."""
+    stages deep). Shared memory, not issue, bounds fp8 (the module's docstring says why): cutting the
+    compiled loop's instructions by a third (655 to 412 a warp a tile at head_dim 64) left its speed
+    as it was."""
     if batch >= 16 and kv_bytes == 1:
         return Launch(BLOCK_TOKENS, 2, 2, True, warps=2)
     if head_dim >= 128 and batch >= 16:
