@@ -72,9 +72,30 @@ def together(users: Users, asks: list[Ask]) -> tuple[dict, list[str]]:
 
 def metric(server: Served, name: str) -> int:
     """A sample of the server's /metrics (0 where it has none yet)."""
+    return int(sample(server, name))
+
+
+def sample(server: Served, name: str) -> float:
     text = httpx.get(f"{server.url}/metrics").text
     m = re.search(rf"^kvflash_{re.escape(name)} (\S+)$", text, re.M)
-    return int(float(m.group(1))) if m else 0
+    return float(m.group(1)) if m else 0.0
+
+
+def decode_steps(server: Served) -> tuple[float, float, float]:
+    """(decode steps, their seconds, of those the scheduler's wait for the device) so far."""
+    kind = '{kind="decode"}'
+    return tuple(
+        sample(server, f"step{what}{kind}")
+        for what in ("_seconds_count", "_seconds_sum", "_wait_seconds_sum")
+    )
+
+
+def step_figures(before: tuple[float, float, float], after: tuple[float, float, float]) -> dict:
+    """A turn's decode steps: the mean step in ms and the share of it spent waiting for the device
+    (the rest is the host's: a host-bound server waits little)."""
+    n, secs, wait = (a - b for a, b in zip(after, before, strict=True))
+    return {"decode_steps": int(n), "decode_step_ms": 1e3 * secs / n if n else None,
+            "decode_wait_share": wait / secs if secs else None}  # fmt: skip
 
 
 def prefill_steps(server: Served, since: tuple[int, int] = (0, 0)) -> tuple[int, int]:
@@ -102,15 +123,17 @@ def conversations(args, docs: list[str], max_batch: int) -> dict:
     try:
         with Users(server.url, server.model, args.client_processes or default_processes(len(docs))) as users:
             users.stream([Ask([{"role": "user", "content": "Hello."}], 2)])  # warm
-            before = prefill_steps(server)
+            before, steps = prefill_steps(server), decode_steps(server)
             turn1, answers = together(users, [Ask(c, args.max_tokens) for c in convs])
             turn1["prefill_steps"], turn1["prefill_pieces"] = prefill_steps(server, before)
+            turn1 |= step_figures(steps, decode_steps(server))
             for i, (c, a) in enumerate(zip(convs, answers, strict=True)):
                 nxt = QUESTIONS[(i + 1) % len(QUESTIONS)]
                 c += [{"role": "assistant", "content": a}, {"role": "user", "content": nxt}]
-            before = prefill_steps(server)
+            before, steps = prefill_steps(server), decode_steps(server)
             turn2, _ = together(users, [Ask(c, args.decode_tokens) for c in convs])
             turn2["prefill_steps"], turn2["prefill_pieces"] = prefill_steps(server, before)
+            turn2 |= step_figures(steps, decode_steps(server))
     finally:
         server.stop()
         store.cleanup()
@@ -264,6 +287,11 @@ def _f(x: float | None, spec: str = ".2f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def step_cell(turn: dict) -> str:
+    ms, share = turn.get("decode_step_ms"), turn.get("decode_wait_share")
+    return "-" if ms is None else f"{ms:.2f} ({share:.0%})"
+
+
 def report(args, rows: list[dict]) -> None:
     if not args.shared_only:
         report_conversations(args, rows)
@@ -284,7 +312,8 @@ def report_conversations(args, rows: list[dict]) -> None:
     Console().print(t)
     t = Table(title=f"turn 2: the same conversations, one more question, {args.decode_tokens} tokens each")
     for col in ("N", "wall s", "TTFT p50", "at the server", "prefill steps / pieces", "tok/s",
-                "tok/s one at a time", "x", "decode tok/s (all N)", "HF decode tok/s", "x HF"):  # fmt: skip
+                "tok/s one at a time", "x", "decode tok/s (all N)", "decode step ms (device wait)",
+                "HF decode tok/s", "x HF"):  # fmt: skip
         t.add_column(col, justify="right")
     for r in rows:
         b, one, hf = _part(r, "batched", "turn2"), _part(r, "one_at_a_time", "turn2"), r["hf"]
@@ -294,7 +323,7 @@ def report_conversations(args, rows: list[dict]) -> None:
         steps = f"{b['prefill_steps']} / {b['prefill_pieces']}" if "prefill_steps" in b else "-"
         t.add_row(str(r["n"]), _f(b.get("wall_s")), _f(b.get("ttft_p50_s")), _f(b.get("server_ttft_p50_s")),
                   steps, _f(b.get("tok_s"), ".0f"),
-                  _f(one.get("tok_s"), ".0f"), _f(x_one), _f(ours, ".0f"), _f(peer, ".0f"),
+                  _f(one.get("tok_s"), ".0f"), _f(x_one), _f(ours, ".0f"), step_cell(b), _f(peer, ".0f"),
                   _f(x_hf, ".1f"))  # fmt: skip
     Console().print(t)
 

@@ -586,7 +586,7 @@ def _metric(text: str, name: str) -> float:
 
 
 def test_metrics_count_requests_tokens_and_pool_use(lm) -> None:
-    with serving(lm, None) as (url, _):
+    with serving(lm, None) as (url, server):
         before = httpx.get(f"{url}/metrics").text
         assert _metric(before, "pool_slots_used") == 0 and 'outcome="stop"' not in before
         first = ask(url, TURN1, max_tokens=4)
@@ -595,6 +595,17 @@ def test_metrics_count_requests_tokens_and_pool_use(lm) -> None:
         with pytest.raises(openai.NotFoundError):  # refused: no such model here
             client(url).chat.completions.create(model="nope", messages=TURN1)
         text = httpx.get(f"{url}/metrics").text
+        steps, prefill_steps = server.scheduler.steps, server.scheduler.prefill_steps
+    kinds = [k for k in ("decode", "mixed", "prefill") if f'step_seconds_count{{kind="{k}"}}' in text]
+    counts = {k: _metric(text, f'step_seconds_count{{kind="{k}"}}') for k in kinds}
+    assert sum(counts.values()) == steps and counts.get("decode", 0) > 0  # every step, each once
+    assert counts.get("mixed", 0) + counts.get("prefill", 0) == prefill_steps
+    for k in kinds:  # a step's wait for the device is part of its time
+        assert (
+            0
+            <= _metric(text, f'step_wait_seconds_sum{{kind="{k}"}}')
+            <= _metric(text, f'step_seconds_sum{{kind="{k}"}}')
+        )
     done = sum(
         _metric(text, f'requests_total{{outcome="{o}"}}') for o in ("stop", "length") if f'"{o}"' in text
     )

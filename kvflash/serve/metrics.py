@@ -5,6 +5,7 @@ engine's and the scheduler's state, read at each scrape (`render`)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -12,12 +13,18 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from kvflash.serve.turn import TurnStats
 
+if TYPE_CHECKING:
+    from kvflash.serve.scheduler import StepTime
+
 prometheus_client.disable_created_metrics()  # a `_created` series per counter tells a scraper nothing
 
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 """Upper bounds (seconds) of the time-to-first-token histogram."""
 ITL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 """Upper bounds (seconds) of the inter-token latency histogram."""
+
+STEP_BUCKETS = (0.001, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
+"""Upper bounds (seconds) of the step-time histograms: fine around a decode step's few milliseconds."""
 
 Readings = dict[str, tuple[str, str, float]]
 """name -> (type "gauge" or "counter", help, value), read now from the engine and the scheduler."""
@@ -60,7 +67,21 @@ class ServerMetrics:
             "kvflash_inter_token_seconds", "Time between a request's consecutive tokens.", registry=r,
             buckets=ITL_BUCKETS,
         )  # fmt: skip
+        self.step = Histogram(
+            "kvflash_step_seconds", "Wall time of the scheduler's steps, by kind (decode: decode tokens "
+            "alone; mixed: decode tokens and prefill pieces; prefill: pieces alone).", ["kind"],
+            registry=r, buckets=STEP_BUCKETS,
+        )  # fmt: skip
+        self.step_wait = Histogram(
+            "kvflash_step_wait_seconds", "Of each step's time, the scheduler's wait for the device to "
+            "give back decode tokens; in a decode step the rest is the host's.", ["kind"], registry=r,
+            buckets=STEP_BUCKETS,
+        )  # fmt: skip
         r.register(_Now(readings))
+
+    def stepped(self, t: StepTime) -> None:
+        self.step.labels(t.kind).observe(t.seconds)
+        self.step_wait.labels(t.kind).observe(t.waited)
 
     def answered(self, finish: str, stats: TurnStats) -> None:
         self.requests.labels(finish).inc()

@@ -47,6 +47,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -64,6 +65,21 @@ from kvflash.storage import ChunkError
 RECOVERIES = 2
 """Re-prefills a request gets after damaged lazy chunks: the first from the valid stored prefix (the
 store marks a damaged chunk when it reads one), the second into a new sequence, reading nothing."""
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One step's time on the scheduler's thread (`Scheduler.on_step`): whether the host or the
+    device sets the pace of the steps is their difference."""
+
+    kind: str
+    """decode (decode tokens alone), mixed (decode tokens and prefill pieces) or prefill (pieces)."""
+    seconds: float
+    """From the step's planning to its tokens handed on: what one step costs the running answers."""
+    waited: float
+    """Of it, the thread's wait for the device to give back decode tokens (of this step or, ahead,
+    the one before): in a decode step the host's share is the rest. A piece's first token is read
+    where the piece is handled, uncounted."""
 
 
 class SchedulerDown(KVFlashError):
@@ -123,6 +139,10 @@ class Scheduler:
         """Forwards that ran prefill pieces."""
         self.pieces = 0
         """Prefill pieces they ran: pieces / prefill_steps is the mean number of prompts per step."""
+        self.on_step: Callable[[StepTime], None] | None = None
+        """Sees each step's time, on the scheduler's thread (a server's /metrics)."""
+        self._waited = 0.0
+        """Seconds the step under way has waited for the device so far."""
         self.failure: BaseException | None = None
         """What stopped the loop, if anything did."""
         self._queue: queue.Queue[Job | object | None] = queue.Queue()
@@ -236,7 +256,10 @@ class Scheduler:
             else:
                 self.quiet.set()
             if self._running or self._filling:
-                self._round()
+                t0, self._waited = time.perf_counter(), 0.0
+                kind = self._round()
+                if kind is not None and self.on_step is not None:
+                    self.on_step(StepTime(kind, time.perf_counter() - t0, self._waited))
 
     def _run_calls(self) -> None:
         while self._calls:
@@ -382,9 +405,10 @@ class Scheduler:
             self._failed(job, e)
             return False
 
-    def _round(self) -> None:
+    def _round(self) -> str | None:
         """One step: a decode token of every running job and the next pieces of the filling ones,
-        within the step's token budget (the first filling job always gets a piece).
+        within the step's token budget (the first filling job always gets a piece). Its kind
+        (`StepTime.kind`), or None where no forward ran whole.
 
         A step of decode tokens alone whose jobs are all greedy leaves its tokens on the device
         (`Ahead`): the next step, if it too is decode alone, takes them there and is launched
@@ -406,7 +430,7 @@ class Scheduler:
         else:
             running, tokens = going, ahead.rows(going)
         if not (planned or running):  # every filling job ended before its piece
-            return
+            return None
         try:
             pieces = [p for _, p in planned]
             decoded, filled = self.engine.forward([j.kv for j in running], tokens, pieces)
@@ -417,11 +441,11 @@ class Scheduler:
             running = [j for j in self._running if not self._ended(j)]
             if not planned:
                 self._running = self._step_each(running, e) if running else []
-                return
+                return None
             self._running = self._step(running) if running else []
             for job, piece in planned:
                 self._piece_alone(job, piece)
-            return
+            return None
         self.steps += 1
         self.batched += len(running)
         self.prefill_steps += bool(planned)
@@ -429,15 +453,19 @@ class Scheduler:
         if ahead is not None:
             self._collect(ahead, running)
         self._send()  # the last step's tokens, while this one runs on the device
+        kind = "mixed" if running and planned else "decode" if running else "prefill"
         if running and not planned and all(j.gen.sampler.greedy for j in running):
             if self._running:  # else every job ended at the last tokens: this step's are dropped
                 self._ahead = Ahead.launch(running, decoded, self._readback)
-            return
+            return kind
+        t0 = time.perf_counter()
         argmax = decoded.argmax(-1).tolist() if running else []  # greedy jobs' tokens in one read
+        self._waited += time.perf_counter() - t0
         rows = zip(running, decoded if running else [], argmax, strict=True)
         self._running = [j for j, row, top in rows if self._choose(j, row, top)]
         for (job, piece), row in zip(planned, filled, strict=True):
             self._filled(job, piece, row)
+        return kind
 
     def _plan_pieces(self) -> list[tuple[Job, Piece]]:
         """The filling jobs' next pieces, in the order they came, within the step's token budget
@@ -464,7 +492,9 @@ class Scheduler:
         """Reads back the tokens `ahead`'s step chose and chooses with them (`_choose`) for its jobs
         still running; `fed`, the jobs of the step launched since with those tokens on the device,
         learn them in their sequences."""
+        t0 = time.perf_counter()
         tokens = ahead.tokens()
+        self._waited += time.perf_counter() - t0
         row = {id(j): i for i, j in enumerate(ahead.jobs)}
         for job in fed:
             job.kv.settle(tokens[row[id(job)]])

@@ -129,6 +129,7 @@ class Server:
         engine.pool.reset_peak()  # the warm-up's scratch sequences are not the server's use
         self.content_ids = ContentIds(tokenizer)
         self.metrics = ServerMetrics(self.readings)
+        self.scheduler.on_step = self.metrics.stepped
         self.max_prompt_tokens = max_prompt_tokens or self.scheduler.max_context_tokens - default_max_tokens
         self.created = int(time.time())
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvflash-save")
