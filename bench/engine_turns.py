@@ -4,8 +4,10 @@ What bench/serve_batch.py measures through a server, here without it, so that th
 say what the server process adds to the engine. N jobs of --doc-tokens tokens each (windows of the
 reference document at distinct offsets) go to one `Scheduler` at once (turn 1, --max-tokens
 tokens each); then each conversation's next turn (its prompt, its answer and a 24-token question)
-continues its live sequence (turn 2, --decode-tokens tokens each). Each arm runs fresh documents
-on the same engine, in the order given:
+continues its live sequence (turn 2, --decode-tokens tokens each); each turn's decode steps are
+timed as the scheduler reports them (`Scheduler.on_step`: median, 90th percentile, and the share
+spent waiting for the device, the rest being the host's). Each arm runs fresh documents on the same
+engine, in the order given:
 
 - `quiet`: nothing else runs in the process;
 - `writers`: --writers threads encode chunk-sized KV with the store's codec all along, as a
@@ -36,7 +38,7 @@ from kvflash.engine.generate import Sampling
 from kvflash.engine.pool import chunk_shape
 from kvflash.models.loader import load_model
 from kvflash.serve.job import Job
-from kvflash.serve.scheduler import Scheduler
+from kvflash.serve.scheduler import Scheduler, StepTime
 from kvflash.storage.codec import Codec, encode
 
 ARMS = {
@@ -74,14 +76,31 @@ def turn(sched: Scheduler, prompts: list[list[int]], tokens: int) -> tuple[dict,
 
         return Job(prompts[i], tokens, Sampling(), on_token, on_done, on_error, min_tokens=tokens)
 
+    steps: list[StepTime] = []
+    sched.on_step = steps.append
     for i in range(len(prompts)):
         sched.submit(job(i))
     if not done.wait(600) or failed:
         raise SystemExit(f"a job failed: {failed[0]}" if failed else "the turn did not end within 600 s")
     wall = time.perf_counter() - t0
+    sched.on_step = None
     ttfts = sorted(first.values())
     row = {"wall_s": wall, "ttft_p50_s": statistics.median(ttfts), "ttft_max_s": ttfts[-1]}
-    return row, [outs[i] for i in range(len(prompts))]
+    return row | decode_steps([s for s in steps if s.kind == "decode"]), [
+        outs[i] for i in range(len(prompts))
+    ]
+
+
+def decode_steps(steps: list[StepTime]) -> dict:
+    """The turn's decode steps: their median and 90th percentile in ms, and the share of their time
+    the scheduler waited for the device (the rest is the host's)."""
+    if not steps:
+        return {"decode_steps": 0}
+    ms = sorted(1e3 * s.seconds for s in steps)
+    total = sum(s.seconds for s in steps)
+    return {"decode_steps": len(ms), "decode_step_p50_ms": statistics.median(ms),
+            "decode_step_p90_ms": ms[int(0.9 * (len(ms) - 1))],
+            "decode_wait_share": sum(s.waited for s in steps) / total if total else None}  # fmt: skip
 
 
 class Writers:
@@ -167,13 +186,22 @@ def report(args, rows: list[dict]) -> None:
         "turn 2 wall s",
         "turn 2 TTFT p50 s",
         "turn 2 tok/s",
+        "decode step ms p50 / p90 (device wait), turn 1",
+        "turn 2",
     ):
         t.add_column(col, justify="right")
     for r in rows:
         a, b = r["turn1"], r["turn2"]
         t.add_row(r["arm"], f"{a['wall_s']:.2f}", f"{a['ttft_p50_s']:.2f}", f"{b['wall_s']:.2f}",
-                  f"{b['ttft_p50_s']:.3f}", f"{b['tok_s']:,.0f}")  # fmt: skip
+                  f"{b['ttft_p50_s']:.3f}", f"{b['tok_s']:,.0f}", step_cell(a), step_cell(b))  # fmt: skip
     Console().print(t)
+
+
+def step_cell(turn: dict) -> str:
+    if not turn.get("decode_steps"):
+        return "-"
+    p50, p90, wait = turn["decode_step_p50_ms"], turn["decode_step_p90_ms"], turn["decode_wait_share"]
+    return f"{p50:.2f} / {p90:.2f} ({wait:.0%})"
 
 
 def plot(rows: list[dict], path) -> None:
