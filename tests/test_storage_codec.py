@@ -6,14 +6,15 @@ from __future__ import annotations
 import math
 import zlib
 
+import numpy as np
 import pytest
 import torch
 import zstandard
 
+from kvflash import kernels
 from kvflash.storage import (
     codec,
 )
-from kvflash import kernels
 from kvflash.storage.codec import Codec
 from kvflash.storage.key_means import key_means
 from tests.store_util import (
@@ -88,6 +89,31 @@ def test_lossless_bf16_escapes_an_exponent_15_below_its_channels_largest() -> No
     assert enc.raw_len == codec.raw_bounds(Codec.LOSSLESS_BF16, kv.dtype, shape)[0] + 2 * 5
     out = codec.decode(enc.payload, enc.codec, kv.dtype, shape, enc.raw_len, enc.raw_crc)
     assert torch.equal(bits(out), bits(kv))
+
+
+def test_lossless_bf16_decodes_raw_bytes_as_the_format_describes() -> None:
+    """Raw parts written by hand (docs/FORMAT.md: Codecs), every head byte that is not an escape and
+    every tail byte, decode to the words the format defines, independently of the encoder."""
+    g = torch.Generator().manual_seed(1)
+    shape = (2, 2, 3, 240, 4)
+    L_, _, H_, C, D = shape
+    n_ch = L_ * 2 * H_ * D
+    refs = torch.randint(14, 256, (L_, 2, H_, 1, D), generator=g)  # 15 - field below: never under 0
+    signs = torch.randint(0, 2, (L_, 2, H_, 1, D), generator=g)
+    unescaped = torch.tensor([h for h in range(256) if (h >> 3) & 15])
+    spread = torch.arange(C)[:, None] + 17 * torch.arange(D) + 5 * torch.arange(2 * H_ * L_)[:, None, None]
+    heads = unescaped[spread % len(unescaped)].reshape(L_, 2, H_, C, D)
+    tails = torch.randint(0, 256, (L_, H_, C, D), generator=g)
+    nibbles = torch.stack([tails >> 4, tails & 15], dim=1)
+    exponent = refs - 15 + ((heads >> 3) & 15)
+    words = ((heads >> 7) ^ signs) << 15 | exponent << 7 | (heads & 7) << 4 | nibbles
+    packed = np.packbits(signs.reshape(-1).numpy().astype(np.uint8)).tobytes()
+    raw = b"".join(t.reshape(-1).to(torch.uint8).numpy().tobytes() for t in (refs, heads, tails))
+    raw = raw[:n_ch] + packed + raw[n_ch:]
+    assert len(raw) == codec.raw_bounds(Codec.LOSSLESS_BF16, torch.bfloat16, shape)[0]
+    payload = zstandard.ZstdCompressor(write_checksum=True).compress(raw)
+    out = codec.decode(payload, Codec.LOSSLESS_BF16, torch.bfloat16, shape, len(raw), zlib.crc32(raw))
+    assert torch.equal(out.view(torch.int16).to(torch.int32) & 0xFFFF, words)
 
 
 def test_lossless_bf16_refuses_escapes_that_do_not_add_up() -> None:
