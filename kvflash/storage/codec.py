@@ -336,26 +336,31 @@ def _bf16_escapes(raw: memoryview, shape: tuple[int, ...]) -> tuple[np.ndarray, 
 def _bf16_decode(raw: memoryview, escapes: tuple[np.ndarray, np.ndarray], words: np.ndarray) -> None:
     """lossless-bf16's raw bytes -> the words `[L, 2, Hkv, C, D]` (inverse of `_bf16_parts`).
 
-    A head shifted left 4 holds 15 - distance at the exponent's place and the top mantissa bits at
-    theirs, so adding `(channel exponent - 15) << 7` (mod 2**16) makes the exponent; the channel's
-    sign is in that base, and the head's own moves from bit 11 to bit 15."""
+    A head copied as int8 into an int16 sign-extends, so its sign fills bits 7-15. Times 16 (V), or
+    times 256 under the tail byte and back right 4 (K, whose tail nibble is the byte's high half),
+    its distance field and top mantissa bits stand at the exponent's and the mantissa's places, and
+    masking bits 11-14 leaves the sign at bit 15. Adding `(channel exponent - 15) << 7` (mod 2**16)
+    then makes the exponent; the channel's sign is in that base. Every step is an in-place pass that
+    numpy vectorises (multiplies, where shifts left are not)."""
     L, two, H, C, D = words.shape
     channels = L * two * H * D
     src = np.frombuffer(raw, dtype=np.uint8)
     at = channels + (channels + 7) // 8
     refs = src[:channels].reshape(L, two, H, 1, D).astype(np.uint16)
     signs = np.unpackbits(src[channels:at], count=channels).reshape(L, two, H, 1, D).astype(np.uint16)
-    heads = src[at : at + words.size].reshape(words.shape)
+    heads = src[at : at + words.size].reshape(words.shape).view(np.int8)
     tails = src[at + words.size : at + words.size + words.size // 2].reshape(L, H, C, D)
-    sign = np.frombuffer(_scratch("heads", words.size), dtype=np.uint8).reshape(words.shape)
-    moved = np.frombuffer(_scratch("words", 2 * words.size), dtype=np.uint16).reshape(words.shape)
-    np.left_shift(heads, 4, out=words, dtype=np.uint16)
-    words += ((refs - np.uint16(_SPAN)) << 7) ^ (signs << 15)
-    np.right_shift(heads, 7, out=sign)
-    words += np.multiply(sign, np.uint16(0x8000 - 0x800), out=moved, dtype=np.uint16)  # bit 11 to 15
+    signed = words.view(np.int16)
+    np.copyto(signed, heads)
+    k, v = signed[:, 0], signed[:, 1]
+    k *= 256
+    k |= tails
+    k >>= 4
+    v *= 16
+    words &= 0x87FF
     nibbles = np.frombuffer(_scratch("nibbles", tails.size), dtype=np.uint8).reshape(tails.shape)
-    words[:, 0] |= np.right_shift(tails, 4, out=nibbles)
     words[:, 1] |= np.bitwise_and(tails, 15, out=nibbles)
+    words += ((refs - np.uint16(_SPAN)) << 7) ^ (signs << 15)
     positions, exponents = escapes
     if positions.size:
         # the base wrapped below 0 flipped the sign; adding 15 << 7 back restores it
