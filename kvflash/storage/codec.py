@@ -249,7 +249,7 @@ def frame_checksummed(payload: bytes | memoryview) -> bool:
 def _scratch(name: str, n: int) -> memoryview:
     """A per-thread buffer of n bytes: a fresh chunk-sized buffer per call costs more in page faults
     than the decompression itself. Callers size it from validated lengths (the raw length; the fp8
-    gather's index, at most 2 MiB)."""
+    gather's index, at most 2 MiB; lossless-bf16's tiled base, 16 bytes a channel)."""
     bufs = _local.__dict__.setdefault("scratch", {})
     buf = bufs.get(name)
     if buf is None or len(buf) < n:
@@ -341,7 +341,8 @@ def _bf16_decode(raw: memoryview, escapes: tuple[np.ndarray, np.ndarray], words:
     its distance field and top mantissa bits stand at the exponent's and the mantissa's places, and
     masking bits 11-14 leaves the sign at bit 15. Adding `(channel exponent - 15) << 7` (mod 2**16)
     then makes the exponent; the channel's sign is in that base. Every step is an in-place pass that
-    numpy vectorises (multiplies, where shifts left are not)."""
+    numpy vectorises: multiplies where shifts left are not, and the base tiled over a few tokens so
+    that its broadcast add runs long rows."""
     L, two, H, C, D = words.shape
     channels = L * two * H * D
     src = np.frombuffer(raw, dtype=np.uint8)
@@ -360,7 +361,11 @@ def _bf16_decode(raw: memoryview, escapes: tuple[np.ndarray, np.ndarray], words:
     words &= 0x87FF
     nibbles = np.frombuffer(_scratch("nibbles", tails.size), dtype=np.uint8).reshape(tails.shape)
     words[:, 1] |= np.bitwise_and(tails, 15, out=nibbles)
-    words += ((refs - np.uint16(_SPAN)) << 7) ^ (signs << 15)
+    rows = math.gcd(C, 8)
+    base = np.frombuffer(_scratch("base", 2 * channels * rows), dtype=np.uint16).reshape(L, two, H, rows, D)
+    np.copyto(base, ((refs - np.uint16(_SPAN)) << 7) ^ (signs << 15))
+    tiled = words.reshape(L, two, H, C // rows, rows * D)
+    tiled += base.reshape(L, two, H, 1, rows * D)
     positions, exponents = escapes
     if positions.size:
         # the base wrapped below 0 flipped the sign; adding 15 << 7 back restores it
