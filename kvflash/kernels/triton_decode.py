@@ -22,7 +22,7 @@ output divided by it again) so that fp16 keeps small ones normal.
 Only a sequence's last block can hold unlisted chunks or unwritten tokens, so the blocks before it
 run without masks. What bounds an fp8 pool is shared memory, not issue: each e4m3 byte crosses it
 several times (copied in, read as a pair, written back as fp16 and read again by the dot:
-7.5 bytes of shared traffic a byte of KV at head_dim 64, against 3.1 for bf16).
+8 bytes of shared traffic a byte of KV at head_dim 64, against 3.5 for bf16; bench/kernel_sass.py).
 
 One module of some 600 lines: the split kernel, the two ways of merging its splits and the launch
 rule that picks the split count and tile are tuned together (bench/decode_tune.py times them as one).

@@ -1,0 +1,221 @@
+"""What the decode kernel's main loop compiles to on Hopper, without a GPU: its instructions and the
+bytes they move through shared memory, per 64-token tile.
+
+Decode attention is bound by memory, or by whatever stands between memory and the tensor cores:
+instruction issue, or shared memory, which each tile crosses at least once (copied in by cp.async)
+and an fp8 tile several times (read back as pairs, written again as fp16, read by the dot). This
+compiles `_decode_split_kernel` for sm_90 with the installed Triton, as the launcher would specialise
+it (pointers and strides divisible by 16: without that the compiler vectorises and pipelines
+nothing), disassembles the cubin with the nvdisasm Triton bundles, finds the loop over blocks (the
+largest backward branch around the tensor-core instructions) and counts, per warp and tile: all
+instructions, those by family, and shared-memory bytes by instruction (cp.async writes, loads,
+stores, ldmatrix), which over the tile's KV bytes is the shared traffic a byte of KV costs. Shared
+memory serves 128 B a clock an SM; HBM about 16-20 B a clock an SM, so past ~6 bytes of shared
+traffic a KV byte, shared memory, not HBM, bounds a tile.
+
+The counts are the installed Triton's: the GPU machine's may differ (the JSON names the version).
+
+    python -m bench.kernel_sass --out out/kernel_sass
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import subprocess
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import triton
+from rich.console import Console
+from rich.table import Table
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from bench.harness import out_dir, pyplot, save_png, write_json
+from kvflash.kernels import triton_decode
+
+CHUNK = 64
+"""Tokens a chunk, and a tile (one chunk a block: the engine's default)."""
+SHAPES = {"SmolLM2": (64, 3), "Llama-8B": (128, 4)}
+"""model -> (head_dim, query heads a kv-head)."""
+FAMILIES = {
+    "tensor core": ("HMMA", "HGMMA", "QGMMA"),
+    "shared memory": ("LDS", "STS", "LDSM", "STSM", "LDGSTS"),
+    "global": ("LDG", "STG"),
+    "convert": ("F2FP", "I2F", "F2I"),
+    "float": ("FADD", "FMUL", "FFMA", "FMNMX", "FSEL", "FSETP", "MUFU", "HADD2", "HFMA2"),
+    "move": ("MOV", "IMAD.MOV", "PRMT", "SHFL"),
+    "sync": ("BAR", "DEPBAR", "LDGDEPBAR", "WARPGROUP"),
+}
+"""Instruction families, by opcode prefix (first match wins, in this order)."""
+
+
+@dataclass
+class Loop:
+    model: str
+    kv: str
+    warps: int
+    stages: int
+    registers: int
+    shared_bytes: int
+    """Shared memory the kernel allocates."""
+    instructions: int
+    """In the loop, per warp and tile."""
+    families: dict[str, int]
+    shared_traffic: dict[str, int]
+    """Bytes through shared memory per tile (all warps), by instruction."""
+    traffic_per_kv_byte: float
+
+
+def compile_loop(model: str, kv: str, warps: int, stages: int) -> tuple[Loop, list[str]]:
+    d, group = SHAPES[model]
+    fn = triton_decode._decode_split_kernel
+    fp8 = kv == "fp8"
+    pointers = {"q_ptr": "*bf16", "kv_ptr": "*fp8e4nv" if fp8 else "*bf16", "table_ptr": "*i32",
+                "n_slots_ptr": "*i32", "last_valid_ptr": "*i32", "o_ptr": "*fp32", "lse_ptr": "*fp32",
+                "out_ptr": "*bf16", "count_ptr": "*i32", "rot_ptr": "*fp32", "sc_ptr": "*fp32"}  # fmt: skip
+    constants = dict(G=group, BLOCK_G=16, C=CHUNK, CPI=1, D=d, F32_DOT=False, PREC="tf32", DIRECT=False,
+                     FUSED=True, MERGE_G=triton.next_power_of_2(group), MERGE_ROWS=16, PDL=d < 128,
+                     SHIFTED=False, FP8=fp8)  # fmt: skip
+    signature = {name: "i32" for name in fn.arg_names} | pointers | {"qk_scale": "fp32"}
+    signature |= {name: "constexpr" for name in constants}
+    aligned = [*pointers, "stride_qb", "stride_qh", "stride_ob", "stride_oh", "layer_off", "stride_slot",
+               "stride_kv", "stride_head", "stride_tok"]  # fmt: skip
+    source = ASTSource(
+        fn=fn,
+        signature=signature,
+        constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()},
+        attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned},
+    )
+    options = {"num_warps": warps, "num_stages": stages}
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        sass = subprocess.run([tools / "nvdisasm", "-c", cubin], capture_output=True, text=True, check=True)
+        usage = subprocess.run([tools / "cuobjdump", "-res-usage", cubin], capture_output=True, text=True)
+    loop = _loop(sass.stdout)
+    tile_kv = 2 * CHUNK * d * (1 if fp8 else 2)
+    traffic = _shared_traffic(loop, warps)
+    regs = re.search(r"REG:(\d+)", usage.stdout)
+    return Loop(model, kv, warps, stages, int(regs.group(1)) if regs else -1, kernel.metadata.shared,
+                len(loop), _families(loop), traffic, sum(traffic.values()) / tile_kv), loop  # fmt: skip
+
+
+_ADDR = re.compile(r"\s+/\*([0-9a-f]{4,})\*/")
+_OP = re.compile(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
+
+
+def _loop(sass: str) -> list[str]:
+    """The instructions of the largest loop that holds tensor-core instructions."""
+    lines = [ln for ln in sass.splitlines() if _ADDR.match(ln)]
+    where = {ln: int(_ADDR.match(ln).group(1), 16) for ln in lines}
+    labels = {}
+    text = sass.splitlines()
+    for i, ln in enumerate(text):
+        if m := re.match(r"(\.L_x_\d+):", ln.strip()):
+            nxt = next((t for t in text[i + 1 : i + 4] if _ADDR.match(t)), None)
+            if nxt is not None:
+                labels[m.group(1)] = int(_ADDR.match(nxt).group(1), 16)
+    best: list[str] = []
+    for ln in lines:
+        m = re.search(r"BRA `?\(?(\.L_x_\d+)", ln)
+        if m and labels.get(m.group(1), 1 << 62) < where[ln]:
+            body = [t for t in lines if labels[m.group(1)] <= where[t] <= where[ln]]
+            if len(body) > len(best) and any(re.search(r"[HQ]?G?MMA", t) for t in body):
+                best = body
+    return best
+
+
+def _opcode(line: str) -> str:
+    m = _OP.search(line)
+    return m.group(1) if m else ""
+
+
+def _families(loop: list[str]) -> dict[str, int]:
+    counts: collections.Counter[str] = collections.Counter()
+    for ln in loop:
+        op = _opcode(ln)
+        fam = next((f for f, prefixes in FAMILIES.items() if op.startswith(prefixes)), "integer, other")
+        counts[fam] += 1
+    return dict(counts)
+
+
+def _shared_traffic(loop: list[str], warps: int) -> dict[str, int]:
+    """Bytes a tile moves through shared memory (all warps): each instruction's width times its 32
+    lanes (ldmatrix: 128 B a matrix; predicated-off `@!PT` loads, which move nothing, left out)."""
+    out: collections.Counter[str] = collections.Counter()
+    for ln in loop:
+        if "@!PT" in ln:
+            continue
+        op = _opcode(ln)
+        base = op.split(".")[0]
+        if base in ("LDSM", "STSM"):
+            count = re.search(r"\.(\d)\b", op[len(base) :])
+            out[base] += 128 * (int(count.group(1)) if count else 1) * warps
+        elif base in ("LDS", "STS", "LDGSTS"):
+            bits = re.search(r"\.(128|64|32|U8|S8|U16|S16)\b", op)
+            width = (
+                {"128": 16, "64": 8, "32": 4, "U8": 1, "S8": 1, "U16": 2, "S16": 2}[bits.group(1)]
+                if bits
+                else 4
+            )
+            out[base] += 32 * width * warps
+    return dict(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    ap.add_argument("--kv", nargs="+", choices=["bf16", "fp8"], default=["bf16", "fp8"])
+    ap.add_argument("--warps", nargs="+", type=int, default=[2, 4])
+    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--dump", action="store_true", help="also write each loop's SASS")
+    ap.add_argument("--out", default="out/kernel_sass")
+    args = ap.parse_args()
+    out = out_dir(args.out)
+    rows = []
+    for model in args.models:
+        for kv in args.kv:
+            for warps in args.warps:
+                loop, sass = compile_loop(model, kv, warps, args.stages)
+                rows.append(loop)
+                if args.dump:
+                    (out / f"{model}-{kv}-{warps}w.sass").write_text("\n".join(sass))
+    table = Table(title=f"decode loop per 64-token tile, sm_90, Triton {triton.__version__}")
+    for col in ("model", "KV", "warps", "regs", "instructions a warp", "shared bytes a tile", "a KV byte"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(r.model, r.kv, str(r.warps), str(r.registers), str(r.instructions),
+                      f"{sum(r.shared_traffic.values()):,}", f"{r.traffic_per_kv_byte:.1f}")  # fmt: skip
+    Console().print(table)
+    meta = {"triton": triton.__version__, "target": "sm_90", "stages": args.stages}
+    write_json(out / "kernel_sass.json", {"meta": meta, "rows": [asdict(r) for r in rows]})
+    plot(rows, out / "kernel_sass.png")
+
+
+def plot(rows: list[Loop], path: Path) -> None:
+    """Shared-memory bytes per KV byte, one bar per configuration, split by instruction."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(1.2 * len(rows) + 2, 3.8))
+    kinds = sorted({k for r in rows for k in r.shared_traffic})
+    bottom = [0.0] * len(rows)
+    for kind in kinds:
+        share = [r.shared_traffic.get(kind, 0) / (r.shared_traffic and sum(r.shared_traffic.values()) or 1)
+                 * r.traffic_per_kv_byte for r in rows]  # fmt: skip
+        ax.bar(range(len(rows)), share, bottom=bottom, label=kind)
+        bottom = [b + s for b, s in zip(bottom, share, strict=True)]
+    ax.set_xticks(range(len(rows)), [f"{r.model}\n{r.kv} {r.warps}w" for r in rows])
+    ax.set_ylabel("shared-memory bytes a KV byte")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    save_png(fig, path)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
