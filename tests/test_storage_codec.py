@@ -116,6 +116,48 @@ def test_lossless_bf16_decodes_raw_bytes_as_the_format_describes() -> None:
     assert torch.equal(out.view(torch.int16).to(torch.int32) & 0xFFFF, words)
 
 
+def _bf16_reference_parts(kv: torch.Tensor) -> list[bytes]:
+    """lossless-bf16's raw parts as docs/FORMAT.md (Codecs) spells them, element by element in int32."""
+    w = kv.view(torch.int16).to(torch.int32) & 0xFFFF
+    C = w.shape[3]
+    e, sign = (w >> 7) & 0xFF, w >> 15
+    E = e.amax(dim=3, keepdim=True)
+    negative = (sign.sum(dim=3, keepdim=True) * 2 > C).to(torch.int32)
+    distance = E - e
+    field = torch.where(distance < 15, 15 - distance, 0)
+    heads = (sign ^ negative) << 7 | field << 3 | (w >> 4) & 7
+    tails = (w[:, 0] & 15) << 4 | w[:, 1] & 15
+    escaped = (distance >= 15).reshape(-1).nonzero().reshape(-1)
+
+    def u8(t: torch.Tensor) -> bytes:
+        return t.reshape(-1).to(torch.uint8).numpy().tobytes()
+
+    signs = np.packbits(negative.reshape(-1).numpy().astype(np.uint8)).tobytes()
+    positions = escaped.numpy().astype("<u4").tobytes()
+    return [u8(E), signs, u8(heads), u8(tails), positions, u8(e.reshape(-1)[escaped])]
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 3, 64, 16), (3, 2, 1, 5, 3), (1, 2, 2, 1, 4), (2, 2, 1, 300, 1)])
+def test_lossless_bf16_encodes_the_parts_the_format_describes(shape) -> None:
+    """The encoder's raw bytes and frame are those of the parts docs/FORMAT.md defines, built here
+    element by element: real-looking KV with outlier channels and escapes, random bits, ties of
+    signs, a token or a dim alone, more tokens than a byte counts."""
+    g = torch.Generator().manual_seed(2)
+    n = math.prod(shape)
+    outliers = torch.exp(2 * torch.randn(shape[:3] + (1, shape[4]), generator=g))
+    odd_tokens = torch.arange(shape[3]).reshape(1, 1, 1, -1, 1) % 2
+    kvs = [
+        (torch.randn(shape, generator=g) * outliers * torch.exp(torch.randn(shape, generator=g))).bfloat16(),
+        _bf16(torch.randint(-(1 << 15), 1 << 15, (n,), generator=g, dtype=torch.int32)).reshape(shape),
+        _bf16((0x3F80 | odd_tokens << 15).expand(shape)),
+    ]
+    for kv in kvs:
+        enc = codec.encode(kv, Codec.LOSSLESS, extra=b"residual")
+        parts = _bf16_reference_parts(kv) + [b"residual"]
+        assert zstandard.ZstdDecompressor().decompress(enc.payload) == b"".join(parts)
+        assert (enc.payload, enc.raw_len, enc.raw_crc) == codec.compress_parts(parts, codec.DEFAULT_LEVEL)
+
+
 def test_lossless_bf16_refuses_escapes_that_do_not_add_up() -> None:
     shape = (1, 2, 1, 4, 2)
     least = codec.raw_bounds(Codec.LOSSLESS_BF16, torch.bfloat16, shape)[0]
