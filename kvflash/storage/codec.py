@@ -295,29 +295,64 @@ def _bf16_fixed_len(shape: tuple[int, ...]) -> int:
 def _bf16_parts(kv: torch.Tensor) -> list[np.ndarray]:
     """bf16 KV `[L, 2, Hkv, C, D]` as lossless-bf16's parts (docs/FORMAT.md: Codecs): channel
     exponents, channel signs, heads, tails, escapes. A head is the element's sign flipped by its
-    channel's, then 15 - (channel exponent - exponent) (0: escaped), then mantissa bits 6-4."""
+    channel's, then 15 - (channel exponent - exponent) (0: escaped), then mantissa bits 6-4.
+
+    A word's bits 4-11 narrowed to a byte hold its low 5 exponent bits over those mantissa bits;
+    adding `(15 - channel exponent) << 3` (mod 256) leaves the field in bits 3-6 and 0 in bit 7
+    wherever the field is 1-15, the channel's sign added at bit 7 flips it, and the element's sign
+    XORed in completes the head; escaped heads, a few, are written afterwards. Every pass over the
+    chunk is a narrowing or an in-place one that numpy vectorises: the per-channel operand tiled
+    over a few tokens, a multiply for a shift left, and reductions over tokens by halving."""
     x = _as_uint(kv).reshape(kv.shape)
+    L, two, H, C, D = x.shape
     e = np.empty(x.shape, dtype=np.uint8)
     np.right_shift(x, 7, out=e, casting="unsafe")  # the narrowing drops the sign
-    ref = e.max(axis=3, keepdims=True)
-    field = np.subtract(ref, e, out=e)
-    np.minimum(field, _SPAN, out=field)
-    escaped = np.flatnonzero(field == _SPAN).astype("<u4")
-    np.subtract(_SPAN, field, out=field)
+    ref = _fold_tokens(e, np.maximum, np.uint8)
+    signs = np.empty(x.shape, dtype=np.uint8)
+    np.right_shift(x, 15, out=signs, casting="unsafe")
+    majority = _fold_tokens(signs, np.add, np.min_scalar_type(C)) > C // 2
+    rows = math.gcd(C, 8)
+    tiled = (L, two, H, C // rows, rows * D)
+    below = np.less(e.reshape(tiled), _tile(np.maximum(ref, 14) - 14, rows), out=e.view(bool).reshape(tiled))
+    escaped = np.flatnonzero(below).astype("<u4")
     heads = np.empty(x.shape, dtype=np.uint8)
-    np.right_shift(x, 8, out=heads, casting="unsafe")
-    majority = np.count_nonzero(heads >= 0x80, axis=3, keepdims=True) * 2 > x.shape[3]
-    heads &= 0x80
-    heads ^= majority.astype(np.uint8) << 7
-    heads |= field << 3
-    top = np.empty(x.shape, dtype=np.uint8)
-    np.right_shift(x, 4, out=top, casting="unsafe")
-    heads |= top & 7
+    np.right_shift(x, 4, out=heads, casting="unsafe")
+    base = (np.uint8(_SPAN) - ref) * np.uint8(8) + majority * np.uint8(0x80)
+    heads.reshape(tiled)[...] += _tile(base, rows)
+    heads ^= np.multiply(signs, 0x80, out=signs)
     tails = np.empty(x[:, 0].shape, dtype=np.uint8)
     np.left_shift(x[:, 0], 4, out=tails, casting="unsafe")  # the narrowing keeps bits 0-3 as 4-7
-    tails |= (x[:, 1] & 15).astype(np.uint8)
-    exponents = ((x.reshape(-1)[escaped] >> 7) & 0xFF).astype(np.uint8)
+    nibbles = np.bitwise_and(x[:, 1], 15, out=np.empty_like(tails), casting="unsafe")
+    tails |= nibbles
+    words = x.reshape(-1)[escaped]
+    token_rows, d = np.divmod(escaped, D)
+    flipped = majority.reshape(-1)[token_rows // C * D + d].astype(np.uint16) << 15
+    heads.reshape(-1)[escaped] = ((words ^ flipped) >> 8 & 0x80 | words >> 4 & 7).astype(np.uint8)
+    exponents = (words >> 7 & 0xFF).astype(np.uint8)
     return [ref.reshape(-1), np.packbits(majority), heads.reshape(-1), tails.reshape(-1), escaped, exponents]
+
+
+def _fold_tokens(a: np.ndarray, ufunc: np.ufunc, dtype: np.dtype) -> np.ndarray:
+    """`ufunc` reduced over the tokens of `a` `[L, 2, Hkv, C, D]` into `dtype`, `[L, 2, Hkv, 1, D]`,
+    by halving the rows: numpy's own reduce over that axis runs one row of D at a time."""
+    c = a.shape[3]
+    half = c // 2
+    acc = np.empty((*a.shape[:3], c - half, a.shape[4]), dtype=dtype)
+    acc[..., half:, :] = a[..., half : c - half, :]  # an odd C's middle row
+    ufunc(a[..., :half, :], a[..., c - half :, :], out=acc[..., :half, :], dtype=dtype)
+    c -= half
+    while c > 1:
+        half = c // 2
+        ufunc(acc[..., :half, :], acc[..., c - half : c, :], out=acc[..., :half, :])
+        c -= half
+    return np.ascontiguousarray(acc[..., :1, :])
+
+
+def _tile(channels: np.ndarray, rows: int) -> np.ndarray:
+    """A per-channel `[L, 2, Hkv, 1, D]` array repeated over `rows` tokens, as one row of `rows * D`:
+    a broadcast against the chunk's rows of that length runs long inner loops."""
+    L, two, H, _, D = channels.shape
+    return np.broadcast_to(channels, (L, two, H, rows, D)).reshape(L, two, H, 1, rows * D)
 
 
 def _bf16_escapes(raw: memoryview, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
