@@ -249,7 +249,7 @@ def frame_checksummed(payload: bytes | memoryview) -> bool:
 def _scratch(name: str, n: int) -> memoryview:
     """A per-thread buffer of n bytes: a fresh chunk-sized buffer per call costs more in page faults
     than the decompression itself. Callers size it from validated lengths (the raw length; the fp8
-    gather's index, at most 2 MiB; lossless-bf16's tiled base, 16 bytes a channel)."""
+    gather's index, at most 2 MiB; lossless-bf16's tiled channels, 16 bytes a channel)."""
     bufs = _local.__dict__.setdefault("scratch", {})
     buf = bufs.get(name)
     if buf is None or len(buf) < n:
@@ -350,9 +350,15 @@ def _fold_tokens(a: np.ndarray, ufunc: np.ufunc, dtype: np.dtype) -> np.ndarray:
 
 def _tile(channels: np.ndarray, rows: int) -> np.ndarray:
     """A per-channel `[L, 2, Hkv, 1, D]` array repeated over `rows` tokens, as one row of `rows * D`:
-    a broadcast against the chunk's rows of that length runs long inner loops."""
+    a broadcast against the chunk's rows of that length runs long inner loops. It lives in this
+    thread's scratch, valid until the next call."""
     L, two, H, _, D = channels.shape
-    return np.broadcast_to(channels, (L, two, H, rows, D)).reshape(L, two, H, 1, rows * D)
+    out = np.frombuffer(
+        _scratch("tiled", channels.nbytes * rows), dtype=channels.dtype, count=channels.size * rows
+    )
+    out = out.reshape(L, two, H, rows, D)
+    np.copyto(out, channels)
+    return out.reshape(L, two, H, 1, rows * D)
 
 
 def _bf16_escapes(raw: memoryview, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
@@ -397,10 +403,8 @@ def _bf16_decode(raw: memoryview, escapes: tuple[np.ndarray, np.ndarray], words:
     nibbles = np.frombuffer(_scratch("nibbles", tails.size), dtype=np.uint8).reshape(tails.shape)
     words[:, 1] |= np.bitwise_and(tails, 15, out=nibbles)
     rows = math.gcd(C, 8)
-    base = np.frombuffer(_scratch("base", 2 * channels * rows), dtype=np.uint16).reshape(L, two, H, rows, D)
-    np.copyto(base, ((refs - np.uint16(_SPAN)) << 7) ^ (signs << 15))
     tiled = words.reshape(L, two, H, C // rows, rows * D)
-    tiled += base.reshape(L, two, H, 1, rows * D)
+    tiled += _tile(((refs - np.uint16(_SPAN)) << 7) ^ (signs << 15), rows)
     positions, exponents = escapes
     if positions.size:
         # the base wrapped below 0 flipped the sign; adding 15 << 7 back restores it
