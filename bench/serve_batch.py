@@ -72,25 +72,25 @@ def together(users: Users, asks: list[Ask]) -> tuple[dict, list[str]]:
 
 def metric(server: Served, name: str) -> int:
     """A sample of the server's /metrics (0 where it has none yet)."""
-    return int(sample(server, name))
+    return int(samples(server, name)[0])
 
 
-def sample(server: Served, name: str) -> float:
+def samples(server: Served, *names: str) -> tuple[float, ...]:
+    """Samples of one scrape of the server's /metrics (0 where it has none yet)."""
     text = httpx.get(f"{server.url}/metrics").text
-    m = re.search(rf"^kvflash_{re.escape(name)} (\S+)$", text, re.M)
-    return float(m.group(1)) if m else 0.0
+    found = (re.search(rf"^kvflash_{re.escape(name)} (\S+)$", text, re.M) for name in names)
+    return tuple(float(m.group(1)) if m else 0.0 for m in found)
 
 
-def decode_steps(server: Served) -> tuple[float, float, float]:
+def decode_steps(server: Served) -> tuple[float, ...]:
     """(decode steps, their seconds, of those the scheduler's wait for the device) so far."""
     kind = '{kind="decode"}'
-    return tuple(
-        sample(server, f"step{what}{kind}")
-        for what in ("_seconds_count", "_seconds_sum", "_wait_seconds_sum")
+    return samples(
+        server, *(f"step{what}{kind}" for what in ("_seconds_count", "_seconds_sum", "_wait_seconds_sum"))
     )
 
 
-def step_figures(before: tuple[float, float, float], after: tuple[float, float, float]) -> dict:
+def step_figures(before: tuple[float, ...], after: tuple[float, ...]) -> dict:
     """A turn's decode steps: the mean step in ms and the share of it spent waiting for the device
     (the rest is the host's: a host-bound server waits little)."""
     n, secs, wait = (a - b for a, b in zip(after, before, strict=True))
@@ -101,8 +101,8 @@ def step_figures(before: tuple[float, float, float], after: tuple[float, float, 
 def prefill_steps(server: Served, since: tuple[int, int] = (0, 0)) -> tuple[int, int]:
     """(forwards that ran prefill pieces, pieces they ran) since `since`: a turn's pieces over its
     steps is how many prompts shared a forward (all N in one step where they arrived together)."""
-    now = metric(server, "prefill_steps_total"), metric(server, "prefill_pieces_total")
-    return now[0] - since[0], now[1] - since[1]
+    steps, pieces = samples(server, "prefill_steps_total", "prefill_pieces_total")
+    return int(steps) - since[0], int(pieces) - since[1]
 
 
 def computed_tokens(server: Served) -> int:
