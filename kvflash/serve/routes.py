@@ -232,8 +232,15 @@ async def _stream(
     try:
         if shape is CHAT:
             yield chunk("", first=True)
-        while isinstance(piece := await items.get(), str):
-            yield before + json.dumps(piece) + after
+        piece = await items.get()
+        while isinstance(piece, str):  # the text the queue holds goes out in one write (serve/outbox.py)
+            events = []
+            while isinstance(piece, str):
+                events.append(before + json.dumps(piece) + after)
+                piece = items.get_nowait() if items.qsize() else None
+            yield "".join(events)
+            if piece is None:
+                piece = await items.get()
         if isinstance(piece, BaseException):  # headers are sent: the error goes in the stream
             kind = (
                 "timeout_error" if isinstance(piece, TimedOut)
@@ -255,11 +262,15 @@ def _submit(
     server: Server, req: ChatRequest | CompletionRequest, prompt: Prompt, gone: threading.Event
 ) -> asyncio.Queue:
     """Queues the request; its text pieces, then its Completion or error, arrive on the queue
-    (through the loop's `Outbox`: one hand-over a step for every stream)."""
+    (through the loop's `Outbox`: paced hand-overs for every stream, but the first text and the end
+    at once)."""
     outbox, items = outbox_of(asyncio.get_running_loop()), asyncio.Queue()
+    started = False
 
     def emit(item: str | Completion | BaseException) -> None:
-        outbox.put(items, item)
+        nonlocal started
+        outbox.put(items, item, urgent=not (started and isinstance(item, str)))
+        started = True
 
     server.submit(req, prompt, emit, gone)
     return items
