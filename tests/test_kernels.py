@@ -763,11 +763,14 @@ FP8 = torch.float8_e4m3fn
 
 def fp8_pool(pool: torch.Tensor) -> torch.Tensor:
     """An fp8 pool of pool's values (NaN where they are NaN): each (slot, layer, K/V, kv-head) block
-    quantised with its own scale, its largest finite magnitude / 448, in the block's extra row."""
+    quantised with its own scale, its largest finite magnitude / 448, in the block's extra row; V
+    blocks channel-major (`_common.fp8_v_tokens`)."""
     amax = pool.float().nan_to_num(0).abs().amax((-2, -1))
     scale = torch.where(amax > 0, amax / 448, 1.0)
     out = torch.zeros(*pool.shape[:-2], pool.shape[-2] + 1, pool.shape[-1], dtype=FP8, device=pool.device)
-    out[..., :-1, :] = ref.quantize_fp8(pool, scale[..., None, None])
+    q = ref.quantize_fp8(pool, scale[..., None, None])
+    out[..., 0, :, :-1, :] = q[..., 0, :, :, :]
+    kernels._common.fp8_v_tokens(out[..., 1, :, :-1, :])[:] = q[..., 1, :, :, :]
     kernels._common.fp8_scales(out).copy_(scale)
     return out
 
@@ -831,6 +834,38 @@ def check_write_fp8(runs: list[tuple[int, int, int]], h_kv: int, d: int, c: int,
     body, want_body = pool[..., :-1, :], want[..., :-1, :]
     off = (body.view(torch.uint8) != want_body.view(torch.uint8)).nonzero()
     assert not len(off), (len(off), off[:4].tolist(), body[tuple(off[:4].T)], want_body[tuple(off[:4].T)])
+
+
+def check_fp8_v_layout(write_tokens, device: str) -> None:
+    """After a run that begins a chunk and tokens written one at a time after it, a V block's first
+    C x D bytes hold token t of channel d at byte d * C + t, a K block's at t * D + d: each the e4m3
+    of the value over its block's scale."""
+    c, h_kv, d, i32 = 16, 2, 32, torch.int32
+    g = torch.Generator().manual_seed(5)
+    pool = torch.zeros(3, 2, 2, h_kv, c + 1, d, dtype=FP8, device=device)
+    x = torch.randn(c, 2, h_kv, d, generator=g)  # [T, K/V, Hkv, D]
+    run = c - 3
+    writes = [(0, run)] + [(t, t + 1) for t in range(run, c)]
+    for lo, hi in writes:
+        slot, offset = (torch.tensor(a, dtype=i32, device=device) for a in ([2] * (hi - lo), range(lo, hi)))
+        k, v = x[lo:hi].to(device).unbind(1)
+        write_tokens(pool, 1, slot, offset, k, v)
+    blocks = pool[2, 1].cpu()  # [2, Hkv, C + 1, D]
+    scales = kernels._common.fp8_scales(blocks)  # [2, Hkv]
+    want = ref.quantize_fp8(x.permute(1, 2, 0, 3), scales[..., None, None]).view(torch.uint8)
+    flat = blocks[:, :, :c].reshape(2, h_kv, c * d).view(torch.uint8)
+    t, ch = torch.arange(c)[:, None], torch.arange(d)[None, :]
+    assert torch.equal(flat[0][:, t * d + ch], want[0])
+    assert torch.equal(flat[1][:, ch * c + t], want[1])
+
+
+def test_fp8_write_tokens_stores_v_channel_major() -> None:
+    check_fp8_v_layout(ref.write_tokens, "cpu")
+
+
+@interp
+def test_interp_write_tokens_fp8_v_channel_major() -> None:
+    check_fp8_v_layout(triton_impl("triton_copy").write_tokens, "cpu")
 
 
 INTERP_DECODE_FP8 = [
@@ -943,6 +978,7 @@ def test_gpu_scoring_fp8(case: Lse) -> None:
 
 @on_gpu
 def test_gpu_write_tokens_fp8() -> None:
+    check_fp8_v_layout(triton_impl("triton_copy").write_tokens, "cuda")
     check_write_fp8([(5, 13, 40), (1, 0, 64), (3, 0, 64), (2, 0, 17)], 3, 64, 64, "cuda")
     check_write_fp8([(s, o, 1) for s, o in ((0, 0), (1, 5), (2, 63), (3, 0), (4, 1))], 8, 128, 64, "cuda")
 

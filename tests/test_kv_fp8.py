@@ -15,7 +15,8 @@ import torch
 import zstandard
 
 from kvflash.config import resolve_kv_dtype
-from kvflash.kernels._common import chunk_tokens, fp8_scales
+from kvflash.kernels import reference
+from kvflash.kernels._common import chunk_tokens, fp8_scales, fp8_v_tokens
 from kvflash.models.loader import LoadedModel
 from kvflash.serve.snapshots import KVSnapshots
 from kvflash.storage import SnapshotStore, codec, format
@@ -48,7 +49,7 @@ def test_fp8_is_asked_for_by_name_and_its_slots_carry_a_scale_row(lm) -> None:
 def test_fp8_round_trips_bit_exact_through_host_tier_and_store(lm, tmp_path) -> None:
     """Chunks paged out and in, and saved and restored (eager and lazy), keep their bytes and
     scales; the chunk file records codec fp8 and dtype fp8, and its raw bytes are the held scales
-    and bytes themselves."""
+    and bytes themselves, V's in token order (`file_bytes`)."""
     eng = engine(lm, "fp8", pool_tokens=32 * C, policy="qk")
     kv = eng.new_sequence(8 * C)
     eng.prefill(kv, prompt(20 * C + 5))
@@ -67,10 +68,7 @@ def test_fp8_round_trips_bit_exact_through_host_tier_and_store(lm, tmp_path) -> 
         head = store.read_header(hashes[0])
         assert (head.version, head.codec, head.dtype) == (3, codec.Codec.FP8, FP8)
         assert head.shape == (CFG.n_layers, 2, CFG.n_kv_heads, C, CFG.head_dim)
-        raw = (
-            fp8_scales(before[0]).contiguous().numpy().tobytes()
-            + bits(before[0][..., :-1, :]).numpy().tobytes()
-        )
+        raw = fp8_scales(before[0]).contiguous().numpy().tobytes() + file_bytes(before[0]).numpy().tobytes()
         payload = store.chunk_file(hashes[0])[format.HEADER_SIZE + head.meta_len :]
         held = zstandard.ZstdDecompressor().decompress(payload)
         assert head.raw_len == len(raw) + head.extra_len and held[: len(raw)] == raw  # not rounded again
@@ -81,7 +79,14 @@ def test_fp8_round_trips_bit_exact_through_host_tier_and_store(lm, tmp_path) -> 
             dst.free()
 
 
-def test_fp8_codec_raw_bytes_are_the_held_scales_then_the_held_bytes() -> None:
+def file_bytes(held: torch.Tensor) -> torch.Tensor:
+    """The e4m3 bytes `[L, 2, Hkv, C, D]` of a chunk held as fp8 in a file's order: token order, K's
+    as held, V's turned back from channel-major."""
+    rows = held[..., :-1, :]
+    return bits(torch.stack([rows[:, 0], fp8_v_tokens(rows[:, 1])], 1))
+
+
+def test_fp8_codec_gives_held_fp8_kv_back_bit_for_bit_and_only_in_fp8() -> None:
     g = torch.Generator().manual_seed(0)
     held = torch.randn(2, 2, 3, 9, 16, generator=g).to(FP8)
     fp8_scales(held).copy_(torch.rand(2, 2, 3, generator=g) + 0.5)
@@ -93,6 +98,38 @@ def test_fp8_codec_raw_bytes_are_the_held_scales_then_the_held_bytes() -> None:
     assert torch.equal(bits(out), bits(held))
     with pytest.raises(ValueError, match="does not hold"):
         codec.decode(enc.payload, codec.Codec.LOSSLESS, FP8, shape, enc.raw_len, enc.raw_crc)
+
+
+def test_fp8_files_hold_v_in_token_order_and_decode_to_the_held_layout() -> None:
+    """A pool holds V channel-major and a file in token order, as files written before V was held
+    so: a raw part built by hand in token order decodes to the pool's bytes (V channel-major) and
+    values, the codec's own raw bytes for the pool's chunk are that part, and encode then decode
+    gives the held bytes back."""
+    g = torch.Generator().manual_seed(0)
+    n_layers, h_kv, d = 2, 3, 16
+    shape = (n_layers, 2, h_kv, C, d)
+    x = torch.randn(n_layers, 2, C, h_kv, d, generator=g)  # [L, K/V, T, Hkv, D], as written
+    pool = torch.zeros(2, *codec.held_shape(FP8, shape), dtype=FP8)
+    slot, offset = torch.ones(C, dtype=torch.int32), torch.arange(C, dtype=torch.int32)
+    for layer in range(n_layers):
+        reference.write_tokens(pool, layer, slot, offset, x[layer, 0], x[layer, 1])
+    held = pool[1]
+    scales = fp8_scales(held)  # [L, 2, Hkv]
+    tokens = bits(reference.quantize_fp8(x.transpose(2, 3), scales[..., None, None]))  # [L, 2, Hkv, C, D]
+    raw = scales.contiguous().numpy().tobytes() + tokens.numpy().tobytes()
+    out = torch.empty(codec.held_shape(FP8, shape), dtype=FP8)
+    payload = zstandard.ZstdCompressor().compress(raw)
+    codec.decode(payload, codec.Codec.FP8, FP8, shape, len(raw), zlib.crc32(raw), out)
+    assert torch.equal(bits(out), bits(held))
+    v_rows = bits(out[:, 1, :, :-1]).reshape(n_layers, h_kv, d, C)  # byte d * C + t of each V block
+    assert torch.equal(v_rows, tokens[:, 1].transpose(-1, -2))
+    values = tokens.view(FP8).float() * scales[..., None, None]
+    assert torch.equal(reference.kv_values(out), values) and torch.equal(reference.kv_values(held), values)
+    assert bytes(codec._fp8_held_raw(held)) == raw
+    enc = codec.encode(held, codec.Codec.FP8)
+    back = torch.empty_like(out)
+    codec.decode(enc.payload, codec.Codec.FP8, FP8, shape, enc.raw_len, enc.raw_crc, back)
+    assert torch.equal(bits(back), bits(held))
 
 
 def test_old_version_1_files_still_read_and_fp8_needs_version_2(lm, tmp_path) -> None:

@@ -34,7 +34,8 @@ def slot_shape(cfg: ModelConfig, chunk_tokens: int, dtype: torch.dtype) -> tuple
     """A slot's layout, shared by the pool and the host tier: `chunk_shape`, with one more row per
     (layer, K/V, kv-head) for fp8 KV, whose first 4 bytes hold that block's fp32 scale
     (`kernels.fp8_scales`). So a chunk's scales travel with its bytes: a page-out, a page-in or a
-    staging copy of an fp8 chunk is still one copy of one contiguous run."""
+    staging copy of an fp8 chunk is still one copy of one contiguous run. An fp8 V block's C rows
+    hold its bytes channel-major, a K block's token-major (`kernels._common.fp8_v_tokens`)."""
     rows = chunk_tokens + (dtype == FP8)
     return (cfg.n_layers, 2, cfg.n_kv_heads, rows, cfg.head_dim)
 

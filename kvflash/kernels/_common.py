@@ -70,6 +70,17 @@ def chunk_tokens(kv: torch.Tensor) -> int:
     return kv.shape[-2] - is_fp8(kv)
 
 
+def fp8_v_tokens(rows: torch.Tensor) -> torch.Tensor:
+    """The token rows `[..., C, D]` of fp8 V blocks as held (each block's first C rows, without its
+    scale row) seen in token order: a view `[..., C, D]`, through which values are read and written.
+
+    A V block holds its C x D bytes channel-major, token t of channel d at byte d * C + t, so that a
+    tile of V is K-major for a dot that takes V as its first operand; K blocks hold theirs token-major.
+    The rows must be viewable as `[..., D, C]` (each block's C rows contiguous), as every block is."""
+    *lead, c, d = rows.shape
+    return rows.view(*lead, d, c).transpose(-1, -2)
+
+
 def fp8_scales(kv: torch.Tensor) -> torch.Tensor:
     """The fp32 scales `[..., L, 2, Hkv]` of an fp8 pool, host block or chunk `[..., L, 2, Hkv, C + 1, D]`:
     a view of the first 4 bytes of each block's last row (kvflash/engine/pool.py: `slot_shape`)."""

@@ -6,7 +6,8 @@ before use, so stale or poisoned bytes in unused slot positions never leak in (0
 
 An fp8 pool (e4m3fn) has C + 1 rows per (layer, K/V, kv-head) block, the last holding the block's
 fp32 scale (`_common.fp8_scales`): a value is its e4m3 byte times the scale (`kv_values`), and
-`write_tokens` sets the scales (`FP8_HEADROOM` says how).
+`write_tokens` sets the scales (`FP8_HEADROOM` says how). A V block's C rows hold its bytes
+channel-major (`_common.fp8_v_tokens`), a K block's token-major.
 """
 
 from __future__ import annotations
@@ -14,7 +15,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvflash.kernels._common import FP8, FP8_HEADROOM, FP8_MAX, chunk_tokens, fp8_scales, is_fp8
+from kvflash.kernels._common import (
+    FP8,
+    FP8_HEADROOM,
+    FP8_MAX,
+    chunk_tokens,
+    fp8_scales,
+    fp8_v_tokens,
+    is_fp8,
+)
 from kvflash.models.rope import apply_rotary
 
 
@@ -30,11 +39,20 @@ def _attend(
 
 
 def kv_values(kv: torch.Tensor) -> torch.Tensor:
-    """Blocks `[..., rows, D]` of a pool as values `[..., C, D]`: as they are, or for fp8 the C token
-    rows in fp32 times their block's scale."""
+    """K and V blocks `[..., 2, Hkv, rows, D]` of a pool as values `[..., 2, Hkv, C, D]` in token
+    order: as they are, or for fp8 each block's values (`block_values`), V's read channel-major."""
     if not is_fp8(kv):
         return kv
-    return kv[..., :-1, :].float() * fp8_scales(kv)[..., None, None]
+    k, v = kv.unbind(-4)
+    return torch.stack([block_values(k), fp8_v_tokens(block_values(v))], -4)
+
+
+def block_values(blocks: torch.Tensor) -> torch.Tensor:
+    """Blocks `[..., rows, D]` of a pool as values `[..., C, D]` in the order they are held: as they
+    are, or for fp8 the C rows in fp32 times their block's scale. For K blocks that is token order."""
+    if not is_fp8(blocks):
+        return blocks
+    return blocks[..., :-1, :].float() * fp8_scales(blocks)[..., None, None]
 
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -141,7 +159,7 @@ def prefill_attention_batched(
 def chunk_summaries(kv_pool: torch.Tensor, slots: torch.Tensor, blocks: int) -> torch.Tensor:
     """[n, L, Hkv, blocks, D] fp32: the mean key of each of `blocks` equal runs of tokens of each listed
     chunk (call on full chunks only)."""
-    keys = kv_values(kv_pool[slots.long(), :, 0]).float()  # [n, L, Hkv, C, D]
+    keys = block_values(kv_pool[slots.long(), :, 0]).float()  # [n, L, Hkv, C, D]
     n, layers, h_kv, c, d = keys.shape
     return keys.view(n, layers, h_kv, blocks, c // blocks, d).mean(4)
 
@@ -153,7 +171,7 @@ def chunk_lse(
     q [L, T, Hq, D] -> [L, T, Hq, n] fp32 (query head h reads kv-head h // (Hq // Hkv)). rot [n, 2, D/2],
     when given, moves each chunk's keys (`shift_keys`). Call on full chunks only."""
     layers, t, hq, d = q.shape
-    keys = kv_values(kv_pool[slots.long(), :, 0])  # [n, L, Hkv, C, D]
+    keys = block_values(kv_pool[slots.long(), :, 0])  # [n, L, Hkv, C, D]
     if rot is not None:
         keys = shift_keys(keys.movedim(0, 2), rot).movedim(2, 0)
     qs = q.float().view(layers, t, keys.shape[2], -1, d)
@@ -196,7 +214,9 @@ def _write_fp8(
             r += 1
         scales[slots[t], layer] = fp8_scale(x[t : t + r].abs().amax(dim=(0, 3)), r == c)
     slot, offset = (torch.tensor(v, device=kv_pool.device) for v in (slots, offsets))
-    kv_pool[slot, layer, :, :, offset] = quantize_fp8(x, scales[slot, layer][..., None])
+    q = quantize_fp8(x, scales[slot, layer][..., None])  # [T, 2, Hkv, D]
+    kv_pool[slot, layer, 0, :, offset] = q[:, 0]
+    fp8_v_tokens(kv_pool[:, layer, 1, :, :-1])[slot, :, offset] = q[:, 1]
 
 
 def rms_norm(

@@ -105,7 +105,8 @@ def _write_fp8_kernel(
     MUL_PART: tl.constexpr,
 ):
     """Program t stores token t, unless a run of this write leads its chunk: then the run's leader
-    (the token at offset 0) sets the chunk's scales and stores the whole run, and the others return."""
+    (the token at offset 0) sets the chunk's scales and stores the whole run, and the others return.
+    V is stored channel-major (`_common.fp8_v_tokens`): token t of channel d at d * C + t in its block."""
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     off = tl.load(offset_ptr + t)
@@ -155,16 +156,18 @@ def _write_fp8_kernel(
                 v_ptr + rows * stride_vt + hh[None, :, None] * stride_vh + d[None, None, :], mask=m, other=0.0
             )
             dst = kv_ptr + block[None, :, None] + jj[:, None, None] * stride_tok + d[None, None, :]
+            dst_v = kv_ptr + block[None, :, None] + stride_kv + d[None, None, :] * C + jj[:, None, None]
             tl.store(dst, to_e4m3(k.to(tl.float32), s_k[None, :, None]), mask=m)
-            tl.store(dst + stride_kv, to_e4m3(v.to(tl.float32), s_v[None, :, None]), mask=m)
+            tl.store(dst_v, to_e4m3(v.to(tl.float32), s_v[None, :, None]), mask=m)
     elif (lead_slot != slot) | (lead_off != 0):  # no run of this write leads the chunk
         s_k = tl.load(sc_k, mask=hm, other=1.0)
         s_v = tl.load(sc_v, mask=hm, other=1.0)
         k = tl.load(k_ptr + t * stride_kt + hh[:, None] * stride_kh + d[None, :], mask=hm[:, None], other=0.0)
         v = tl.load(v_ptr + t * stride_vt + hh[:, None] * stride_vh + d[None, :], mask=hm[:, None], other=0.0)
         dst = kv_ptr + block[:, None] + off * stride_tok + d[None, :]
+        dst_v = kv_ptr + block[:, None] + stride_kv + d[None, :] * C + off
         tl.store(dst, to_e4m3(k.to(tl.float32), s_k[:, None]), mask=hm[:, None])
-        tl.store(dst + stride_kv, to_e4m3(v.to(tl.float32), s_v[:, None]), mask=hm[:, None])
+        tl.store(dst_v, to_e4m3(v.to(tl.float32), s_v[:, None]), mask=hm[:, None])
 
 
 def write_tokens(

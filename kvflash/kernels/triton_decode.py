@@ -11,18 +11,20 @@ writes the output itself. bench/decode_tune.py times both merges side by side. W
 (positions within the cache) each chunk is scored against the query turned back by that chunk's
 rotation, one chunk per tile.
 
-An fp8 pool's tiles are loaded as e4m3 pairs and widened to fp16 pairs where they are loaded
+An fp8 pool's K tiles are loaded as e4m3 pairs and widened to fp16 pairs where they are loaded
 (exactly: e4m3 is a subset of fp16, and the GPU converts a pair in one instruction where bf16 takes
-several), then reach fp16 dots as a bf16 pool's tiles do (`_load_e4m3_as_f16`). A tile of one chunk
-has one K and one V scale: the K scale joins the score scale in the exponent's multiply-add, and the
-V scale (times `FP8_P_UP`) is an offset of the exponent, so the weights that meet V already carry it.
+several), then reach fp16 dots as a bf16 pool's tiles do (`_load_e4m3_as_f16`); its V tiles, held
+channel-major, are gathered into token order and converted to fp16 (`_load_e4m3_v`). A tile of one
+chunk has one K and one V scale: the K scale joins the score scale in the exponent's multiply-add,
+and the V scale (times `FP8_P_UP`) is an offset of the exponent, so the weights that meet V already
+carry it.
 A tile of several chunks scales each key column's logit by its chunk's K scale and each weight by
 its chunk's V scale before the second dot. Either way the weights are raised by `FP8_P_UP` (the
 output divided by it again) so that fp16 keeps small ones normal.
 Only a sequence's last block can hold unlisted chunks or unwritten tokens, so the blocks before it
 run without masks. What bounds an fp8 pool is shared memory, not issue: each e4m3 byte crosses it
-several times (copied in, read as a pair, written back as fp16 and read again by the dot:
-8 bytes of shared traffic a byte of KV at head_dim 64, against 3.5 for bf16; bench/kernel_sass.py).
+several times (copied in, read back, written again as fp16 and read by the dot: 6 bytes of shared
+traffic a byte of KV at head_dim 64 and two warps, against 3 for bf16; bench/kernel_sass.py).
 
 One module of some 600 lines: the split kernel, the two ways of merging its splits and the launch
 rule that picks the split count and tile are tuned together (bench/decode_tune.py times them as one).
@@ -237,8 +239,8 @@ def _attend_block(
         k = _load_e4m3_as_f16(k_base + rows, valid, D)
     else:
         k = tl.load(k_base + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-    if FP8 and not F32_DOT:
-        v = _load_e4m3_as_f16(k_base + stride_kv + rows, valid, D)
+    if FP8:
+        v = _load_e4m3_v(k_base + stride_kv + slot * stride_slot + t % C, valid, C, D)
     else:
         v = tl.load(k_base + stride_kv + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
     if FP8 and CPI == 1:  # one chunk a block: its two scales
@@ -251,6 +253,8 @@ def _attend_block(
         v_sc = tl.load(sc_rows + stride_kv // 4, mask=valid, other=0.0)
     if F32_DOT:
         v = v.to(tl.float32)
+    elif FP8:
+        v = v.to(tl.float16)
     if not SHIFTED:  # the order of the measured kernel: both loads issued before the dot
         if F32_DOT:
             k = k.to(tl.float32)
@@ -294,11 +298,9 @@ def _lg2_approx(x):
 @triton.jit
 def _load_e4m3_as_f16(row_ptrs, mask, D: tl.constexpr):
     """A [T, D] tile of e4m3 rows (starting at `row_ptrs`, 2-byte aligned) widened to fp16 where it
-    is loaded, a pair of values at a time. Where the tile is the second dot's operand (V, whose rows
-    run along the dot's inner dimension) it must be transposed, and the GPU transposes 16-bit tiles
-    in shared memory (ldmatrix) but not 8-bit ones: left to the compiler, the e4m3 tile would be
-    widened inside the dot's operand layout, read from shared memory one byte at a time. Widened
-    here, it reaches the dot as an fp16 tile, as a bf16 pool's does (and takes fewer registers).
+    is loaded, a pair of values at a time: left to the compiler, the e4m3 tile would be widened
+    inside the dot's operand layout. Widened here, it reaches the dot as an fp16 tile, as a bf16
+    pool's does (and takes fewer registers).
     The tile leaves through an opaque move: Triton sizes a dot's operand registers (kWidth) by the
     narrowest load it finds behind them, and seeing the pairs' join it would pick 8-bit operands,
     whose fragments the GPU then reshuffles for every fp16 instruction (some 120 moves a tile)."""
@@ -315,6 +317,14 @@ def _load_e4m3_as_f16(row_ptrs, mask, D: tl.constexpr):
     return tl.inline_asm_elementwise(
         "mov.b32 $0, $1;", "=r,r", [tile], dtype=tl.float16, is_pure=False, pack=2
     )
+
+
+@triton.jit
+def _load_e4m3_v(col_ptrs, mask, C: tl.constexpr, D: tl.constexpr):
+    """A [T, D] tile of fp8 V in token order, token t's bytes from col_ptrs[t] on: a V block holds
+    them channel-major, channel d at col_ptrs[t] + d * C (`_common.fp8_v_tokens`). Masked tokens
+    read as zero."""
+    return tl.load(col_ptrs[:, None] + tl.arange(0, D)[None, :] * C, mask=mask[:, None], other=0.0)
 
 
 @triton.jit

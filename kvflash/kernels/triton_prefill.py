@@ -41,7 +41,7 @@ from kvflash.kernels.triton_decode import (
     COMBINE_ROWS,
     FP8_P_UP,
     _combine_kernel,
-    _load_e4m3_as_f16,
+    _load_e4m3_v,
     _shifted_qk,
 )
 
@@ -129,8 +129,8 @@ def _attend_blocks(
             k = tl.load(k_base + rows[:, None] + d[None, :], mask=live[:, None], other=0.0)
         else:
             k = tl.load(k_base + rows[:, None] + d[None, :])
-        if FP8 and not F32_DOT:
-            v = _load_e4m3_as_f16(k_base + stride_kv + rows, live, D)
+        if FP8:
+            v = _load_e4m3_v(k_base + stride_kv + slot * stride_slot + t % C, live, C, D)
         elif MASKED or SHIFTED:
             v = tl.load(k_base + stride_kv + rows[:, None] + d[None, :], mask=live[:, None], other=0.0)
         else:
@@ -143,6 +143,8 @@ def _attend_blocks(
             qk = tl.dot(q, tl.trans(k), input_precision=PREC)
         if F32_DOT:
             v = v.to(tl.float32)
+        elif FP8:
+            v = v.to(tl.float16)
         if FP8:  # each key's chunk's scales
             sc_rows = sc_base + slot * stride_slot // 4
             qk = qk * tl.load(sc_rows, mask=live, other=0.0)[None, :]

@@ -12,7 +12,7 @@
   Huffman coding sees those skews where it saw none in the planes. Real bf16 KV: 1.53x (planes 1.45x).
 - fp8: e4m3 with one fp32 scale per (layer, K/V, kv-head), then zstd. Lossy; see `fp8_error`. KV
   that is fp8 already (`--kv-dtype fp8`, dtype code 4) is stored in this codec as it is held: its
-  scales and bytes, no second rounding.
+  scales and bytes, no second rounding; only the order of V's bytes changes (`_v_tokens`).
 
 The "raw" bytes of a codec are what zstd compresses: the planes, lossless-bf16's parts, or the scales
 followed by the fp8 bytes; each part ends a zstd block. Decoding never allocates more than the raw
@@ -434,22 +434,40 @@ def _fp8_raw(kv: torch.Tensor) -> bytes:
     return scale.tobytes() + q.tobytes()
 
 
-def _fp8_held_raw(kv: torch.Tensor) -> bytes:
+def _v_tokens(blocks: np.ndarray, c: int, d: int) -> np.ndarray:
+    """Held fp8 V blocks, each a run of (C + 1) x D bytes `[..., (C + 1) * D]`, as a view `[..., C, D]`
+    of their e4m3 bytes in token order. A held V block is channel-major, token t of channel d at byte
+    d * C + t (the kernels' `_common.fp8_v_tokens`, of which this is the numpy twin: storage imports
+    no other layer); a file holds V in token order, as K, as it did before V was held so."""
+    return blocks[..., : c * d].reshape(*blocks.shape[:-1], d, c).swapaxes(-1, -2)
+
+
+def _fp8_held_raw(kv: torch.Tensor) -> np.ndarray:
     """fp8 KV as held -> the fp8 codec's raw bytes: its scales (the first 4 bytes of each block's
-    last row), then its e4m3 bytes, as they are."""
-    blocks = kv.view(torch.uint8).numpy().reshape(-1, kv.shape[-2], kv.shape[-1])
-    return blocks[:, -1, :4].tobytes() + blocks[:, :-1].tobytes()
+    last row), then its e4m3 bytes `[L, 2, Hkv, C, D]` in token order (`_v_tokens`)."""
+    L, two, H, rows, D = kv.shape
+    n, c = L * two * H, rows - 1
+    blocks = kv.view(torch.uint8).numpy().reshape(L, two, H, rows * D)
+    raw = np.empty(4 * n + n * c * D, dtype=np.uint8)
+    raw[: 4 * n].reshape(L, two, H, 4)[...] = blocks[..., c * D : c * D + 4]
+    body = raw[4 * n :].reshape(L, two, H, c, D)
+    body[:, 0] = blocks[:, 0, :, : c * D].reshape(L, H, c, D)
+    body[:, 1] = _v_tokens(blocks[:, 1], c, D)
+    return raw
 
 
 def _fp8_held_decode(raw: memoryview, out: torch.Tensor) -> None:
     """The fp8 codec's raw bytes -> fp8 KV as held (inverse of `_fp8_held_raw`); the rest of each
     scale row is zero."""
-    blocks = out.view(torch.uint8).numpy().reshape(-1, out.shape[-2], out.shape[-1])
-    n = blocks.shape[0]
+    L, two, H, rows, D = out.shape
+    n, c = L * two * H, rows - 1
+    blocks = out.view(torch.uint8).numpy().reshape(L, two, H, rows * D)
     src = np.frombuffer(raw, dtype=np.uint8)
-    blocks[:, -1] = 0
-    blocks[:, -1, :4] = src[: 4 * n].reshape(n, 4)
-    blocks[:, :-1] = src[4 * n :].reshape(n, blocks.shape[1] - 1, blocks.shape[2])
+    body = src[4 * n :].reshape(L, two, H, c, D)
+    blocks[..., c * D :] = 0
+    blocks[..., c * D : c * D + 4] = src[: 4 * n].reshape(L, two, H, 4)
+    blocks[:, 0, :, : c * D] = body[:, 0].reshape(L, H, c * D)
+    _v_tokens(blocks[:, 1], c, D)[...] = body[:, 1]
 
 
 def _fp8_decode(raw: memoryview, out: torch.Tensor) -> None:
