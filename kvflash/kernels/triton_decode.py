@@ -11,20 +11,16 @@ writes the output itself. bench/decode_tune.py times both merges side by side. W
 (positions within the cache) each chunk is scored against the query turned back by that chunk's
 rotation, one chunk per tile.
 
-An fp8 pool's K tiles are loaded as e4m3 pairs and widened to fp16 pairs where they are loaded
-(exactly: e4m3 is a subset of fp16, and the GPU converts a pair in one instruction where bf16 takes
-several), then reach fp16 dots as a bf16 pool's tiles do (`_load_e4m3_as_f16`); its V tiles, held
-channel-major, are gathered into token order and converted to fp16 (`_load_e4m3_v`). A tile of one
-chunk has one K and one V scale: the K scale joins the score scale in the exponent's multiply-add,
-and the V scale (times `FP8_P_UP`) is an offset of the exponent, so the weights that meet V already
-carry it.
-A tile of several chunks scales each key column's logit by its chunk's K scale and each weight by
-its chunk's V scale before the second dot. Either way the weights are raised by `FP8_P_UP` (the
-output divided by it again) so that fp16 keeps small ones normal.
+An fp8 pool's blocks are walked transposed (`_attend_fp8_block`): keys are the dots' M, the query
+group their N, so that the K tile [T, D] and the V tile, stored channel-major within its block
+(V^T [D, T]), are both contiguous along the dots' inner dimension: Hopper's e4m3 tensor-core dots
+(wgmma, one warpgroup of four warps) take them from shared memory as cp.async copied them in. The
+query and the weights meet them as two e4m3 terms each (a value and its remainder), about bf16's
+precision; the scales of a block of one chunk join the exponent's multiply-add (K) and the
+accumulator's update (V). Widened to fp16 instead, each e4m3 byte crossed shared memory four times
+(copied in, read as a pair, written as fp16, read by the dot): shared memory, not HBM, bound it.
 Only a sequence's last block can hold unlisted chunks or unwritten tokens, so the blocks before it
-run without masks. What bounds an fp8 pool is shared memory, not issue: each e4m3 byte crosses it
-several times (copied in, read back, written again as fp16 and read by the dot: 6 bytes of shared
-traffic a byte of KV at head_dim 64 and two warps, against 3 for bf16; bench/kernel_sass.py).
+run without masks.
 
 One module of some 600 lines: the split kernel, the two ways of merging its splits and the launch
 rule that picks the split count and tile are tuned together (bench/decode_tune.py times them as one).
@@ -39,6 +35,7 @@ import triton
 import triton.language as tl
 
 from kvflash.kernels._common import (
+    FP8_MAX,
     LOG2E,
     chunk_tokens,
     dot_precision,
@@ -74,10 +71,11 @@ batch (64 x 8 kv-heads is 512), so the buffer exists before a CUDA graph is capt
 during capture, where a new allocation would belong to the graph's private pool."""
 _counters: dict[torch.device, torch.Tensor] = {}
 
+E4M3_MAX = tl.constexpr(FP8_MAX)
 FP8_P_UP = tl.constexpr(256.0)
-"""What an fp8 pool's probability weights (probability times V scale) are multiplied by before their
-fp16 dot, and the output divided by after: a power of two, so exact, that lifts weights of about
-1/448 of a probability into fp16's normal range."""
+"""What an fp8 pool's probability weights are multiplied by before their e4m3 dot, and the output
+divided by after: a power of two, so exact, that keeps a weight within e4m3's range (448) and lifts
+the small ones above its subnormals."""
 
 
 @triton.jit(do_not_specialize=["stride_tb", "stride_rb", "n_splits"])
@@ -145,10 +143,23 @@ def _decode_split_kernel(
     q = tl.load(
         q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None], other=0.0
     )
-    if FP8:
-        q = q.to(tl.float16)
+    q_down = tl.full([BLOCK_G], 1.0, tl.float32)
+    if FP8 and (F32_DOT or SHIFTED):  # the keys' dot takes the query as it is (`_attend_fp8_block`)
+        q_hi = tl.trans(q.to(tl.float32))
+        q_lo = q_hi
+    elif FP8:  # the query as two e4m3 terms, scaled by row so that the larger fills e4m3's range
+        q = q.to(tl.float32)
+        amax = tl.max(tl.abs(q), 1)
+        up = tl.where(amax > 0, E4M3_MAX / amax, 1.0)
+        q_down = 1.0 / up
+        x = q * up[:, None]
+        hi = x.to(tl.float8e4nv)
+        q_hi = tl.trans(hi)
+        q_lo = tl.trans((x - hi.to(tl.float32)).to(tl.float8e4nv))
     else:
         q = q.to(kv_ptr.dtype.element_ty)
+        q_hi = 0.0
+        q_lo = 0.0
     if F32_DOT:
         q = q.to(tl.float32)
     if SHIFTED:  # one chunk a block (CPI == 1): its keys move by their chunk's rotation
@@ -167,22 +178,27 @@ def _decode_split_kernel(
         sc_base = sc_ptr + (layer_off + h * stride_head) // 4  # the scale view starts C rows in
     m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    if FP8:  # transposed: keys run down the dots' M (`_attend_fp8_block`)
+        acc = tl.zeros([D, BLOCK_G], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_G, D], tl.float32)
     # Only the sequence's last block can hold unlisted chunks or unwritten tokens: the loop runs the
     # blocks before it without masks (a mask costs a compare and a select a score), then that one.
     last = n_blocks - 1
     for blk in range(blk_lo, tl.minimum(blk_hi, last)):
-        m_i, l_i, acc = _attend_block(
-            q, qa, qb, m_i, l_i, acc, blk, n, lv, table_ptr + b * stride_tb, rot_row,
+        m_i, l_i, acc = _attend(
+            q, q_hi, q_lo, q_down, qa, qb, m_i, l_i, acc, blk, n, lv, table_ptr + b * stride_tb, rot_row,
             k_base, sc_base, qk_scale, stride_slot, stride_kv, stride_tok,
             C, CPI, D, F32_DOT, PREC, SHIFTED, FP8, False,
         )  # fmt: skip
     if (blk_lo <= last) & (blk_hi > last):
-        m_i, l_i, acc = _attend_block(
-            q, qa, qb, m_i, l_i, acc, last, n, lv, table_ptr + b * stride_tb, rot_row,
+        m_i, l_i, acc = _attend(
+            q, q_hi, q_lo, q_down, qa, qb, m_i, l_i, acc, last, n, lv, table_ptr + b * stride_tb, rot_row,
             k_base, sc_base, qk_scale, stride_slot, stride_kv, stride_tok,
             C, CPI, D, F32_DOT, PREC, SHIFTED, FP8, True,
         )  # fmt: skip
+    if FP8:
+        acc = tl.trans(acc)
     seen = l_i > 0
     norm = l_i * FP8_P_UP if FP8 else l_i
     out = acc / tl.where(seen, norm, 1.0)[:, None]
@@ -210,19 +226,30 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def _attend_block(
-    q, qa, qb, m_i, l_i, acc, blk, n, lv, table_row, rot_row, k_base, sc_base, qk_scale,
-    stride_slot, stride_kv, stride_tok,
+def _attend(
+    q, q_hi, q_lo, q_down, qa, qb, m_i, l_i, acc, blk, n, lv, table_row, rot_row, k_base, sc_base,
+    qk_scale, stride_slot, stride_kv, stride_tok,
     C: tl.constexpr, CPI: tl.constexpr, D: tl.constexpr, F32_DOT: tl.constexpr, PREC: tl.constexpr,
     SHIFTED: tl.constexpr, FP8: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
-    """One block of CPI chunks folded into the running maximum `m_i`, sum `l_i` and output `acc`.
-    Scores are scaled inside the exponent's multiply-add, and for a block of one fp8 chunk so are
-    its V scale and FP8_P_UP (as an offset of the exponent), so that a score costs a max, a
-    multiply-add, an exp2 and a sum. `l_i` sums the unscaled weights; an fp8 `acc` carries
-    FP8_P_UP, which the caller divides out with the sum."""
+    """One block of CPI chunks folded into the running maximum `m_i`, sum `l_i` and output `acc`."""
+    if FP8:
+        m_i, l_i, acc = _attend_fp8_block(
+            q_hi, q_lo, q_down, qa, qb, m_i, l_i, acc, blk, n, lv, table_row, rot_row, k_base, sc_base,
+            qk_scale, stride_slot, stride_kv, stride_tok, C, CPI, D, F32_DOT, PREC, SHIFTED, MASKED,
+        )  # fmt: skip
+    else:
+        m_i, l_i, acc = _attend_block(
+            q, qa, qb, m_i, l_i, acc, blk, n, lv, table_row, rot_row, k_base, qk_scale, stride_slot,
+            stride_kv, stride_tok, C, CPI, D, F32_DOT, PREC, SHIFTED, MASKED,
+        )  # fmt: skip
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _block_slots(blk, n, lv, table_row, C: tl.constexpr, CPI: tl.constexpr, MASKED: tl.constexpr):
+    """The slot of each token column of block `blk` and whether it holds a listed, written token."""
     t = tl.arange(0, CPI * C)
-    d = tl.arange(0, D)
     ci = blk * CPI + t // C
     if MASKED:
         valid = (ci < n - 1) | ((ci == n - 1) & (t % C < lv))
@@ -230,101 +257,115 @@ def _attend_block(
     else:
         valid = tl.full([CPI * C], 1, tl.int1)
         slot = tl.load(table_row + ci).to(tl.int64)
+    return slot, valid
+
+
+@triton.jit
+def _attend_block(
+    q, qa, qb, m_i, l_i, acc, blk, n, lv, table_row, rot_row, k_base, qk_scale,
+    stride_slot, stride_kv, stride_tok,
+    C: tl.constexpr, CPI: tl.constexpr, D: tl.constexpr, F32_DOT: tl.constexpr, PREC: tl.constexpr,
+    SHIFTED: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    """A block of a 16- or 32-bit pool. Scores are scaled inside the exponent's multiply-add, so
+    that a score costs a max, a multiply-add, an exp2 and a sum."""
+    t = tl.arange(0, CPI * C)
+    d = tl.arange(0, D)
+    slot, valid = _block_slots(blk, n, lv, table_row, C, CPI, MASKED)
     rows = slot * stride_slot + (t % C) * stride_tok
     if SHIFTED:
         qk = _shifted_qk(
-            qa, qb, rot_row + blk * D, k_base + rows[:, None], valid[:, None], D, F32_DOT, PREC, FP8
+            qa, qb, rot_row + blk * D, k_base + rows[:, None], valid[:, None], D, F32_DOT, PREC, False
         )
-    elif FP8 and not F32_DOT:
-        k = _load_e4m3_as_f16(k_base + rows, valid, D)
     else:
         k = tl.load(k_base + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-    if FP8:
-        v = _load_e4m3_v(k_base + stride_kv + slot * stride_slot + t % C, valid, C, D)
-    else:
-        v = tl.load(k_base + stride_kv + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-    if FP8 and CPI == 1:  # one chunk a block: its two scales
-        sc_one = sc_base + tl.load(table_row + blk).to(tl.int64) * stride_slot // 4
-        k_sc = tl.load(sc_one)
-        v_sc = tl.maximum(tl.load(sc_one + stride_kv // 4), 1.0e-30)  # log2 of it below
-    elif FP8:  # each token's chunk's scales (one slot per chunk: cached after the first column)
-        sc_rows = sc_base + slot * stride_slot // 4
-        k_sc = tl.load(sc_rows, mask=valid, other=0.0)
-        v_sc = tl.load(sc_rows + stride_kv // 4, mask=valid, other=0.0)
+    v = tl.load(k_base + stride_kv + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
     if F32_DOT:
         v = v.to(tl.float32)
-    elif FP8:
-        v = v.to(tl.float16)
     if not SHIFTED:  # the order of the measured kernel: both loads issued before the dot
         if F32_DOT:
             k = k.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC)
-    if FP8 and CPI > 1:  # a scale a column: applied before the maximum
-        qk = qk * (k_sc * qk_scale)[None, :]
-        scale = 1.0
-    elif FP8:
-        scale = qk_scale * k_sc
-    else:
-        scale = qk_scale
     if MASKED:
         qk = tl.where(valid[None, :], qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1) * scale)
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
     alpha = tl.exp2(m_i - m_new)
-    if FP8 and CPI == 1:  # w = p x v_sc x FP8_P_UP
-        if F32_DOT:  # the interpreter runs no inline assembly
-            up = tl.log2(v_sc * FP8_P_UP)
-        else:
-            up = _lg2_approx(v_sc * FP8_P_UP)
-        w = tl.exp2(tl.fma(qk, scale, (up - m_new)[:, None]))
-        l_i = l_i * alpha + tl.sum(w, 1) * tl.exp2(-up)
-    else:
-        w = tl.exp2(tl.fma(qk, scale, -m_new[:, None]))
-        l_i = l_i * alpha + tl.sum(w, 1)
-        if FP8:
-            w = w * (v_sc * FP8_P_UP)[None, :]
+    w = tl.exp2(tl.fma(qk, qk_scale, -m_new[:, None]))
+    l_i = l_i * alpha + tl.sum(w, 1)
     acc = tl.dot(w.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
     return m_new, l_i, acc
 
 
 @triton.jit
-def _lg2_approx(x):
-    """log2 of a positive scalar in one instruction (2^-22 relative error; tl.log2 is a polynomial
-    of some twenty): the same x comes back as exp2 of it, so only their ratio must be exact."""
-    return tl.inline_asm_elementwise(
-        "lg2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
-    )
-
-
-@triton.jit
-def _load_e4m3_as_f16(row_ptrs, mask, D: tl.constexpr):
-    """A [T, D] tile of e4m3 rows (starting at `row_ptrs`, 2-byte aligned) widened to fp16 where it
-    is loaded, a pair of values at a time: left to the compiler, the e4m3 tile would be widened
-    inside the dot's operand layout. Widened here, it reaches the dot as an fp16 tile, as a bf16
-    pool's does (and takes fewer registers).
-    The tile leaves through an opaque move: Triton sizes a dot's operand registers (kWidth) by the
-    narrowest load it finds behind them, and seeing the pairs' join it would pick 8-bit operands,
-    whose fragments the GPU then reshuffles for every fp16 instruction (some 120 moves a tile)."""
-    pairs = row_ptrs.to(tl.pointer_type(tl.int16))[:, None] + tl.arange(0, D // 2)[None, :]
-    lo, hi = tl.inline_asm_elementwise(
-        "{ .reg .b32 x; cvt.rn.f16x2.e4m3x2 x, $2; mov.b32 {$0, $1}, x; }",
-        "=h,=h,h",
-        [tl.load(pairs, mask=mask[:, None], other=0)],
-        dtype=(tl.float16, tl.float16),
-        is_pure=True,
-        pack=1,
-    )
-    tile = tl.reshape(tl.join(lo, hi), (lo.shape[0], D))  # value 2i + 1 is the high byte of pair i
-    return tl.inline_asm_elementwise(
-        "mov.b32 $0, $1;", "=r,r", [tile], dtype=tl.float16, is_pure=False, pack=2
-    )
-
-
-@triton.jit
-def _load_e4m3_v(col_ptrs, mask, C: tl.constexpr, D: tl.constexpr):
-    """A [T, D] tile of fp8 V in token order, token t's bytes from col_ptrs[t] on: a V block holds
-    them channel-major, channel d at col_ptrs[t] + d * C (`_common.fp8_v_tokens`). Masked tokens
-    read as zero."""
-    return tl.load(col_ptrs[:, None] + tl.arange(0, D)[None, :] * C, mask=mask[:, None], other=0.0)
+def _attend_fp8_block(
+    q_hi, q_lo, q_down, qa, qb, m_i, l_i, acc, blk, n, lv, table_row, rot_row, k_base, sc_base,
+    qk_scale, stride_slot, stride_kv, stride_tok,
+    C: tl.constexpr, CPI: tl.constexpr, D: tl.constexpr, F32_DOT: tl.constexpr, PREC: tl.constexpr,
+    SHIFTED: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    """A block of an fp8 pool, transposed: keys are the dots' M, so that both tiles reach e4m3
+    tensor-core dots as they are stored (K [T, D] and V^T [D, T], both contiguous along the dots'
+    inner dimension), with no widening in shared memory. S^T = K q^T takes the query as two e4m3
+    terms (`q_hi` + `q_lo`, [D, G], scaled up by row; `q_down` undoes it), about bf16's precision;
+    the weights W^T = P^T x FP8_P_UP (x each token's V scale over the block's largest, for blocks
+    of several chunks) meet V^T as two e4m3 terms as well, and acc^T [D, G] takes the block's
+    V scale once. `l_i` sums the unscaled weights; `acc` carries FP8_P_UP, which the caller divides
+    out with the sum. With `F32_DOT` (the interpreter) the same steps run on fp32 values."""
+    t = tl.arange(0, CPI * C)
+    d = tl.arange(0, D)
+    if CPI == 1:  # one slot: tile addresses the compiler sees as contiguous, in 16-byte copies
+        if MASKED:  # the sequence's last chunk: its written tokens
+            valid = t < tl.where(blk == n - 1, lv, C)
+        else:
+            valid = tl.full([C], 1, tl.int1)
+        slot_off = tl.load(table_row + blk).to(tl.int64) * stride_slot
+        k_rows = k_base + slot_off + t * stride_tok
+        v_cols = k_base + stride_kv + slot_off + t
+        sc_one = sc_base + slot_off // 4
+        k_sc = tl.load(sc_one)
+        vs = tl.load(sc_one + stride_kv // 4)
+    else:
+        slot, valid = _block_slots(blk, n, lv, table_row, C, CPI, MASKED)
+        k_rows = k_base + slot * stride_slot + (t % C) * stride_tok
+        v_cols = k_base + stride_kv + slot * stride_slot + t % C
+        sc_rows = sc_base + slot * stride_slot // 4
+        k_sc = tl.load(sc_rows, mask=valid, other=0.0)
+        v_sc = tl.load(sc_rows + stride_kv // 4, mask=valid, other=0.0)
+    if SHIFTED:
+        qk = tl.trans(
+            _shifted_qk(qa, qb, rot_row + blk * D, k_rows[:, None], valid[:, None], D, F32_DOT, PREC, True)
+        )
+    else:
+        k = tl.load(k_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+    v = tl.load(v_cols[None, :] + d[:, None] * C, mask=valid[None, :], other=0.0)  # V^T [D, T]
+    if not SHIFTED:
+        if F32_DOT:
+            qk = tl.dot(k.to(tl.float32), q_hi, input_precision=PREC)
+        else:
+            qk = tl.dot(k, q_lo, tl.dot(k, q_hi))  # [T, G]
+    scale = qk_scale * q_down
+    if CPI == 1:
+        scale = scale * k_sc
+    else:
+        qk = qk * k_sc[:, None]
+    if MASKED:
+        qk = tl.where(valid[:, None], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 0) * scale)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(tl.fma(qk, scale[None, :], -m_new[None, :]))
+    l_i = l_i * alpha + tl.sum(p, 0)
+    if CPI == 1:
+        w = p * FP8_P_UP
+    else:
+        vs = tl.max(v_sc, 0)
+        w = p * (v_sc * (FP8_P_UP / tl.maximum(vs, 1.0e-30)))[:, None]
+    if F32_DOT:
+        part = tl.dot(v.to(tl.float32), w, input_precision=PREC)
+    else:
+        w_hi = w.to(tl.float8e4nv)
+        part = tl.dot(v, (w - w_hi.to(tl.float32)).to(tl.float8e4nv), tl.dot(v, w_hi))
+    acc = acc * alpha[None, :] + part * vs
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -461,19 +502,16 @@ def decode_launch(head_dim: int, batch: int, kv_bytes: int = 2) -> Launch:
     per SM), its tiles five stages deep, merged in the split kernel: one ramp-up per SM instead of
     four, and with so few splits the merging program reads little. Four stages are slower (the
     compiled kernel holds 72 KB of shared memory, five 137 KB). Only 2-byte KV takes it: fp32 tiles
-    twice the size would not fit in shared memory five deep (fp8 tiles, half the size, do).
+    twice the size would not fit in shared memory five deep.
     From batch 16 the (b, kv-head) programs alone fill the device and 64-token tiles are best, and
     head_dim 128 merges in the split kernel: over two waves at batch 16-31, six from batch 32.
     head_dim 64 keeps the two-kernel merge below batch 16 (the fused merge is slower there at every
     split count tried) and takes 128-token tiles from batch 2; at batch 2-8 five stages deep in one
-    wave of two programs per SM. An fp8 pool from batch 16 takes 64-token tiles over two waves of
-    two-warp programs, merged in the split kernel (at 64K, batch 16 and 64: 51-66 % of copy bandwidth
-    at head_dim 64 and 58-60 % at 128; 59 % on average against 49 % with four warps and 56 % three
-    stages deep). Shared memory, not issue, bounds fp8 (the module's docstring says why): cutting the
-    compiled loop's instructions by a third (655 to 412 a warp a tile at head_dim 64) left its speed
-    as it was."""
-    if batch >= 16 and kv_bytes == 1:
-        return Launch(BLOCK_TOKENS, 2, 2, True, warps=2)
+    wave of two programs per SM. An fp8 pool takes 64-token tiles at every batch (one chunk a block:
+    its V^T tile is then one contiguous run a channel) and four warps, the warpgroup its e4m3
+    tensor-core dots need, three stages deep."""
+    if kv_bytes == 1:
+        return Launch(BLOCK_TOKENS, 3, 2 if batch >= 16 else WAVES, batch >= 16)
     if head_dim >= 128 and batch >= 16:
         return Launch(BLOCK_TOKENS, 2, 2 if batch < 32 else 6, True)
     if batch >= 16:

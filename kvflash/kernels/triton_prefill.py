@@ -8,8 +8,8 @@ context has too few (query block, head) programs to fill the GPU (72 for a 512-t
 SmolLM2's 9 heads on 132 SMs), so then the unmasked slots are split between programs, each writing
 a partial output and its log-sum-exp, merged by the decode kernel's combine (`prefill_splits`). With
 `rot` (positions within the cache) each key chunk is scored against the queries turned back by that
-chunk's rotation, one chunk per tile. An fp8 pool is read as the decode kernel reads it (e4m3 tiles
-widened to fp16, scales applied to the logits and the probabilities).
+chunk's rotation, one chunk per tile. An fp8 pool's tiles are widened to fp16 (V gathered into token
+order from its channel-major blocks), their scales applied to the logits and the probabilities.
 
 A mixed step's prefill pieces (the next turns of many conversations, each a few dozen queries over
 its own long context) attend in one launch (`prefill_attention_batched`): the grid's third axis is
@@ -41,7 +41,6 @@ from kvflash.kernels.triton_decode import (
     COMBINE_ROWS,
     FP8_P_UP,
     _combine_kernel,
-    _load_e4m3_v,
     _shifted_qk,
 )
 
@@ -74,6 +73,14 @@ def _count_le(chunk_index_ptr, n, limit, C: tl.constexpr, END: tl.constexpr, STE
         ci = tl.load(chunk_index_ptr + i, mask=i < n, other=0)
         cnt += tl.sum(((ci * C + END * (C - 1) <= limit) & (i < n)).to(tl.int32), 0)
     return cnt
+
+
+@triton.jit
+def _load_e4m3_v(col_ptrs, mask, C: tl.constexpr, D: tl.constexpr):
+    """A [T, D] tile of fp8 V in token order, token t's bytes from col_ptrs[t] on: a V block holds
+    them channel-major, channel d at col_ptrs[t] + d * C (`_common.fp8_v_tokens`). Masked tokens
+    read as zero."""
+    return tl.load(col_ptrs[:, None] + tl.arange(0, D)[None, :] * C, mask=mask[:, None], other=0.0)
 
 
 @triton.jit
