@@ -509,9 +509,12 @@ def decode_launch(head_dim: int, batch: int, kv_bytes: int = 2) -> Launch:
     split count tried) and takes 128-token tiles from batch 2; at batch 2-8 five stages deep in one
     wave of two programs per SM. An fp8 pool takes 64-token tiles at every batch (one chunk a block:
     its V^T tile is then one contiguous run a channel) and four warps, the warpgroup its e4m3
-    tensor-core dots need, three stages deep."""
+    tensor-core dots need, two stages deep, merged in the split kernel from batch 16 over one wave
+    below batch 32 and two from it (at 64K, batch 16 and 64: 50-53 % of copy bandwidth at head_dim 64,
+    81-83 % at 128; three or four stages, and twice the waves, within a point or two below). Below
+    batch 16 it keeps the bf16 rules' waves and merge, untuned."""
     if kv_bytes == 1:
-        return Launch(BLOCK_TOKENS, 3, 2 if batch >= 16 else WAVES, batch >= 16)
+        return Launch(BLOCK_TOKENS, 2, (1 if batch < 32 else 2) if batch >= 16 else WAVES, batch >= 16)
     if head_dim >= 128 and batch >= 16:
         return Launch(BLOCK_TOKENS, 2, 2 if batch < 32 else 6, True)
     if batch >= 16:
