@@ -3,7 +3,8 @@ bytes they move through shared memory, per 64-token tile.
 
 Decode attention is bound by memory, or by whatever stands between memory and the tensor cores:
 instruction issue, or shared memory, which each tile crosses at least once (copied in by cp.async)
-and an fp8 tile several times (read back as pairs, written again as fp16, read by the dot). This
+and again each time a dot reads it (an fp8 tile widened to fp16 through shared memory crossed it
+four times). This
 compiles `_decode_split_kernel` for sm_90 with the installed Triton, as the launcher would specialise
 it (pointers and strides divisible by 16: without that the compiler vectorises and pipelines
 nothing), disassembles the cubin with the nvdisasm Triton bundles, finds the loop over blocks (the
