@@ -297,6 +297,24 @@ def _attend_block(
 
 
 @triton.jit
+def _chunk_offsets(
+    table_row, blk, n, t, stride_slot, C: tl.constexpr, CPI: tl.constexpr, MASKED: tl.constexpr
+):
+    """Each token column's slot offset in block `blk`, from one scalar load a chunk: the compiler
+    then sees runs of C equal offsets, so a V^T row of a chunk is one contiguous run it copies 16
+    bytes at a time (behind a vector of loaded slots it sees nothing and copies single bytes)."""
+    off = tl.zeros([CPI * C], tl.int64)
+    for j in tl.static_range(CPI):
+        ci = blk * CPI + j
+        if MASKED:
+            slot = tl.load(table_row + ci, mask=ci < n, other=0)
+        else:
+            slot = tl.load(table_row + ci)
+        off = tl.where(t // C == j, slot.to(tl.int64) * stride_slot, off)
+    return off
+
+
+@triton.jit
 def _attend_fp8_block(
     q_hi, q_lo, q_down, qa, qb, m_i, l_i, acc, blk, n, lv, table_row, rot_row, k_base, sc_base,
     qk_scale, stride_slot, stride_kv, stride_tok,
@@ -325,10 +343,11 @@ def _attend_fp8_block(
         k_sc = tl.load(sc_one)
         vs = tl.load(sc_one + stride_kv // 4)
     else:
-        slot, valid = _block_slots(blk, n, lv, table_row, C, CPI, MASKED)
-        k_rows = k_base + slot * stride_slot + (t % C) * stride_tok
-        v_cols = k_base + stride_kv + slot * stride_slot + t % C
-        sc_rows = sc_base + slot * stride_slot // 4
+        _, valid = _block_slots(blk, n, lv, table_row, C, CPI, MASKED)
+        slot_off = _chunk_offsets(table_row, blk, n, t, stride_slot, C, CPI, MASKED)
+        k_rows = k_base + slot_off + (t % C) * stride_tok
+        v_cols = k_base + stride_kv + slot_off + t % C
+        sc_rows = sc_base + slot_off // 4
         k_sc = tl.load(sc_rows, mask=valid, other=0.0)
         v_sc = tl.load(sc_rows + stride_kv // 4, mask=valid, other=0.0)
     if SHIFTED:
