@@ -145,6 +145,13 @@ class Users:
         """Every ask at once (`stream`); the Streams in the asks' order."""
         return self.map(stream, asks)
 
+    def warm(self, ask: Ask) -> None:
+        """`ask` streamed once from every worker, before anything is timed: a worker's first request
+        imports and builds what the `openai` client loads lazily (its resources, the streaming
+        types), compiling them from source in a machine's first process, which would otherwise
+        delay all but one worker's first request of a timed round."""
+        self.stream([ask] * len(self._workers))
+
     def close(self) -> None:
         for proc, conn in self._workers:
             try:

@@ -110,6 +110,10 @@ def computed_tokens(server: Served) -> int:
     return metric(server, 'tokens_total{kind="cold"}')
 
 
+WARM = Ask([{"role": "user", "content": "Hello."}], 2)
+"""The request each client process sends before anything is timed (`Users.warm`)."""
+
+
 def conversations(args, docs: list[str], max_batch: int) -> dict:
     """Turn 1 of every conversation together, then turn 2 of every one together, on a server with a
     store of its own: a conversation whose sequence is no longer live (`--max-batch 1` keeps one)
@@ -122,7 +126,7 @@ def conversations(args, docs: list[str], max_batch: int) -> dict:
     ]
     try:
         with Users(server.url, server.model, args.client_processes or default_processes(len(docs))) as users:
-            users.stream([Ask([{"role": "user", "content": "Hello."}], 2)])  # warm
+            users.warm(WARM)
             before, steps = prefill_steps(server), decode_steps(server)
             turn1, answers = together(users, [Ask(c, args.max_tokens) for c in convs])
             turn1["prefill_steps"], turn1["prefill_pieces"] = prefill_steps(server, before)
@@ -142,12 +146,12 @@ def conversations(args, docs: list[str], max_batch: int) -> dict:
 
 def shared(args, doc: str, n: int) -> dict:
     """n conversations over one document at once: what the server prefilled of it, the prompt
-    tokens it shared from the pool, and the pool slots in use at the peak (the warm-up's request
-    holds one), against n times the document's chunks."""
+    tokens it shared from the pool, and the pool slots in use at the peak (each client process's warm-up
+    request holds one), against n times the document's chunks."""
     server = Served(args, None, n)
     try:
         with Users(server.url, server.model, args.client_processes or default_processes(n)) as users:
-            users.stream([Ask([{"role": "user", "content": "Hello."}], 2)])
+            users.warm(WARM)
             before, gpu_before = computed_tokens(server), metric(server, 'tokens_total{kind="gpu"}')
             asks = [Ask([{"role": "system", "content": doc}, {"role": "user", "content": QUESTIONS[i % 5]}],
                         args.max_tokens) for i in range(n)]  # fmt: skip
