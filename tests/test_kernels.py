@@ -884,6 +884,8 @@ GPU_DECODE_FP8 = [
     Decode(16, 3, 3, 64, 64, 2048, torch.bfloat16, seed=1),
     Decode(1, 8, 4, 128, 64, 4096, torch.bfloat16, seed=2),
     Decode(33, 3, 3, 64, 64, 301, torch.bfloat16, seed=3),
+    Decode(16, 3, 3, 64, 16, 1024, torch.bfloat16, seed=4),  # four chunks a tile
+    Decode(3, 4, 4, 128, 32, 700, torch.bfloat16, seed=5),  # two chunks a tile, below batch 16
 ]
 GPU_PREFILL_FP8 = [
     Prefill(4096, 0, 8, 4, 128, 64, 0, torch.bfloat16),
