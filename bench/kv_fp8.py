@@ -16,6 +16,12 @@ begun by one token gets (that token's largest magnitude x headroom / 448, for se
 the engine's is FP8_HEADROOM): the error of each value relative to its block's largest magnitude
 (max and mean over values, K and V apart) and the share of values clamped.
 
+Decode terms: what the fp8 decode kernel's own arithmetic adds, apart from the KV's rounding. The
+kernel's dots take e4m3 operands: the query as one e4m3 term or two (a value and its remainder,
+scaled by row to fill e4m3's range), and the weights (probabilities x 256) likewise. Each layer's
+attention of the last query token over the fp8 values of the whole-chunk pool, in float64 with
+those roundings, against float64 without them (the same relative error per output row).
+
 Logits: the engine with a pool that holds the whole prompt, bf16 KV and fp8 KV, prefills the prose
 and decodes --decode teacher-forced tokens: the max relative error of the logits (over the largest
 bf16 logit of the step) and how often both pick the same next token.
@@ -127,6 +133,43 @@ def attention_errors(lm: LoadedModel, cache: Recording, c: int) -> list[dict]:
     return rows
 
 
+def decode_terms(lm: LoadedModel, cache: Recording, c: int) -> list[dict]:
+    """Max and mean relative error of the last query token's attention rows over all layers, for
+    the query and the weights as one e4m3 term or two (`triton_decode._attend_fp8_block`)."""
+    n, scale = cache.length, lm.config.head_dim**-0.5
+    errs: dict[tuple[int, int], list[torch.Tensor]] = {(a, b): [] for a in (1, 2) for b in (1, 2)}
+    for layer in range(lm.config.n_layers):
+        vals = reference.kv_values(fp8_pool(cache.buf[layer, :, :, :n], c, False)[:, 0]).double()
+        k, v = (vals[:, i].transpose(0, 1).flatten(1, 2) for i in (0, 1))  # [Hkv, N, D]
+        q = cache.queries[layer][-1].double()  # [Hq, D]
+        k, v = (x.repeat_interleave(q.shape[0] // k.shape[0], 0) for x in (k, v))
+        want = torch.einsum("hn,hnd->hd", torch.softmax(torch.einsum("hd,hnd->hn", q, k) * scale, -1), v)
+        up = FP8_MAX / q.abs().amax(-1, keepdim=True)
+        for q_terms in (1, 2):
+            qq = _e4m3_terms(q * up, q_terms) / up
+            s = torch.einsum("hd,hnd->hn", qq, k) * scale
+            p = torch.exp(s - s.amax(-1, keepdim=True))
+            for w_terms in (1, 2):
+                got = torch.einsum("hn,hnd->hd", _e4m3_terms(p * 256, w_terms), v) / (256 * p.sum(-1, True))
+                errs[q_terms, w_terms].append(
+                    (got - want).abs().amax(-1) / want.abs().amax(-1).clamp_min(1e-30)
+                )
+    rows = []
+    for (q_terms, w_terms), e in errs.items():
+        rel = torch.cat(e)
+        mode = f"query {q_terms} e4m3 term{'s' * (q_terms > 1)}, weights {w_terms}"
+        rows.append(
+            {"part": "decode terms", "mode": mode, "max_rel": rel.max().item(), "mean_rel": rel.mean().item()}
+        )
+    return rows
+
+
+def _e4m3_terms(x: torch.Tensor, terms: int) -> torch.Tensor:
+    """x as the sum of `terms` e4m3 values: the nearest, then the nearest to what it left."""
+    hi = x.to(FP8).double()
+    return hi if terms == 1 else hi + (x - hi).to(FP8).double()
+
+
 def scale_rules(cache: Recording, c: int, headrooms: tuple[float, ...]) -> list[dict]:
     """Value errors of the exact scales and of first-token scales with each headroom."""
     n = cache.length
@@ -214,6 +257,7 @@ def main() -> None:
     cache = prefill_dense(lm, ids, args.queries)
     with torch.inference_mode():
         rows = scale_rules(cache, c, (1, 4, 16, FP8_HEADROOM, 64)) + attention_errors(lm, cache, c)
+        rows += decode_terms(lm, cache, c)
     del cache
     console.print("the engine: bf16 KV, then fp8 KV")
     rows.append(logit_errors(lm, ids, forced))
