@@ -46,6 +46,7 @@ from kvflash.kernels._common import (
     pool_strides,
     sm_count,
 )
+from kvflash.kernels.triton_copy import to_e4m3
 
 BLOCK_TOKENS = 64
 """Tokens per loop iteration: whole chunks, at least this many, so short chunks still fill a tile."""
@@ -144,18 +145,18 @@ def _decode_split_kernel(
         q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None], other=0.0
     )
     q_down = tl.full([BLOCK_G], 1.0, tl.float32)
-    if FP8 and (F32_DOT or SHIFTED):  # the keys' dot takes the query as it is (`_attend_fp8_block`)
-        q_hi = tl.trans(q.to(tl.float32))
-        q_lo = q_hi
+    if FP8 and SHIFTED:  # each chunk's keys meet the query turned by it (`_shifted_qk`)
+        q_hi = 0.0
+        q_lo = 0.0
     elif FP8:  # the query as two e4m3 terms, scaled by row so that the larger fills e4m3's range
         q = q.to(tl.float32)
         amax = tl.max(tl.abs(q), 1)
-        up = tl.where(amax > 0, E4M3_MAX / amax, 1.0)
+        up = E4M3_MAX / tl.where(amax > 0, amax, E4M3_MAX)  # 1 for a padding row of zeros
         q_down = 1.0 / up
         x = q * up[:, None]
-        hi = x.to(tl.float8e4nv)
+        hi = _nearest_e4m3(x, F32_DOT)
         q_hi = tl.trans(hi)
-        q_lo = tl.trans((x - hi.to(tl.float32)).to(tl.float8e4nv))
+        q_lo = tl.trans(_nearest_e4m3(x - hi.to(tl.float32), F32_DOT))
     else:
         q = q.to(kv_ptr.dtype.element_ty)
         q_hi = 0.0
@@ -328,7 +329,7 @@ def _attend_fp8_block(
     the weights W^T = P^T x FP8_P_UP (x each token's V scale over the block's largest, for blocks
     of several chunks) meet V^T as two e4m3 terms as well, and acc^T [D, G] takes the block's
     V scale once. `l_i` sums the unscaled weights; `acc` carries FP8_P_UP, which the caller divides
-    out with the sum. With `F32_DOT` (the interpreter) the same steps run on fp32 values."""
+    out with the sum. With `F32_DOT` (the interpreter) the same e4m3 terms meet fp32 dots."""
     t = tl.arange(0, CPI * C)
     d = tl.arange(0, D)
     if CPI == 1:  # one slot: tile addresses the compiler sees as contiguous, in 16-byte copies
@@ -357,11 +358,14 @@ def _attend_fp8_block(
     else:
         k = tl.load(k_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
     v = tl.load(v_cols[None, :] + d[:, None] * C, mask=valid[None, :], other=0.0)  # V^T [D, T]
-    if not SHIFTED:
-        if F32_DOT:
-            qk = tl.dot(k.to(tl.float32), q_hi, input_precision=PREC)
-        else:
-            qk = tl.dot(k, q_lo, tl.dot(k, q_hi))  # [T, G]
+    if F32_DOT:  # the same e4m3 terms, their dots in fp32
+        v = v.to(tl.float32)
+    if F32_DOT and not SHIFTED:
+        k = k.to(tl.float32)
+        qk = tl.dot(k, q_hi.to(tl.float32), input_precision=PREC)
+        qk = tl.dot(k, q_lo.to(tl.float32), qk, input_precision=PREC)
+    elif not SHIFTED:
+        qk = tl.dot(k, q_lo, tl.dot(k, q_hi))  # [T, G]
     scale = qk_scale * q_down
     if CPI == 1:
         scale = scale * k_sc
@@ -378,13 +382,24 @@ def _attend_fp8_block(
     else:
         vs = tl.max(v_sc, 0)
         w = p * (v_sc * (FP8_P_UP / tl.maximum(vs, 1.0e-30)))[:, None]
+    w_hi = _nearest_e4m3(w, F32_DOT)
+    w_lo = _nearest_e4m3(w - w_hi.to(tl.float32), F32_DOT)
     if F32_DOT:
-        part = tl.dot(v.to(tl.float32), w, input_precision=PREC)
+        part = tl.dot(v, w_hi.to(tl.float32), input_precision=PREC)
+        part = tl.dot(v, w_lo.to(tl.float32), part, input_precision=PREC)
     else:
-        w_hi = w.to(tl.float8e4nv)
-        part = tl.dot(v, (w - w_hi.to(tl.float32)).to(tl.float8e4nv), tl.dot(v, w_hi))
+        part = tl.dot(v, w_lo, tl.dot(v, w_hi))
     acc = acc * alpha[None, :] + part * vs
     return m_new, l_i, acc
+
+
+@triton.jit
+def _nearest_e4m3(x, F32_DOT: tl.constexpr):
+    """x (fp32, within ±448) rounded to the nearest e4m3: the GPU's conversion, or where the
+    interpreter runs (`F32_DOT`) `to_e4m3`'s bit arithmetic, as the interpreter's own truncates."""
+    if F32_DOT:
+        return to_e4m3(x, 1.0)
+    return x.to(tl.float8e4nv)
 
 
 @triton.jit
