@@ -248,17 +248,25 @@ def _attend(
 
 
 @triton.jit
-def _block_slots(blk, n, lv, table_row, C: tl.constexpr, CPI: tl.constexpr, MASKED: tl.constexpr):
-    """The slot of each token column of block `blk` and whether it holds a listed, written token."""
+def _block_valid(blk, n, lv, C: tl.constexpr, CPI: tl.constexpr, MASKED: tl.constexpr):
+    """Whether each token column of block `blk` holds a listed, written token (only the masked last
+    block can hold others)."""
     t = tl.arange(0, CPI * C)
     ci = blk * CPI + t // C
     if MASKED:
-        valid = (ci < n - 1) | ((ci == n - 1) & (t % C < lv))
+        return (ci < n - 1) | ((ci == n - 1) & (t % C < lv))
+    return tl.full([CPI * C], 1, tl.int1)
+
+
+@triton.jit
+def _block_slots(blk, n, lv, table_row, C: tl.constexpr, CPI: tl.constexpr, MASKED: tl.constexpr):
+    """The slot of each token column of block `blk` and whether it holds a listed, written token."""
+    ci = blk * CPI + tl.arange(0, CPI * C) // C
+    if MASKED:
         slot = tl.load(table_row + ci, mask=ci < n, other=0).to(tl.int64)
     else:
-        valid = tl.full([CPI * C], 1, tl.int1)
         slot = tl.load(table_row + ci).to(tl.int64)
-    return slot, valid
+    return slot, _block_valid(blk, n, lv, C, CPI, MASKED)
 
 
 @triton.jit
@@ -332,11 +340,8 @@ def _attend_fp8_block(
     out with the sum. With `F32_DOT` (the interpreter) the same e4m3 terms meet fp32 dots."""
     t = tl.arange(0, CPI * C)
     d = tl.arange(0, D)
+    valid = _block_valid(blk, n, lv, C, CPI, MASKED)
     if CPI == 1:  # one slot: tile addresses the compiler sees as contiguous, in 16-byte copies
-        if MASKED:  # the sequence's last chunk: its written tokens
-            valid = t < tl.where(blk == n - 1, lv, C)
-        else:
-            valid = tl.full([C], 1, tl.int1)
         slot_off = tl.load(table_row + blk).to(tl.int64) * stride_slot
         k_rows = k_base + slot_off + t * stride_tok
         v_cols = k_base + stride_kv + slot_off + t
@@ -344,7 +349,6 @@ def _attend_fp8_block(
         k_sc = tl.load(sc_one)
         vs = tl.load(sc_one + stride_kv // 4)
     else:
-        _, valid = _block_slots(blk, n, lv, table_row, C, CPI, MASKED)
         slot_off = _chunk_offsets(table_row, blk, n, t, stride_slot, C, CPI, MASKED)
         k_rows = k_base + slot_off + (t % C) * stride_tok
         v_cols = k_base + stride_kv + slot_off + t % C
