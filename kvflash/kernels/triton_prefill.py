@@ -40,6 +40,7 @@ from kvflash.kernels.triton_decode import (
     COMBINE_COLS,
     COMBINE_ROWS,
     FP8_P_UP,
+    _chunk_offsets,
     _combine_kernel,
     _shifted_qk,
 )
@@ -76,11 +77,27 @@ def _count_le(chunk_index_ptr, n, limit, C: tl.constexpr, END: tl.constexpr, STE
 
 
 @triton.jit
-def _load_e4m3_v(col_ptrs, mask, C: tl.constexpr, D: tl.constexpr):
-    """A [T, D] tile of fp8 V in token order, token t's bytes from col_ptrs[t] on: a V block holds
-    them channel-major, channel d at col_ptrs[t] + d * C (`_common.fp8_v_tokens`). Masked tokens
-    read as zero."""
-    return tl.load(col_ptrs[:, None] + tl.arange(0, D)[None, :] * C, mask=mask[:, None], other=0.0)
+def _load_e4m3_as_f16(row_ptrs, mask, N: tl.constexpr):
+    """A [R, N] tile of e4m3 rows (starting at `row_ptrs`, 2-byte aligned) widened to fp16 where it
+    is loaded, a pair of values at a time (exact: e4m3 is a subset of fp16), masked by row. Left to
+    the compiler, an e4m3 tile that a dot takes transposed would be widened inside the dot's operand
+    layout, read one byte at a time; widened here, it reaches the dot as an fp16 tile does. It
+    leaves through an opaque move: Triton sizes a dot's operand registers by the narrowest load
+    behind them, and seeing the pairs' join it would pick 8-bit operands, reshuffled for every
+    fp16 instruction."""
+    pairs = row_ptrs.to(tl.pointer_type(tl.int16))[:, None] + tl.arange(0, N // 2)[None, :]
+    lo, hi = tl.inline_asm_elementwise(
+        "{ .reg .b32 x; cvt.rn.f16x2.e4m3x2 x, $2; mov.b32 {$0, $1}, x; }",
+        "=h,=h,h",
+        [tl.load(pairs, mask=mask[:, None], other=0)],
+        dtype=(tl.float16, tl.float16),
+        is_pure=True,
+        pack=1,
+    )
+    tile = tl.reshape(tl.join(lo, hi), (lo.shape[0], N))  # value 2i + 1 is the high byte of pair i
+    return tl.inline_asm_elementwise(
+        "mov.b32 $0, $1;", "=r,r", [tile], dtype=tl.float16, is_pure=False, pack=2
+    )
 
 
 @triton.jit
@@ -136,8 +153,14 @@ def _attend_blocks(
             k = tl.load(k_base + rows[:, None] + d[None, :], mask=live[:, None], other=0.0)
         else:
             k = tl.load(k_base + rows[:, None] + d[None, :])
-        if FP8:
-            v = _load_e4m3_v(k_base + stride_kv + slot * stride_slot + t % C, live, C, D)
+        if FP8 and CPI == 1 and not F32_DOT:  # one block: V^T's rows widened as pairs, then turned
+            v_block = tl.load(slots_ptr + blk, mask=blk < n_vis, other=0).to(tl.int64) * stride_slot
+            v_rows = k_base + stride_kv + v_block + d * C
+            v = tl.where(live[:, None], tl.trans(_load_e4m3_as_f16(v_rows, d < D, C)), 0.0)
+        elif FP8:  # V^T [D, T] from channel-major blocks, each chunk's row a run the compiler can see
+            v_cols = k_base + stride_kv + _chunk_offsets(slots_ptr, blk, n_vis, t, stride_slot, C, CPI, True)
+            v = tl.load(v_cols[None, :] + t[None, :] % C + d[:, None] * C, mask=live[None, :], other=0.0)
+            v = tl.trans(v)
         elif MASKED or SHIFTED:
             v = tl.load(k_base + stride_kv + rows[:, None] + d[None, :], mask=live[:, None], other=0.0)
         else:
@@ -150,7 +173,7 @@ def _attend_blocks(
             qk = tl.dot(q, tl.trans(k), input_precision=PREC)
         if F32_DOT:
             v = v.to(tl.float32)
-        elif FP8:
+        elif FP8 and CPI > 1:
             v = v.to(tl.float16)
         if FP8:  # each key's chunk's scales
             sc_rows = sc_base + slot * stride_slot // 4
