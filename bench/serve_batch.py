@@ -17,10 +17,13 @@ its decode rate is (decode-tokens - 1) * N over the difference. Answers are of f
 sides (`min_tokens` on the server, `min_new_tokens` for HF). Turn 2's table shows the TTFT the
 clients saw beside the server's own (from a request reaching its scheduler to its first token): the
 difference is HTTP, the clients and the prompt's tokenisation. `--no-store` runs servers that save
-nothing, to show what the snapshot writes cost the turns beside them.
+nothing, to show what the snapshot writes cost the turns beside them. `--servers K` runs the batched
+arm on K servers one after another: a machine's first server has been slower in its turns than the
+ones after it (docs/BENCHMARKS.md), which one run then shows beside the others.
 
   python -m bench.serve_batch --conversations 1,8,32 --doc-tokens 8192 --out out/serve_batch
   python -m bench.serve_batch --conversations 8,32 --shared-only --out out/serve_batch_shared
+  python -m bench.serve_batch --conversations 32 --servers 2 --no-hf --out out/serve_batch_servers
 """
 
 from __future__ import annotations
@@ -236,6 +239,13 @@ def main() -> None:
         help="servers without a store: what saving the answers' snapshots costs the turns beside it",
     )
     ap.add_argument("--shared-only", action="store_true", help="only the conversations over one document")
+    ap.add_argument(
+        "--servers",
+        type=int,
+        default=1,
+        help="run the batched arm on this many servers one after another (a machine's first server is "
+        "slower than the ones after it: docs/BENCHMARKS.md)",
+    )
     ap.add_argument("--out", default="out/serve_batch")
     args = ap.parse_args()
     counts = [int(n) for n in args.conversations.split(",")]
@@ -244,12 +254,17 @@ def main() -> None:
     docs, shared_doc = documents(args, lm, max(counts))
     rows = []
     with progress_bar() as progress:
-        task = progress.add_task("conversations", total=len(counts) * (1 if args.shared_only else 3))
+        per_count = 1 if args.shared_only else 2 + max(1, args.servers)
+        task = progress.add_task("conversations", total=len(counts) * per_count)
         for n in counts:
             row = {"n": n}
             if not args.shared_only:
                 row["batched"] = guarded(conversations, args, docs[:n], n)
                 progress.advance(task)
+                row["batched_later"] = []
+                for _ in range(args.servers - 1):
+                    row["batched_later"].append(guarded(conversations, args, docs[:n], n))
+                    progress.advance(task)
                 row["one_at_a_time"] = guarded(conversations, args, docs[:n], 1) if n > 1 else row["batched"]
                 progress.advance(task)
             row["shared"] = guarded(shared, args, shared_doc, n)
@@ -299,7 +314,24 @@ def step_cell(turn: dict) -> str:
 def report(args, rows: list[dict]) -> None:
     if not args.shared_only:
         report_conversations(args, rows)
+        if args.servers > 1:
+            report_servers(rows)
     report_shared(args, rows)
+
+
+def report_servers(rows: list[dict]) -> None:
+    """The batched arm on successive servers: what a machine's first server costs its turns."""
+    t = Table(title="the batched arm on successive servers")
+    for col in ("N", "server", "turn 1 wall s", "turn 1 TTFT p50 at the server", "turn 2 TTFT p50",
+                "at the server", "turn 2 decode tok/s"):  # fmt: skip
+        t.add_column(col, justify="right")
+    for r in rows:
+        for i, arm in enumerate([r.get("batched", {}), *r.get("batched_later", [])], 1):
+            a, b = arm.get("turn1", {}), arm.get("turn2", {})
+            t.add_row(str(r["n"]), str(i), _f(a.get("wall_s")), _f(a.get("server_ttft_p50_s")),
+                      _f(b.get("ttft_p50_s")), _f(b.get("server_ttft_p50_s")),
+                      _f(b.get("decode_tok_s"), ".0f"))  # fmt: skip
+    Console().print(t)
 
 
 def report_conversations(args, rows: list[dict]) -> None:
