@@ -552,13 +552,12 @@ def decode_launch(head_dim: int, batch: int, kv_bytes: int = 2) -> Launch:
     split count tried) and takes 128-token tiles from batch 2; at batch 2-8 five stages deep in one
     wave of two programs per SM. An fp8 pool takes 64-token tiles (one chunk a block: its V^T tile
     is then one contiguous run a channel) and four warps, the warpgroup its e4m3 tensor-core dots
-    need (eight: 20-30 % of copy bandwidth), two stages deep, merged in the split kernel from batch
-    16 over one wave below batch 32 and two from it (at 64K, batch 16 and 64: 79-83 % of copy
-    bandwidth at head_dim 128, 50-59 % at 64; three stages, and twice the waves, within a point or
-    two). Head_dim 64 at batch 16-31 takes 128-token tiles (two chunks: 57 % against 50 %), as its
-    64-token tile costs the fixed work a tile has (the cross-warp max and sum, the weights' trip
-    through shared memory) for half of head_dim 128's bytes; at batch 64 they lose (54 % against
-    59 %). Below batch 16 it keeps the bf16 rules' waves and merge, untuned."""
+    need (eight are far slower), two stages deep, merged in the split kernel from batch 16 over one
+    wave below batch 32 and two from it (three stages, and twice the waves, within a point or two).
+    Head_dim 64 at batch 16-31 takes 128-token tiles (two chunks), as its 64-token tile costs the
+    fixed work a tile has (the cross-warp max and sum, the weights' trip through shared memory) for
+    half of head_dim 128's bytes; at batch 64 they lose. Below batch 16 it keeps the bf16 rules'
+    waves and merge, untuned."""
     if kv_bytes == 1:
         block = 2 * BLOCK_TOKENS if head_dim < 128 and 16 <= batch < 32 else BLOCK_TOKENS
         return Launch(block, 2, (1 if batch < 32 else 2) if batch >= 16 else WAVES, batch >= 16)
