@@ -178,10 +178,11 @@ def _decode_split_kernel(
     if FP8:
         sc_base = sc_ptr + (layer_off + h * stride_head) // 4  # the scale view starts C rows in
     m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    if FP8:  # transposed: keys run down the dots' M (`_attend_fp8_block`)
+    if FP8:  # transposed: keys run down the dots' M (`_attend_fp8_block`), which sums by key
+        l_i = tl.zeros([CPI * C, BLOCK_G], tl.float32)
         acc = tl.zeros([D, BLOCK_G], tl.float32)
     else:
+        l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, D], tl.float32)
     # Only the sequence's last block can hold unlisted chunks or unwritten tokens: the loop runs the
     # blocks before it without masks (a mask costs a compare and a select a score), then that one.
@@ -200,6 +201,7 @@ def _decode_split_kernel(
         )  # fmt: skip
     if FP8:
         acc = tl.trans(acc)
+        l_i = tl.sum(l_i, 0)
     seen = l_i > 0
     norm = l_i * FP8_P_UP if FP8 else l_i
     out = acc / tl.where(seen, norm, 1.0)[:, None]
@@ -336,8 +338,10 @@ def _attend_fp8_block(
     terms (`q_hi` + `q_lo`, [D, G], scaled up by row; `q_down` undoes it), about bf16's precision;
     the weights W^T = P^T x FP8_P_UP (x each token's V scale over the block's largest, for blocks
     of several chunks) meet V^T as two e4m3 terms as well, and acc^T [D, G] takes the block's
-    V scale once. `l_i` sums the unscaled weights; `acc` carries FP8_P_UP, which the caller divides
-    out with the sum. With `F32_DOT` (the interpreter) the same e4m3 terms meet fp32 dots."""
+    V scale once. `l_i` [T, G] sums the unscaled weights by key, over the keys once after the loop:
+    a sum across the keys each tile would cross the warps (shared memory and barriers) as the
+    maximum must. `acc` carries FP8_P_UP, which the caller divides out with the sum. With
+    `F32_DOT` (the interpreter) the same e4m3 terms meet fp32 dots."""
     t = tl.arange(0, CPI * C)
     d = tl.arange(0, D)
     valid = _block_valid(blk, n, lv, C, CPI, MASKED)
@@ -380,7 +384,7 @@ def _attend_fp8_block(
     m_new = tl.maximum(m_i, tl.max(qk, 0) * scale)
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(tl.fma(qk, scale[None, :], -m_new[None, :]))
-    l_i = l_i * alpha + tl.sum(p, 0)
+    l_i = l_i * alpha[None, :] + p
     if CPI == 1:
         w = p * FP8_P_UP
     else:
