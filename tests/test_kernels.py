@@ -1033,6 +1033,7 @@ def compile_for_hopper(fn, args: tuple, kw: dict):
         else:
             signature[p.name] = "fp32"
     options = {k: kw[k] for k in ("num_warps", "num_stages", "launch_pdl") if k in kw}
+    options["enable_fp_fusion"] = True  # as a launch compiles by default
     src = ASTSource(fn=fn, signature=signature, constexprs=constants)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
