@@ -85,20 +85,27 @@ def samples(server: Served, *names: str) -> tuple[float, ...]:
     return tuple(float(m.group(1)) if m else 0.0 for m in found)
 
 
-def decode_steps(server: Served) -> tuple[float, ...]:
-    """(decode steps, their seconds, of those the scheduler's wait for the device) so far."""
-    kind = '{kind="decode"}'
-    return samples(
-        server, *(f"step{what}{kind}" for what in ("_seconds_count", "_seconds_sum", "_wait_seconds_sum"))
-    )
+STEP_KINDS = ("decode", "mixed", "prefill")
+"""The scheduler's steps by kind: decode tokens alone, decode tokens and prefill pieces, pieces alone."""
 
 
-def step_figures(before: tuple[float, ...], after: tuple[float, ...]) -> dict:
-    """A turn's decode steps: the mean step in ms and the share of it spent waiting for the device
-    (the rest is the host's: a host-bound server waits little)."""
-    n, secs, wait = (a - b for a, b in zip(after, before, strict=True))
-    return {"decode_steps": int(n), "decode_step_ms": 1e3 * secs / n if n else None,
-            "decode_wait_share": wait / secs if secs else None}  # fmt: skip
+def step_times(server: Served) -> dict[str, tuple[float, ...]]:
+    """Per step kind: (steps, their seconds, of those the scheduler's wait for the device) so far."""
+    names = [f'step{what}{{kind="{kind}"}}' for kind in STEP_KINDS
+             for what in ("_seconds_count", "_seconds_sum", "_wait_seconds_sum")]  # fmt: skip
+    got = samples(server, *names)
+    return {kind: got[3 * i : 3 * i + 3] for i, kind in enumerate(STEP_KINDS)}
+
+
+def step_figures(before: dict[str, tuple[float, ...]], after: dict[str, tuple[float, ...]]) -> dict:
+    """A turn's steps of each kind: how many, the mean step in ms and the share of it spent waiting
+    for the device (the rest is the host's: a host-bound server waits little)."""
+    row = {}
+    for kind in STEP_KINDS:
+        n, secs, wait = (a - b for a, b in zip(after[kind], before[kind], strict=True))
+        row |= {f"{kind}_step_count": int(n), f"{kind}_step_ms": 1e3 * secs / n if n else None,
+                f"{kind}_wait_share": wait / secs if secs else None}  # fmt: skip
+    return row
 
 
 def prefill_steps(server: Served, since: tuple[int, int] = (0, 0)) -> tuple[int, int]:
@@ -130,17 +137,17 @@ def conversations(args, docs: list[str], max_batch: int) -> dict:
     try:
         with Users(server.url, server.model, args.client_processes or default_processes(len(docs))) as users:
             users.warm(WARM)
-            before, steps = prefill_steps(server), decode_steps(server)
+            before, steps = prefill_steps(server), step_times(server)
             turn1, answers = together(users, [Ask(c, args.max_tokens) for c in convs])
             turn1["prefill_steps"], turn1["prefill_pieces"] = prefill_steps(server, before)
-            turn1 |= step_figures(steps, decode_steps(server))
+            turn1 |= step_figures(steps, step_times(server))
             for i, (c, a) in enumerate(zip(convs, answers, strict=True)):
                 nxt = QUESTIONS[(i + 1) % len(QUESTIONS)]
                 c += [{"role": "assistant", "content": a}, {"role": "user", "content": nxt}]
-            before, steps = prefill_steps(server), decode_steps(server)
+            before, steps = prefill_steps(server), step_times(server)
             turn2, _ = together(users, [Ask(c, args.decode_tokens) for c in convs])
             turn2["prefill_steps"], turn2["prefill_pieces"] = prefill_steps(server, before)
-            turn2 |= step_figures(steps, decode_steps(server))
+            turn2 |= step_figures(steps, step_times(server))
     finally:
         server.stop()
         store.cleanup()
@@ -306,8 +313,8 @@ def _f(x: float | None, spec: str = ".2f") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def step_cell(turn: dict) -> str:
-    ms, share = turn.get("decode_step_ms"), turn.get("decode_wait_share")
+def step_cell(turn: dict, kind: str = "decode") -> str:
+    ms, share = turn.get(f"{kind}_step_ms"), turn.get(f"{kind}_wait_share")
     return "-" if ms is None else f"{ms:.2f} ({share:.0%})"
 
 
@@ -320,17 +327,19 @@ def report(args, rows: list[dict]) -> None:
 
 
 def report_servers(rows: list[dict]) -> None:
-    """The batched arm on successive servers: what a machine's first server costs its turns."""
+    """The batched arm on successive servers: what a machine's first server costs its turns, and in
+    which of turn 1's steps (their mean, and the share of it the scheduler waited for the device)."""
     t = Table(title="the batched arm on successive servers")
-    for col in ("N", "server", "turn 1 wall s", "turn 1 TTFT p50 at the server", "turn 2 TTFT p50",
-                "at the server", "turn 2 decode tok/s"):  # fmt: skip
+    for col in ("N", "server", "turn 1 wall s", "turn 1 TTFT p50 at the server", "turn 1 mixed step ms",
+                "turn 1 prefill step ms", "turn 2 TTFT p50", "at the server",
+                "turn 2 decode tok/s"):  # fmt: skip
         t.add_column(col, justify="right")
     for r in rows:
         for i, arm in enumerate([r.get("batched", {}), *r.get("batched_later", [])], 1):
             a, b = arm.get("turn1", {}), arm.get("turn2", {})
             t.add_row(str(r["n"]), str(i), _f(a.get("wall_s")), _f(a.get("server_ttft_p50_s")),
-                      _f(b.get("ttft_p50_s")), _f(b.get("server_ttft_p50_s")),
-                      _f(b.get("decode_tok_s"), ".0f"))  # fmt: skip
+                      step_cell(a, "mixed"), step_cell(a, "prefill"), _f(b.get("ttft_p50_s")),
+                      _f(b.get("server_ttft_p50_s")), _f(b.get("decode_tok_s"), ".0f"))  # fmt: skip
     Console().print(t)
 
 
