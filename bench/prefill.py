@@ -11,11 +11,13 @@ matrix rate measured in the same run (an 8192^3 matmul): 2 FLOP per weight per t
 causal attention's 4 * q-heads * head_dim FLOP per (query, key) pair per layer. After the timed
 rounds, one more round of each kvflash arm runs under the profiler: the GPU's busy share is the
 union of its kernels' intervals over the arm's steady time. Models have random weights (speed does
-not depend on what they say). Prints one table, writes JSON and a PNG.
+not depend on what they say). `--kv-dtype` sets the kvflash arms' KV (fp8: the e4m3 pool and its
+kernels); HF keeps the model's dtype. Prints one table, writes JSON and a PNG.
 
 Times are the median of the rounds after the first, which is reported apart (see `bench`).
 
   python -m bench.prefill --models smollm2 llama-8b --contexts 32768 131072 --out out/prefill
+  python -m bench.prefill --models smollm2 --contexts 131072 --kv-dtype fp8 --out out/prefill_fp8
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ from rich.table import Table
 
 from bench.harness import LLAMA_8B, SMOLLM2, bars, out_dir, progress_bar, random_model, require_cuda, save
 from bench.hf import hf_llama, hf_prefill_s
-from kvflash.config import EngineConfig, ResidencyConfig
+from kvflash.config import KV_DTYPES, EngineConfig, ResidencyConfig, resolve_kv_dtype
 from kvflash.engine.engine import Engine
+from kvflash.engine.pool import chunk_bytes
 from kvflash.models.loader import LoadedModel
 
 MODELS = {"smollm2": SMOLLM2, "llama-8b": LLAMA_8B}
@@ -100,10 +103,12 @@ def bench(lm: LoadedModel, name: str, context: int, args, tflops: float, progres
     memory, Triton specialisations not yet loaded)."""
     ids = torch.randint(0, lm.config.vocab_size, (context,), generator=torch.Generator().manual_seed(0))
     ids = ids.tolist()
-    chunk, per_token = 64, lm.config.kv_bytes_per_token(lm.dtype)
-    paged = EngineConfig(pool_tokens=args.pool_tokens, host_bytes=(context + 4 * chunk) * per_token)
+    chunk = 64
+    slot = chunk_bytes(lm.config, chunk, resolve_kv_dtype(args.kv_dtype, lm.dtype, lm.device))
+    kv = {"kv_dtype": args.kv_dtype}
+    paged = EngineConfig(pool_tokens=args.pool_tokens, host_bytes=(-(-context // chunk) + 4) * slot, **kv)
     full = ResidencyConfig(policy="full")
-    resident = EngineConfig(pool_tokens=context + 16 * chunk, host_bytes=chunk * per_token, residency=full)
+    resident = EngineConfig(pool_tokens=context + 16 * chunk, host_bytes=slot, residency=full, **kv)
     engines = {"paged": Engine(lm, paged), "resident": Engine(lm, resident)}
     runs: dict[str, list[float]] = {arm: [] for arm in (*engines, "hf")}
     moved = {}
@@ -128,6 +133,7 @@ def bench(lm: LoadedModel, name: str, context: int, args, tflops: float, progres
 
     return {
         "model": name,
+        "kv_dtype": args.kv_dtype,
         "context": context,
         "pool_tokens": args.pool_tokens,
         **{f"{arm}_s": steady(arm) for arm in runs},
@@ -141,13 +147,13 @@ def bench(lm: LoadedModel, name: str, context: int, args, tflops: float, progres
 
 def table(rows: list[dict], tflops: float) -> Table:
     t = Table(title=f"cold prefill on {torch.cuda.get_device_name()}: matmul {tflops:,.0f} TFLOP/s (bf16)")
-    for col in ("model", "context", "pool", "paged s (first)", "paged GPU busy", "host->GPU GB",
+    for col in ("model", "KV", "context", "pool", "paged s (first)", "paged GPU busy", "host->GPU GB",
                 "resident s (first)", "resident GPU busy", "HF s (first)", "paged / HF",
                 "compute limit s"):  # fmt: skip
         t.add_column(col, justify="left" if col == "model" else "right")
     for r in rows:
         t.add_row(
-            r["model"], f"{r['context']:,}", f"{r['pool_tokens']:,}",
+            r["model"], r["kv_dtype"], f"{r['context']:,}", f"{r['pool_tokens']:,}",
             f"{r['paged_s']:.2f} ({r['paged_first_s']:.2f})", f"{r['paged_gpu_busy']:.0%}",
             f"{r['paged_moved']['host_to_gpu'] / 1e9:.2f}",
             f"{r['resident_s']:.2f} ({r['resident_first_s']:.2f})", f"{r['resident_gpu_busy']:.0%}",
@@ -172,6 +178,7 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["smollm2", "llama-8b"], choices=list(MODELS))
     ap.add_argument("--contexts", nargs="+", type=int, default=[32768, 131072])
     ap.add_argument("--pool-tokens", type=int, default=8192)
+    ap.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES, help="the kvflash arms' KV dtype")
     ap.add_argument("--rounds", type=int, default=3, help="paged/resident alternations (the first is cold)")
     ap.add_argument("--out", default="out/prefill")
     args = ap.parse_args()
