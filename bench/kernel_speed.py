@@ -44,7 +44,6 @@ from triton.testing import do_bench
 
 from bench.harness import copy_bandwidth, progress_bar, pyplot, require_cuda, save_png, write_json
 from kvflash.kernels import reference
-from kvflash.kernels._common import fp8_scales, fp8_v_tokens
 from kvflash.kernels.triton_decode import paged_decode_attention
 from kvflash.kernels.triton_prefill import prefill_attention
 
@@ -176,14 +175,8 @@ def to_fp8(pool: torch.Tensor, step: int = 4096) -> torch.Tensor:
     lays it out), each block scaled by its largest magnitude / 448, as a prefill writes whole chunks;
     a few thousand slots at a time."""
     out = torch.zeros(*pool.shape[:4], CHUNK + 1, pool.shape[5], dtype=FP8, device=pool.device)
-    scales = fp8_scales(out)
     for lo in range(0, pool.shape[0], step):
-        part = pool[lo : lo + step].float()
-        scale = reference.fp8_scale(part.abs().amax((-2, -1)), whole=True)
-        scales[lo : lo + step] = scale
-        q = reference.quantize_fp8(part, scale[..., None, None])
-        out[lo : lo + step, ..., 0, :, :CHUNK, :] = q[..., 0, :, :, :]
-        fp8_v_tokens(out[lo : lo + step, ..., 1, :, :CHUNK, :])[:] = q[..., 1, :, :, :]
+        reference.fp8_whole_chunks(pool[lo : lo + step], out[lo : lo + step])
     return out
 
 

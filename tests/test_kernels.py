@@ -766,13 +766,8 @@ def fp8_pool(pool: torch.Tensor) -> torch.Tensor:
     """An fp8 pool of pool's values (NaN where they are NaN): each (slot, layer, K/V, kv-head) block
     quantised with its own scale, its largest finite magnitude / 448, in the block's extra row; V
     blocks channel-major (`_common.fp8_v_tokens`)."""
-    amax = pool.float().nan_to_num(0).abs().amax((-2, -1))
-    scale = torch.where(amax > 0, amax / 448, 1.0)
     out = torch.zeros(*pool.shape[:-2], pool.shape[-2] + 1, pool.shape[-1], dtype=FP8, device=pool.device)
-    q = ref.quantize_fp8(pool, scale[..., None, None])
-    out[..., 0, :, :-1, :] = q[..., 0, :, :, :]
-    kernels._common.fp8_v_tokens(out[..., 1, :, :-1, :])[:] = q[..., 1, :, :, :]
-    kernels._common.fp8_scales(out).copy_(scale)
+    ref.fp8_whole_chunks(pool, out)
     return out
 
 

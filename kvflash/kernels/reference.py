@@ -60,6 +60,17 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
+def fp8_whole_chunks(values: torch.Tensor, out: torch.Tensor) -> None:
+    """Values `[..., 2, Hkv, C, D]` (K and V in token order) into fp8 blocks `out` `[..., 2, Hkv,
+    C + 1, D]` as a prefill writes whole chunks: each block scaled by its largest finite magnitude
+    / 448 (`fp8_scale`), K's bytes token-major, V's channel-major (`fp8_v_tokens`)."""
+    scale = fp8_scale(values.float().nan_to_num(0).abs().amax((-2, -1)), whole=True)
+    fp8_scales(out).copy_(scale)
+    q = quantize_fp8(values, scale[..., None, None])
+    out[..., 0, :, :-1, :] = q[..., 0, :, :, :]
+    fp8_v_tokens(out[..., 1, :, :-1, :])[:] = q[..., 1, :, :, :]
+
+
 def fp8_scale(amax: torch.Tensor, whole: bool) -> torch.Tensor:
     """The scale of a block whose first write's largest magnitude is amax: amax / 448 when the write
     holds the whole chunk, FP8_HEADROOM times that otherwise; 1 for an all-zero write."""
