@@ -105,10 +105,12 @@ def bench(lm: LoadedModel, name: str, context: int, args, tflops: float, progres
     ids = ids.tolist()
     chunk = 64
     slot = chunk_bytes(lm.config, chunk, resolve_kv_dtype(args.kv_dtype, lm.dtype, lm.device))
-    kv = {"kv_dtype": args.kv_dtype}
-    paged = EngineConfig(pool_tokens=args.pool_tokens, host_bytes=(-(-context // chunk) + 4) * slot, **kv)
+    host = (-(-context // chunk) + 4) * slot
+    paged = EngineConfig(pool_tokens=args.pool_tokens, host_bytes=host, kv_dtype=args.kv_dtype)
     full = ResidencyConfig(policy="full")
-    resident = EngineConfig(pool_tokens=context + 16 * chunk, host_bytes=slot, residency=full, **kv)
+    resident = EngineConfig(
+        pool_tokens=context + 16 * chunk, host_bytes=slot, residency=full, kv_dtype=args.kv_dtype
+    )
     engines = {"paged": Engine(lm, paged), "resident": Engine(lm, resident)}
     runs: dict[str, list[float]] = {arm: [] for arm in (*engines, "hf")}
     moved = {}

@@ -4,9 +4,8 @@ Each call picks its implementation from its arguments: Triton when every tensor 
 imports and the pool's shape suits the kernels (power-of-two chunk_tokens and head_dim >= 16);
 otherwise the twin in `reference`. A pool of fp8 KV (`float8_e4m3fn`, its scales in an extra row
 of each block, V blocks channel-major: kvflash/engine/pool.py, `slot_shape`) goes through the same
-calls. `KVFLASH_KERNELS=torch`
-forces the twins, to bisect a numerical difference. Triton is imported only on first CUDA use, so
-CPU-only runs never pay for it.
+calls. `KVFLASH_KERNELS=torch` forces the twins, to bisect a numerical difference. Triton is
+imported only on first CUDA use, so CPU-only runs never pay for it.
 
 The kernels are not specialised on the counts and offsets that change from call to call (tokens of
 a step, slots listed, splits, a table's width): Triton would otherwise compile a kernel again for

@@ -393,15 +393,14 @@ def _attend_fp8_block(
     if CPI * C < 32:  # an e4m3 dot needs 32 keys: fewer meet V^T widened, the weights in fp16
         w = w.to(tl.float16)
         part = tl.dot(v, w.to(tl.float32), input_precision=PREC) if F32_DOT else tl.dot(v.to(tl.float16), w)
-    elif F32_DOT:
-        w_hi = _nearest_e4m3(w, F32_DOT)
-        w_lo = _nearest_e4m3(w - w_hi.to(tl.float32), F32_DOT)
-        part = tl.dot(v, w_hi.to(tl.float32), input_precision=PREC)
-        part = tl.dot(v, w_lo.to(tl.float32), part, input_precision=PREC)
     else:
         w_hi = _nearest_e4m3(w, F32_DOT)
         w_lo = _nearest_e4m3(w - w_hi.to(tl.float32), F32_DOT)
-        part = tl.dot(v, w_lo, tl.dot(v, w_hi))
+        if F32_DOT:
+            part = tl.dot(v, w_hi.to(tl.float32), input_precision=PREC)
+            part = tl.dot(v, w_lo.to(tl.float32), part, input_precision=PREC)
+        else:
+            part = tl.dot(v, w_lo, tl.dot(v, w_hi))
     acc = acc * alpha[None, :] + part * vs
     return m_new, l_i, acc
 
