@@ -3,10 +3,12 @@
 The default heuristics in kvflash/kernels/triton_decode.py come from this sweep
 (docs/BENCHMARKS.md). Each setting is timed as bench/kernel_speed.py times decode (CUDA graph replay
 over enough distinct KV to defeat L2) and reported as a share of the device copy bandwidth measured
-in the same run. A setting is (merge, block tokens, warps, stages, waves): merge `fused` has the
-last split to finish merge the partials in the same launch, `2k` runs a second combine kernel; waves
-sets the split count through `decode_splits`. Each shape also times both merges at their own
-defaults, and the JSON is rewritten after every shape, so a run cut short keeps what it measured.
+in the same run. A setting is (merge, block tokens, warps, stages, waves, kv-heads): merge `fused`
+has the last split to finish merge the partials in the same launch, `2k` runs a second combine
+kernel; waves sets the split count through `decode_splits`; kv-heads is what one program serves
+(`decode_heads`, or one: `--heads rule 1` times an fp8 pool's stacked heads against one a
+program). Each shape also times both merges at their own defaults, and the JSON is rewritten after
+every shape, so a run cut short keeps what it measured.
 
     python -m bench.decode_tune --out out/decode_tune.json
     # fused against two-kernel at the rule's tiles, batch 1-16, 8K-256K:
@@ -38,7 +40,7 @@ from bench.kernel_speed import (
     to_fp8,
     to_values,
 )
-from kvflash.kernels.triton_decode import decode_launch, decode_splits, paged_decode_attention
+from kvflash.kernels.triton_decode import decode_heads, decode_launch, decode_splits, paged_decode_attention
 
 SHAPES = [("SmolLM2", ctx, b) for ctx in (65536, 262144) for b in (1, 4)] + [
     ("Llama-8B", ctx, b) for ctx in (32768, 65536, 131072, 262144) for b in (1, 4)
@@ -46,8 +48,9 @@ SHAPES = [("SmolLM2", ctx, b) for ctx in (65536, 262144) for b in (1, 4)] + [
 """The default shapes: long context at small batch, where the launch settings matter."""
 MERGES = {"fused": True, "2k": False}
 
-Setting = tuple[str, int | None, int, int | None, float]
-"""(merge, block tokens, warps, stages, waves); block and stages None: the rule's (`decode_launch`)."""
+Setting = tuple[str, int | None, int, int | None, float, int | None]
+"""(merge, block tokens, warps, stages, waves, kv-heads a program); block and stages None: the rule's
+(`decode_launch`), kv-heads None: `decode_heads`'."""
 
 
 def default_setting(merge: str, head_dim: int, batch: int, rule: bool, kv_bytes: int = 2) -> Setting:
@@ -59,6 +62,7 @@ def default_setting(merge: str, head_dim: int, batch: int, rule: bool, kv_bytes:
         launch.warps,
         None if rule else launch.stages,
         launch.waves,
+        None,
     )
 
 
@@ -79,14 +83,17 @@ def shape_timer(model: str, context: int, batch: int, fp8: bool = False):
     timed: dict[tuple, float] = {}
 
     def rate(setting: Setting) -> tuple[int, float]:
-        merge, block, warps, stages, waves = setting
+        merge, block, warps, stages, waves, heads = setting
         launch = decode_launch(d, batch, kv_bytes)
         block, stages = block or launch.block_tokens, stages or launch.stages
-        cpi = max(1, block // CHUNK)
-        splits = decode_splits(-(-n // cpi), 2 * cpi * CHUNK * d * kv_bytes, batch, h_kv, q.device, waves)
+        heads = heads or decode_heads(h_kv, hq // h_kv, d, CHUNK, kv_bytes, False)
+        cpi = 1 if heads > 1 else max(1, block // CHUNK)
+        tile = 2 * cpi * CHUNK * d * heads * kv_bytes
+        splits = decode_splits(-(-n // cpi), tile, batch, h_kv // heads, q.device, waves)
         kw = dict(
-            fused=MERGES[merge], n_splits=splits, block_tokens=block, num_warps=warps, num_stages=stages
-        )
+            fused=MERGES[merge], n_splits=splits, block_tokens=block, num_warps=warps, num_stages=stages,
+            heads=heads,
+        )  # fmt: skip
         key = tuple(kw.values())
         if key not in timed:  # several waves can give the same split count
             calls = [
@@ -108,9 +115,9 @@ def shape_timer(model: str, context: int, batch: int, fp8: bool = False):
 
 
 def show(setting: Setting) -> str:
-    """block/warps/stages/waves, `-` where the rule decides."""
-    _, block, warps, stages, waves = setting
-    return f"{block or '-'}/{warps}/{stages or '-'}/{waves:g}"
+    """block/warps/stages/waves/kv-heads, `-` where the rule decides."""
+    _, block, warps, stages, waves, heads = setting
+    return f"{block or '-'}/{warps}/{stages or '-'}/{waves:g}/{heads or '-'}"
 
 
 def main() -> None:
@@ -126,13 +133,18 @@ def main() -> None:
     ap.add_argument("--waves", nargs="+", type=float, default=[0.5, 1, 2, 4, 8], help="sets the split count")
     ap.add_argument("--rule", action="store_true", help="blocks and stages from decode_launch, not swept")
     ap.add_argument("--fp8", action="store_true", help="an fp8 pool (e4m3 and its scale rows)")
+    ap.add_argument(
+        "--heads", nargs="+", choices=["rule", "1"], default=["rule"],
+        help="kv-heads a program: decode_heads', or one",
+    )  # fmt: skip
     args = ap.parse_args()
     if args.contexts or args.batches:
         shapes = list(itertools.product(args.models, args.contexts or CONTEXTS, args.batches or [1, 4]))
     else:
         shapes = [s for s in SHAPES if s[0] in args.models]
     blocks, stages = ([None], [None]) if args.rule else (args.blocks, args.stages)
-    sweep = list(itertools.product(args.merge, blocks, args.warps, stages, args.waves))
+    heads = [None if h == "rule" else int(h) for h in args.heads]
+    sweep = list(itertools.product(args.merge, blocks, args.warps, stages, args.waves, heads))
     copy = copy_bandwidth()
     rows = []
     kv_bytes = 1 if args.fp8 else DTYPE.itemsize
@@ -158,7 +170,7 @@ def main() -> None:
     for m in args.merge:
         t.add_column(f"{m} default")
         t.add_column(f"{m} best")
-        t.add_column(f"{m} at block/warps/stages/waves (splits)")
+        t.add_column(f"{m} at block/warps/stages/waves/kv-heads (splits)")
     for model, ctx, b in shapes:
         mine = {r["setting"]: r for r in rows if (r["model"], r["context"], r["batch"]) == (model, ctx, b)}
         cells = [model, str(ctx), str(b), f"{mine.pop('sdpa')['gbps'] / copy:.1%}"]

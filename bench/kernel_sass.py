@@ -40,8 +40,8 @@ from kvflash.kernels import triton_decode
 
 CHUNK = 64
 """Tokens a chunk, and a tile (one chunk a block: the engine's default)."""
-SHAPES = {"SmolLM2": (64, 3), "Llama-8B": (128, 4)}
-"""model -> (head_dim, query heads a kv-head)."""
+SHAPES = {"SmolLM2": (64, 3, 3), "Llama-8B": (128, 4, 8)}
+"""model -> (head_dim, query heads a kv-head, kv-heads)."""
 FAMILIES = {
     "tensor core": ("HMMA", "HGMMA", "QGMMA"),
     "shared memory": ("LDS", "STS", "LDSM", "STSM", "LDGSTS"),
@@ -60,27 +60,34 @@ class Loop:
     kv: str
     warps: int
     stages: int
+    heads: int
+    """kv-heads a program (`triton_decode.decode_heads`): a tile holds their 64 tokens each."""
     registers: int
     shared_bytes: int
     """Shared memory the kernel allocates."""
     instructions: int
     """In the loop, per warp and tile."""
+    instructions_per_kib: float
+    """Per warp, a KiB of the tile's KV: what compares programs of different kv-heads."""
     families: dict[str, int]
     shared_traffic: dict[str, int]
     """Bytes through shared memory per tile (all warps), by instruction."""
     traffic_per_kv_byte: float
 
 
-def compile_loop(model: str, kv: str, warps: int, stages: int) -> tuple[Loop, list[str]]:
-    d, group = SHAPES[model]
+def compile_loop(model: str, kv: str, warps: int, stages: int, stack: bool) -> tuple[Loop, list[str]]:
+    """The loop as the launcher specialises it; `stack` lets the program serve the kv-heads
+    `decode_heads` gives it (else one)."""
+    d, group, h_kv = SHAPES[model]
     fn = triton_decode._decode_split_kernel
     fp8 = kv == "fp8"
+    heads = triton_decode.decode_heads(h_kv, group, d, CHUNK, 1 if fp8 else 2, False) if stack else 1
     pointers = {"q_ptr": "*bf16", "kv_ptr": "*fp8e4nv" if fp8 else "*bf16", "table_ptr": "*i32",
                 "n_slots_ptr": "*i32", "last_valid_ptr": "*i32", "o_ptr": "*fp32", "lse_ptr": "*fp32",
                 "out_ptr": "*bf16", "count_ptr": "*i32", "rot_ptr": "*fp32", "sc_ptr": "*fp32"}  # fmt: skip
     constants = dict(G=group, BLOCK_G=16, C=CHUNK, CPI=1, D=d, F32_DOT=False, PREC="tf32", DIRECT=False,
-                     FUSED=True, MERGE_G=triton.next_power_of_2(group), MERGE_ROWS=16, PDL=d < 128,
-                     SHIFTED=False, FP8=fp8)  # fmt: skip
+                     FUSED=True, MERGE_G=triton.next_power_of_2(group * heads), MERGE_ROWS=16, PDL=d < 128,
+                     SHIFTED=False, FP8=fp8, HEADS=heads, HD=triton.next_power_of_2(heads) * d)  # fmt: skip
     signature = {name: "i32" for name in fn.arg_names} | pointers | {"qk_scale": "fp32"}
     signature |= {name: "constexpr" for name in constants}
     aligned = [*pointers, "stride_qb", "stride_qh", "stride_ob", "stride_oh", "layer_off", "stride_slot",
@@ -100,11 +107,12 @@ def compile_loop(model: str, kv: str, warps: int, stages: int) -> tuple[Loop, li
         sass = subprocess.run([tools / "nvdisasm", "-c", cubin], capture_output=True, text=True, check=True)
         usage = subprocess.run([tools / "cuobjdump", "-res-usage", cubin], capture_output=True, text=True)
     loop = _loop(sass.stdout)
-    tile_kv = 2 * CHUNK * d * (1 if fp8 else 2)
+    tile_kv = 2 * CHUNK * d * heads * (1 if fp8 else 2)
     traffic = _shared_traffic(loop, warps)
     regs = re.search(r"REG:(\d+)", usage.stdout)
-    return Loop(model, kv, warps, stages, int(regs.group(1)) if regs else -1, kernel.metadata.shared,
-                len(loop), _families(loop), traffic, sum(traffic.values()) / tile_kv), loop  # fmt: skip
+    return Loop(model, kv, warps, stages, heads, int(regs.group(1)) if regs else -1, kernel.metadata.shared,
+                len(loop), len(loop) * 1024 / tile_kv, _families(loop), traffic,
+                sum(traffic.values()) / tile_kv), loop  # fmt: skip
 
 
 _ADDR = re.compile(r"\s+/\*([0-9a-f]{4,})\*/")
@@ -175,6 +183,10 @@ def main() -> None:
     ap.add_argument("--kv", nargs="+", choices=["bf16", "fp8"], default=["bf16", "fp8"])
     ap.add_argument("--warps", nargs="+", type=int, default=[2, 4])
     ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument(
+        "--stack", nargs="+", choices=["rule", "one"], default=["rule"],
+        help="kv-heads a program: the launcher's (decode_heads), or one",
+    )  # fmt: skip
     ap.add_argument("--dump", action="store_true", help="also write each loop's SASS")
     ap.add_argument("--out", default="out/kernel_sass")
     args = ap.parse_args()
@@ -183,16 +195,21 @@ def main() -> None:
     for model in args.models:
         for kv in args.kv:
             for warps in args.warps:
-                loop, sass = compile_loop(model, kv, warps, args.stages)
-                rows.append(loop)
-                if args.dump:
-                    (out / f"{model}-{kv}-{warps}w.sass").write_text("\n".join(sass))
+                for stack in dict.fromkeys(args.stack):
+                    loop, sass = compile_loop(model, kv, warps, args.stages, stack == "rule")
+                    if stack == "one" and "rule" in args.stack and loop.heads == rows[-1].heads:
+                        continue  # the rule serves one kv-head here too
+                    rows.append(loop)
+                    if args.dump:
+                        (out / f"{model}-{kv}-{warps}w-{loop.heads}h.sass").write_text("\n".join(sass))
     table = Table(title=f"decode loop per 64-token tile, sm_90, Triton {triton.__version__}")
-    for col in ("model", "KV", "warps", "regs", "instructions a warp", "shared bytes a tile", "a KV byte"):
+    for col in ("model", "KV", "warps", "kv-heads", "regs", "instructions a warp", "a KV KiB",
+                "shared bytes a tile", "a KV byte"):  # fmt: skip
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(r.model, r.kv, str(r.warps), str(r.registers), str(r.instructions),
-                      f"{sum(r.shared_traffic.values()):,}", f"{r.traffic_per_kv_byte:.1f}")  # fmt: skip
+        table.add_row(r.model, r.kv, str(r.warps), str(r.heads), str(r.registers), str(r.instructions),
+                      f"{r.instructions_per_kib:.0f}", f"{sum(r.shared_traffic.values()):,}",
+                      f"{r.traffic_per_kv_byte:.1f}")  # fmt: skip
     Console().print(table)
     meta = {"triton": triton.__version__, "target": "sm_90", "stages": args.stages}
     write_json(out / "kernel_sass.json", {"meta": meta, "rows": [asdict(r) for r in rows]})
@@ -210,7 +227,7 @@ def plot(rows: list[Loop], path: Path) -> None:
                  * r.traffic_per_kv_byte for r in rows]  # fmt: skip
         ax.bar(range(len(rows)), share, bottom=bottom, label=kind)
         bottom = [b + s for b, s in zip(bottom, share, strict=True)]
-    ax.set_xticks(range(len(rows)), [f"{r.model}\n{r.kv} {r.warps}w" for r in rows])
+    ax.set_xticks(range(len(rows)), [f"{r.model}\n{r.kv} {r.warps}w {r.heads}h" for r in rows])
     ax.set_ylabel("shared-memory bytes a KV byte")
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -870,6 +870,11 @@ INTERP_DECODE_FP8 = [
     Decode(2, 3, 3, 64, 16, 9, torch.bfloat16, splits=1, seed=1),
     Decode(1, 2, 3, 64, 64, 3, torch.bfloat16, seed=2),  # one chunk a tile: the scales are scalars
 ]
+INTERP_DECODE_FP8_STACKED = [  # kv-heads a program (`decode_heads`): all three, a pad row block; four; two
+    Decode(2, 3, 3, 64, 64, 5, torch.bfloat16, splits=2),
+    Decode(3, 4, 2, 64, 64, 4, torch.float32, splits=1),
+    Decode(1, 2, 8, 64, 64, 3, torch.bfloat16, seed=3),
+]
 INTERP_PREFILL_FP8 = [
     Prefill(37, 21, 2, 3, 64, 16, 2, torch.float32),
     Prefill(19, 130, 1, 4, 128, 64, 1, torch.bfloat16),
@@ -896,6 +901,17 @@ GPU_PREFILL_FP8 = [
 def test_interp_decode_fp8(case: Decode, fused: bool) -> None:
     check_decode_fp8(case, "cpu", fused)
     check_decode_fp8(case, "cpu", fused, shifted=True)
+
+
+@interp
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "two-kernel"])
+@pytest.mark.parametrize("case", INTERP_DECODE_FP8_STACKED, ids=str)
+def test_interp_decode_fp8_stacks_kv_heads(case: Decode, fused: bool) -> None:
+    """An fp8 program of head_dim 64 serves several kv-heads (their queries block-diagonal, each
+    output its own head's rows) as the twin attends each head alone."""
+    td = triton_impl("triton_decode")
+    assert td.decode_heads(case.h_kv, case.group, case.d, case.c, 1, rotated=False) > 1
+    check_decode_fp8(case, "cpu", fused)
 
 
 @interp

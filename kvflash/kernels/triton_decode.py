@@ -20,7 +20,9 @@ precision; the scales of a block of one chunk join the exponent's multiply-add (
 accumulator's update (V). Widened to fp16 instead, each e4m3 byte crossed shared memory four times
 (copied in, read as a pair, written as fp16, read by the dot): shared memory, not HBM, bound it.
 Only a sequence's last block can hold unlisted chunks or unwritten tokens, so the blocks before it
-run without masks.
+run without masks. An fp8 program of head_dim 64 serves several kv-heads at once (`decode_heads`):
+their K and V^T tiles stacked along the dots' inner dimension, the queries block-diagonal, so one
+softmax over a [T, 16] tile serves them all.
 
 One module of some 600 lines: the split kernel, the two ways of merging its splits and the launch
 rule that picks the split count and tile are tuned together (bench/decode_tune.py times them as one).
@@ -71,6 +73,12 @@ COUNTERS = 4096
 batch (64 x 8 kv-heads is 512), so the buffer exists before a CUDA graph is captured and never grows
 during capture, where a new allocation would belong to the graph's private pool."""
 _counters: dict[torch.device, torch.Tensor] = {}
+MAX_GROUP_ROWS = 16
+"""The query rows of a program's dots at the least (Triton's least N), whatever its group: fp8
+programs stack kv-heads until their queries fill it (`decode_heads`)."""
+MAX_STACKED_ROWS = 256
+"""Rows of stacked kv-heads one fp8 program's tiles hold at most (`decode_heads`): two 64-token tiles
+of 256 x 64 bytes (K and V^T) a stage."""
 
 E4M3_MAX = tl.constexpr(FP8_MAX)
 FP8_P_UP = tl.constexpr(256.0)
@@ -119,6 +127,8 @@ def _decode_split_kernel(
     PDL: tl.constexpr,
     SHIFTED: tl.constexpr,
     FP8: tl.constexpr,
+    HEADS: tl.constexpr,
+    HD: tl.constexpr,
 ):
     if PDL:
         # Launched before the previous kernel ends (programmatic dependent launch): wait for its
@@ -138,12 +148,19 @@ def _decode_split_kernel(
     blk_lo = s * per_split
     blk_hi = tl.minimum(blk_lo + per_split, n_blocks)
 
+    GH: tl.constexpr = G * HEADS  # the query heads of the program's HEADS kv-heads
+    tl.static_assert(HEADS == 1 or (FP8 and CPI == 1 and not SHIFTED))
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, D)
-    heads = h * G + g
-    q = tl.load(
-        q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None], other=0.0
-    )
+    r = tl.arange(0, HD)
+    heads = h * GH + g
+    if HEADS > 1:  # block-diagonal: each query in its kv-head's D of the HD rows that stack the heads
+        own = (g < GH)[:, None] & (r[None, :] // D == g[:, None] // G)
+        q_cols = (r % D)[None, :]
+    else:
+        own = (g < G)[:, None]
+        q_cols = d[None, :]
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + q_cols, mask=own, other=0.0)
     q_down = tl.full([BLOCK_G], 1.0, tl.float32)
     if FP8 and SHIFTED:  # each chunk's keys meet the query turned by it (`_shifted_qk`)
         q_hi = 0.0
@@ -173,14 +190,14 @@ def _decode_split_kernel(
         qa = 0.0
         qb = 0.0
         rot_row = 0.0
-    k_base = kv_ptr + layer_off + h * stride_head
+    k_base = kv_ptr + layer_off + h * HEADS * stride_head
     sc_base = sc_ptr
     if FP8:
-        sc_base = sc_ptr + (layer_off + h * stride_head) // 4  # the scale view starts C rows in
+        sc_base = sc_ptr + (layer_off + h * HEADS * stride_head) // 4  # the scale view starts C rows in
     m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
     if FP8:  # transposed: keys run down the dots' M (`_attend_fp8_block`), which sums by key
         l_i = tl.zeros([CPI * C, BLOCK_G], tl.float32)
-        acc = tl.zeros([D, BLOCK_G], tl.float32)
+        acc = tl.zeros([HD, BLOCK_G], tl.float32)
     else:
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, D], tl.float32)
@@ -190,16 +207,19 @@ def _decode_split_kernel(
     for blk in range(blk_lo, tl.minimum(blk_hi, last)):
         m_i, l_i, acc = _attend(
             q, q_hi, q_lo, q_down, qa, qb, m_i, l_i, acc, blk, n, lv, table_ptr + b * stride_tb, rot_row,
-            k_base, sc_base, qk_scale, stride_slot, stride_kv, stride_tok,
-            C, CPI, D, F32_DOT, PREC, SHIFTED, FP8, False,
+            k_base, sc_base, qk_scale, stride_slot, stride_kv, stride_head, stride_tok,
+            G, BLOCK_G, C, CPI, D, F32_DOT, PREC, SHIFTED, FP8, HEADS, HD, False,
         )  # fmt: skip
     if (blk_lo <= last) & (blk_hi > last):
         m_i, l_i, acc = _attend(
             q, q_hi, q_lo, q_down, qa, qb, m_i, l_i, acc, last, n, lv, table_ptr + b * stride_tb, rot_row,
-            k_base, sc_base, qk_scale, stride_slot, stride_kv, stride_tok,
-            C, CPI, D, F32_DOT, PREC, SHIFTED, FP8, True,
+            k_base, sc_base, qk_scale, stride_slot, stride_kv, stride_head, stride_tok,
+            G, BLOCK_G, C, CPI, D, F32_DOT, PREC, SHIFTED, FP8, HEADS, HD, True,
         )  # fmt: skip
     if FP8:
+        if HEADS > 1:  # each query's output: its own head's D rows (the others met other heads' V)
+            acc = tl.where(r[:, None] // D == g[None, :] // G, acc, 0.0)
+            acc = tl.sum(tl.reshape(acc, [HD // D, D, BLOCK_G]), 0)
         acc = tl.trans(acc)
         l_i = tl.sum(l_i, 0)
     seen = l_i > 0
@@ -207,12 +227,12 @@ def _decode_split_kernel(
     out = acc / tl.where(seen, norm, 1.0)[:, None]
     if DIRECT:
         out_rows = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
-        tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=(g < G)[:, None])
+        tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=(g < GH)[:, None])
     else:
         lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
-        part = (b * tl.num_programs(1) * G + heads) * n_splits + s
-        tl.store(o_ptr + part[:, None] * D + d[None, :], out, mask=(g < G)[:, None])
-        tl.store(lse_ptr + part, lse, mask=g < G)
+        part = (b * tl.num_programs(1) * GH + heads) * n_splits + s
+        tl.store(o_ptr + part[:, None] * D + d[None, :], out, mask=(g < GH)[:, None])
+        tl.store(lse_ptr + part, lse, mask=g < GH)
         if FUSED:
             # One thread performs the scalar atomic, so a CTA barrier first orders every thread's
             # partial stores before its release (older Triton inserts none: triton-lang/triton#10816).
@@ -221,9 +241,9 @@ def _decode_split_kernel(
             tl.debug_barrier()
             row = b * tl.num_programs(1) + h
             if tl.atomic_add(count_ptr + row, 1, sem="acq_rel") == n_splits - 1:
-                out_rows = out_ptr + b * stride_ob + h * G * stride_oh
+                out_rows = out_ptr + b * stride_ob + h * GH * stride_oh
                 _merge_splits(
-                    o_ptr, lse_ptr, out_rows, stride_oh, row * G, n_splits, G, MERGE_G, MERGE_ROWS, D
+                    o_ptr, lse_ptr, out_rows, stride_oh, row * GH, n_splits, GH, MERGE_G, MERGE_ROWS, D
                 )
                 tl.store(count_ptr + row, 0)
 
@@ -231,15 +251,17 @@ def _decode_split_kernel(
 @triton.jit
 def _attend(
     q, q_hi, q_lo, q_down, qa, qb, m_i, l_i, acc, blk, n, lv, table_row, rot_row, k_base, sc_base,
-    qk_scale, stride_slot, stride_kv, stride_tok,
-    C: tl.constexpr, CPI: tl.constexpr, D: tl.constexpr, F32_DOT: tl.constexpr, PREC: tl.constexpr,
-    SHIFTED: tl.constexpr, FP8: tl.constexpr, MASKED: tl.constexpr,
+    qk_scale, stride_slot, stride_kv, stride_head, stride_tok,
+    G: tl.constexpr, BLOCK_G: tl.constexpr, C: tl.constexpr, CPI: tl.constexpr, D: tl.constexpr,
+    F32_DOT: tl.constexpr, PREC: tl.constexpr, SHIFTED: tl.constexpr, FP8: tl.constexpr,
+    HEADS: tl.constexpr, HD: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
     """One block of CPI chunks folded into the running maximum `m_i`, sum `l_i` and output `acc`."""
     if FP8:
         m_i, l_i, acc = _attend_fp8_block(
             q_hi, q_lo, q_down, qa, qb, m_i, l_i, acc, blk, n, lv, table_row, rot_row, k_base, sc_base,
-            qk_scale, stride_slot, stride_kv, stride_tok, C, CPI, D, F32_DOT, PREC, SHIFTED, MASKED,
+            qk_scale, stride_slot, stride_kv, stride_head, stride_tok,
+            G, BLOCK_G, C, CPI, D, F32_DOT, PREC, SHIFTED, HEADS, HD, MASKED,
         )  # fmt: skip
     else:
         m_i, l_i, acc = _attend_block(
@@ -328,9 +350,10 @@ def _chunk_offsets(
 @triton.jit
 def _attend_fp8_block(
     q_hi, q_lo, q_down, qa, qb, m_i, l_i, acc, blk, n, lv, table_row, rot_row, k_base, sc_base,
-    qk_scale, stride_slot, stride_kv, stride_tok,
-    C: tl.constexpr, CPI: tl.constexpr, D: tl.constexpr, F32_DOT: tl.constexpr, PREC: tl.constexpr,
-    SHIFTED: tl.constexpr, MASKED: tl.constexpr,
+    qk_scale, stride_slot, stride_kv, stride_head, stride_tok,
+    G: tl.constexpr, BLOCK_G: tl.constexpr, C: tl.constexpr, CPI: tl.constexpr, D: tl.constexpr,
+    F32_DOT: tl.constexpr, PREC: tl.constexpr, SHIFTED: tl.constexpr, HEADS: tl.constexpr,
+    HD: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
     """A block of an fp8 pool, transposed: keys are the dots' M, so that both tiles reach e4m3
     tensor-core dots as they are stored (K [T, D] and V^T [D, T], both contiguous along the dots'
@@ -345,7 +368,25 @@ def _attend_fp8_block(
     t = tl.arange(0, CPI * C)
     d = tl.arange(0, D)
     valid = _block_valid(blk, n, lv, C, CPI, MASKED)
-    if CPI == 1:  # one slot: tile addresses the compiler sees as contiguous, in 16-byte copies
+    r = tl.arange(0, HD)
+    g = tl.arange(0, BLOCK_G)
+    if HEADS > 1:  # one slot, HEADS kv-heads stacked along the dots' inner dimension (HD rows)
+        slot_off = tl.load(table_row + blk).to(tl.int64) * stride_slot
+        k_rows = k_base + slot_off + t * stride_tok
+        v_cols = k_base + stride_kv + slot_off + t
+        head = (r // D < HEADS)[None, :]
+        k = tl.load(
+            k_rows[:, None] + ((r // D) * stride_head + r % D)[None, :], mask=valid[:, None] & head, other=0.0
+        )
+        v = tl.load(
+            v_cols[None, :] + ((r // D) * stride_head + (r % D) * C)[:, None],
+            mask=valid[None, :] & tl.trans(head),
+            other=0.0,
+        )  # V^T [HD, T]
+        sc_col = sc_base + (slot_off + (g // G) * stride_head) // 4  # each query's own head's scales
+        k_sc = tl.load(sc_col, mask=g < G * HEADS, other=0.0)
+        vs = tl.load(sc_col + stride_kv // 4, mask=g < G * HEADS, other=0.0)[None, :]
+    elif CPI == 1:  # one slot: tile addresses the compiler sees as contiguous, in 16-byte copies
         slot_off = tl.load(table_row + blk).to(tl.int64) * stride_slot
         k_rows = k_base + slot_off + t * stride_tok
         v_cols = k_base + stride_kv + slot_off + t
@@ -363,9 +404,10 @@ def _attend_fp8_block(
         qk = tl.trans(
             _shifted_qk(qa, qb, rot_row + blk * D, k_rows[:, None], valid[:, None], D, F32_DOT, PREC, True)
         )
-    else:
+    elif HEADS == 1:
         k = tl.load(k_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-    v = tl.load(v_cols[None, :] + d[:, None] * C, mask=valid[None, :], other=0.0)  # V^T [D, T]
+    if HEADS == 1:
+        v = tl.load(v_cols[None, :] + d[:, None] * C, mask=valid[None, :], other=0.0)  # V^T [D, T]
     if F32_DOT:  # the same e4m3 terms, their dots in fp32
         v = v.to(tl.float32)
     if F32_DOT and not SHIFTED:
@@ -375,7 +417,7 @@ def _attend_fp8_block(
     elif not SHIFTED:
         qk = tl.dot(k, q_lo, tl.dot(k, q_hi))  # [T, G]
     scale = qk_scale * q_down
-    if CPI == 1:
+    if CPI == 1:  # a scalar, or with HEADS each query's head's
         scale = scale * k_sc
     else:
         qk = qk * k_sc[:, None]
@@ -560,7 +602,8 @@ def decode_launch(head_dim: int, batch: int, kv_bytes: int = 2) -> Launch:
     Head_dim 64 at batch 16-31 takes 128-token tiles (two chunks), as its 64-token tile costs the
     fixed work a tile has (the cross-warp max and sum, the weights' trip through shared memory) for
     half of head_dim 128's bytes; at batch 64 they lose. Below batch 16 it keeps the bf16 rules'
-    waves and merge, untuned."""
+    waves and merge, untuned. A program that serves several kv-heads (`decode_heads`) walks one
+    chunk a block whatever the tile here."""
     if kv_bytes == 1:
         block = 2 * BLOCK_TOKENS if head_dim < 128 and 16 <= batch < 32 else BLOCK_TOKENS
         return Launch(block, 2, (1 if batch < 32 else 2) if batch >= 16 else WAVES, batch >= 16)
@@ -577,6 +620,24 @@ def decode_launch(head_dim: int, batch: int, kv_bytes: int = 2) -> Launch:
     if batch <= 8 and kv_bytes <= 2:
         return Launch(128, 5, 1, False)
     return Launch(2 * BLOCK_TOKENS, 2, WAVES, False)
+
+
+def decode_heads(h_kv: int, group: int, head_dim: int, chunk: int, kv_bytes: int, rotated: bool) -> int:
+    """kv-heads one program serves. An fp8 pool's program of head_dim 64 and a small query group
+    spends most of its issue slots on a tile's fixed work (the cross-warp maximum, the weights' trip
+    through shared memory), the same for one query or sixteen: stacking several kv-heads' tiles along
+    the dots' inner dimension (the queries block-diagonal, MAX_GROUP_ROWS of them at most, so one
+    [T, 16] softmax serves them all) spreads that work over their bytes. Unrotated chunks of 64
+    tokens or more only (one chunk a block: each head's scales are a scalar); the heads a program
+    takes divide the pool's, stacked at most MAX_STACKED_ROWS deep."""
+    if kv_bytes != 1 or rotated or head_dim >= 128 or chunk < BLOCK_TOKENS:
+        return 1
+    fits = (
+        p
+        for p in range(h_kv, 0, -1)
+        if h_kv % p == 0 and p * group <= MAX_GROUP_ROWS and next_pow2(p) * head_dim <= MAX_STACKED_ROWS
+    )
+    return next(fits)
 
 
 def use_pdl(head_dim: int, device: torch.device) -> bool:
@@ -642,13 +703,15 @@ def paged_decode_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     pdl: bool | None = None,
+    heads: int | None = None,
     rot: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as reference.paged_decode_attention. The keywords override `decode_launch` and
     `decode_splits` (bench/decode_tune.py sweeps them all); `fused` merges the splits in the split
     kernel (the last arrival of each (sequence, kv-head)) instead of a second kernel; `pdl` launches
-    both kernels as programmatic dependent launches (`use_pdl`). With `rot` [B, W, 2, D/2] fp32 the
-    kernel walks one chunk a block, turning the query by each chunk's rotation."""
+    both kernels as programmatic dependent launches (`use_pdl`); `heads` is the kv-heads a program
+    serves (`decode_heads`). With `rot` [B, W, 2, D/2] fp32 the kernel walks one chunk a block,
+    turning the query by each chunk's rotation."""
     b, hq, d = q.shape
     h_kv, c = kv_pool.shape[3], chunk_tokens(kv_pool)
     assert q.stride(2) == 1 and slot_table.stride(1) == 1, "q and slot_table rows must be contiguous"
@@ -656,16 +719,18 @@ def paged_decode_attention(
     tuned = decode_launch(d, b, kv_pool.element_size())
     fused = tuned.fused if fused is None else fused
     pdl = use_pdl(d, q.device) if pdl is None else pdl
-    cpi = 1 if rot is not None else max(1, (block_tokens or tuned.block_tokens) // c)
+    heads = heads or decode_heads(h_kv, g, d, c, kv_pool.element_size(), rot is not None)
+    cpi = 1 if rot is not None or heads > 1 else max(1, (block_tokens or tuned.block_tokens) // c)
+    assert h_kv % heads == 0 and (heads == 1 or (is_fp8(kv_pool) and rot is None and c >= BLOCK_TOKENS))
     if rot is not None:
         assert (
             rot.dtype == torch.float32
             and rot.is_contiguous()
             and rot.shape[1:] == (slot_table.shape[1], 2, d // 2)
         )
-    tile_bytes = 2 * cpi * c * d * kv_pool.element_size()
+    tile_bytes = 2 * cpi * c * d * heads * kv_pool.element_size()
     max_blocks = triton.cdiv(slot_table.shape[1], cpi)
-    splits = n_splits or decode_splits(max_blocks, tile_bytes, b, h_kv, q.device, tuned.waves)
+    splits = n_splits or decode_splits(max_blocks, tile_bytes, b, h_kv // heads, q.device, tuned.waves)
     out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
     direct = splits == 1
     o_part = lse = counters = None
@@ -673,11 +738,11 @@ def paged_decode_attention(
         o_part = torch.empty((b, hq, splits, d), dtype=torch.float32, device=q.device)
         lse = torch.empty((b, hq, splits), dtype=torch.float32, device=q.device)
         if fused:
-            counters = arrival_counters(q.device, b * h_kv)
-    merge_g = next_pow2(g)
+            counters = arrival_counters(q.device, b * h_kv // heads)
+    merge_g = next_pow2(g * heads)
     merge_rows = min(next_pow2(splits), max(1, MERGE_ELEMS // (merge_g * d))) if fused else 1
     layer_off, s_slot, s_kv, s_head, s_tok = pool_strides(kv_pool, layer)
-    _decode_split_kernel[(b, h_kv, splits)](
+    _decode_split_kernel[(b, h_kv // heads, splits)](
         q,
         kv_pool,
         slot_table,
@@ -703,7 +768,7 @@ def paged_decode_attention(
         s_tok,
         splits,
         G=g,
-        BLOCK_G=max(16, next_pow2(g)),
+        BLOCK_G=max(MAX_GROUP_ROWS, next_pow2(g * heads)),
         C=c,
         CPI=cpi,
         D=d,
@@ -716,6 +781,8 @@ def paged_decode_attention(
         PDL=pdl,
         SHIFTED=rot is not None,
         FP8=is_fp8(kv_pool),
+        HEADS=heads,
+        HD=next_pow2(heads) * d,
         num_warps=num_warps or tuned.warps,
         num_stages=num_stages or tuned.stages,
         launch_pdl=pdl,
