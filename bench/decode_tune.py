@@ -6,8 +6,8 @@ over enough distinct KV to defeat L2) and reported as a share of the device copy
 in the same run. A setting is (merge, block tokens, warps, stages, waves, kv-heads): merge `fused`
 has the last split to finish merge the partials in the same launch, `2k` runs a second combine
 kernel; waves sets the split count through `decode_splits`; kv-heads is what one program serves
-(`decode_heads`, or one: `--heads rule 1` times an fp8 pool's stacked heads against one a
-program). Each shape also times both merges at their own defaults, and the JSON is rewritten after
+(`decode_heads`, or a count: `--heads rule 1 2` times an fp8 pool's stacked heads against one and
+two a program). Each shape also times both merges at their own defaults, and the JSON is rewritten after
 every shape, so a run cut short keeps what it measured.
 
     python -m bench.decode_tune --out out/decode_tune.json
@@ -134,8 +134,8 @@ def main() -> None:
     ap.add_argument("--rule", action="store_true", help="blocks and stages from decode_launch, not swept")
     ap.add_argument("--fp8", action="store_true", help="an fp8 pool (e4m3 and its scale rows)")
     ap.add_argument(
-        "--heads", nargs="+", choices=["rule", "1"], default=["rule"],
-        help="kv-heads a program: decode_heads', or one",
+        "--heads", nargs="+", default=["rule"],
+        help="kv-heads a program: `rule` (decode_heads') or a count that divides the model's (fp8 only)",
     )  # fmt: skip
     args = ap.parse_args()
     if args.contexts or args.batches:
