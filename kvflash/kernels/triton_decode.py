@@ -627,10 +627,11 @@ def decode_heads(h_kv: int, group: int, head_dim: int, chunk: int, kv_bytes: int
     spends most of its issue slots on a tile's fixed work (the cross-warp maximum, the weights' trip
     through shared memory), the same for one query or sixteen: stacking several kv-heads' tiles along
     the dots' inner dimension (the queries block-diagonal, MAX_GROUP_ROWS of them at most, so one
-    [T, 16] softmax serves them all) spreads that work over their bytes. Unrotated chunks of 64
-    tokens or more only (one chunk a block: each head's scales are a scalar); the heads a program
-    takes divide the pool's, stacked at most MAX_STACKED_ROWS deep."""
-    if kv_bytes != 1 or rotated or head_dim >= 128 or chunk < BLOCK_TOKENS:
+    [T, 16] softmax serves them all) spreads that work over their bytes. Unrotated chunks of
+    BLOCK_TOKENS only (one chunk a block, so each head's scales are a scalar, and a stage of two
+    stacked tiles stays at 32 KB); the heads a program takes divide the pool's, stacked at most
+    MAX_STACKED_ROWS deep."""
+    if kv_bytes != 1 or rotated or head_dim >= 128 or chunk != BLOCK_TOKENS:
         return 1
     fits = (
         p
@@ -721,7 +722,7 @@ def paged_decode_attention(
     pdl = use_pdl(d, q.device) if pdl is None else pdl
     heads = heads or decode_heads(h_kv, g, d, c, kv_pool.element_size(), rot is not None)
     cpi = 1 if rot is not None or heads > 1 else max(1, (block_tokens or tuned.block_tokens) // c)
-    assert h_kv % heads == 0 and (heads == 1 or (is_fp8(kv_pool) and rot is None and c >= BLOCK_TOKENS))
+    assert h_kv % heads == 0 and (heads == 1 or (is_fp8(kv_pool) and rot is None and c == BLOCK_TOKENS))
     if rot is not None:
         assert (
             rot.dtype == torch.float32
