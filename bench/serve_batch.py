@@ -29,6 +29,7 @@ ones after it (docs/BENCHMARKS.md), which one run then shows beside the others.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import re
 import statistics
@@ -108,6 +109,21 @@ def step_figures(before: dict[str, tuple[float, ...]], after: dict[str, tuple[fl
     return row
 
 
+def process_use(server: Served) -> tuple[float, float, int]:
+    """The server process's user and system CPU seconds and minor page faults so far, all threads
+    (Linux's /proc/PID/stat): a turn that faults in memory the machine never used before (a
+    virtual machine's memory is backed on first touch) spends it as system time."""
+    fields = Path(f"/proc/{server.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick, int(fields[7])
+
+
+def use_figures(before: tuple[float, float, int], after: tuple[float, float, int]) -> dict:
+    """A turn's share of the server's CPU: user and system seconds, minor page faults."""
+    user, system, faults = (a - b for a, b in zip(after, before, strict=True))
+    return {"server_user_s": user, "server_system_s": system, "server_minor_faults": int(faults)}
+
+
 def prefill_steps(server: Served, since: tuple[int, int] = (0, 0)) -> tuple[int, int]:
     """(forwards that ran prefill pieces, pieces they ran) since `since`: a turn's pieces over its
     steps is how many prompts shared a forward (all N in one step where they arrived together)."""
@@ -137,15 +153,17 @@ def conversations(args, docs: list[str], max_batch: int) -> dict:
     try:
         with Users(server.url, server.model, args.client_processes or default_processes(len(docs))) as users:
             users.warm(WARM)
-            before, steps = prefill_steps(server), step_times(server)
+            before, steps, use = prefill_steps(server), step_times(server), process_use(server)
             turn1, answers = together(users, [Ask(c, args.max_tokens) for c in convs])
+            turn1 |= use_figures(use, process_use(server))
             turn1["prefill_steps"], turn1["prefill_pieces"] = prefill_steps(server, before)
             turn1 |= step_figures(steps, step_times(server))
             for i, (c, a) in enumerate(zip(convs, answers, strict=True)):
                 nxt = QUESTIONS[(i + 1) % len(QUESTIONS)]
                 c += [{"role": "assistant", "content": a}, {"role": "user", "content": nxt}]
-            before, steps = prefill_steps(server), step_times(server)
+            before, steps, use = prefill_steps(server), step_times(server), process_use(server)
             turn2, _ = together(users, [Ask(c, args.decode_tokens) for c in convs])
+            turn2 |= use_figures(use, process_use(server))
             turn2["prefill_steps"], turn2["prefill_pieces"] = prefill_steps(server, before)
             turn2 |= step_figures(steps, step_times(server))
     finally:
@@ -318,6 +336,12 @@ def step_cell(turn: dict, kind: str = "decode") -> str:
     return "-" if ms is None else f"{ms:.2f} ({share:.0%})"
 
 
+def use_cell(turn: dict) -> str:
+    if "server_user_s" not in turn:
+        return "-"
+    return f"{turn['server_user_s']:.2f} / {turn['server_system_s']:.2f} ({turn['server_minor_faults']:,})"
+
+
 def report(args, rows: list[dict]) -> None:
     if not args.shared_only:
         report_conversations(args, rows)
@@ -327,19 +351,21 @@ def report(args, rows: list[dict]) -> None:
 
 
 def report_servers(rows: list[dict]) -> None:
-    """The batched arm on successive servers: what a machine's first server costs its turns, and in
-    which of turn 1's steps (their mean, and the share of it the scheduler waited for the device)."""
+    """The batched arm on successive servers: what a machine's first server costs its turns, in
+    which of turn 1's steps (their mean, and the share of it the scheduler waited for the device),
+    and the server's CPU seconds (user / system) and minor page faults in each turn."""
     t = Table(title="the batched arm on successive servers")
     for col in ("N", "server", "turn 1 wall s", "turn 1 TTFT p50 at the server", "turn 1 mixed step ms",
-                "turn 1 prefill step ms", "turn 2 TTFT p50", "at the server",
-                "turn 2 decode tok/s"):  # fmt: skip
+                "turn 1 prefill step ms", "turn 1 CPU s user / system (faults)", "turn 2 TTFT p50",
+                "at the server", "turn 2 decode tok/s", "turn 2 CPU s"):  # fmt: skip
         t.add_column(col, justify="right")
     for r in rows:
         for i, arm in enumerate([r.get("batched", {}), *r.get("batched_later", [])], 1):
             a, b = arm.get("turn1", {}), arm.get("turn2", {})
             t.add_row(str(r["n"]), str(i), _f(a.get("wall_s")), _f(a.get("server_ttft_p50_s")),
-                      step_cell(a, "mixed"), step_cell(a, "prefill"), _f(b.get("ttft_p50_s")),
-                      _f(b.get("server_ttft_p50_s")), _f(b.get("decode_tok_s"), ".0f"))  # fmt: skip
+                      step_cell(a, "mixed"), step_cell(a, "prefill"), use_cell(a),
+                      _f(b.get("ttft_p50_s")), _f(b.get("server_ttft_p50_s")),
+                      _f(b.get("decode_tok_s"), ".0f"), use_cell(b))  # fmt: skip
     Console().print(t)
 
 
