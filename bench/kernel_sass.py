@@ -195,10 +195,10 @@ def main() -> None:
     for model in args.models:
         for kv in args.kv:
             for warps in args.warps:
-                for stack in dict.fromkeys(args.stack):
+                for stack in [s for s in ("rule", "one") if s in args.stack]:
+                    if stack == "one" and "rule" in args.stack and rows[-1].heads == 1:
+                        continue  # the rule's row serves one kv-head already
                     loop, sass = compile_loop(model, kv, warps, args.stages, stack == "rule")
-                    if stack == "one" and "rule" in args.stack and loop.heads == rows[-1].heads:
-                        continue  # the rule serves one kv-head here too
                     rows.append(loop)
                     if args.dump:
                         (out / f"{model}-{kv}-{warps}w-{loop.heads}h.sass").write_text("\n".join(sass))
