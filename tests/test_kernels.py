@@ -615,12 +615,19 @@ def test_interp_write_tokens(t, h_kv, d, c, dtype) -> None:
 
 
 @interp
-@pytest.mark.parametrize("kv_dtype", ["fp32", "fp8"])
-def test_interp_sequence_decodes_through_the_kernels_as_through_the_reference(kv_dtype: str) -> None:
-    """A sequence larger than its budget decodes through the kernels (forced on, as on CUDA) to the
-    reference path's logits: the decode buffers (slot table padded to the budget, the step's inputs
-    sent in one copy, rotated keys), chunk boundaries and re-selections every 8 tokens; fp8 KV
-    written by the kernels (scales included) as by the twins."""
+@pytest.mark.parametrize(
+    "kv_dtype,chunk,n_ids",
+    [("fp32", 16, 160), ("fp8", 16, 160), ("fp8", 64, 200)],
+    ids=["fp32", "fp8", "fp8-within-budget"],
+)
+def test_interp_sequence_decodes_through_the_kernels_as_through_the_reference(
+    kv_dtype: str, chunk: int, n_ids: int
+) -> None:
+    """A sequence decodes through the kernels (forced on, as on CUDA) to the reference path's logits:
+    the decode buffers (slot table padded to the budget, the step's inputs sent in one copy), chunk
+    boundaries and re-selections every 8 tokens; larger than its budget, rotated keys; fp8 KV
+    written by the kernels (scales included) as by the twins. Within its budget over 64-token fp8
+    chunks, each decode program serves both kv-heads (`decode_heads`)."""
     from kvflash.config import EngineConfig, ResidencyConfig
     from kvflash.engine.engine import Engine
     from kvflash.models.loader import LoadedModel
@@ -628,15 +635,19 @@ def test_interp_sequence_decodes_through_the_kernels_as_through_the_reference(kv
 
     cfg = tiny_config()
     lm = LoadedModel(tiny_model(cfg), None, cfg, Path("tiny"), torch.float32, torch.device("cpu"))
-    res = ResidencyConfig(chunk_tokens=16, tail_chunks=1, tau=8, tau_history_div=1 << 30)
-    ids = torch.randint(0, cfg.vocab_size, (160,), generator=torch.Generator().manual_seed(0)).tolist()
+    res = ResidencyConfig(chunk_tokens=chunk, tail_chunks=1, tau=8, tau_history_div=1 << 30)
+    ids = torch.randint(0, cfg.vocab_size, (n_ids,), generator=torch.Generator().manual_seed(0)).tolist()
+    evicts = n_ids + 24 > 6 * chunk
+    group = cfg.n_heads // cfg.n_kv_heads
+    stacks = triton_impl("triton_decode").decode_heads(cfg.n_kv_heads, group, cfg.head_dim, chunk, 1, evicts)
+    assert evicts or (kv_dtype == "fp8" and stacks > 1)
     tokens: list[int] = []
     runs = []
     for forced in (False, True):
         force = mock.patch.object(kernels, "uses_triton", return_value=True)
         with force if forced else contextlib.nullcontext():
             eng = Engine(lm, EngineConfig(pool_tokens=1024, residency=res, kv_dtype=kv_dtype))
-            kv = eng.new_sequence(6 * 16)
+            kv = eng.new_sequence(6 * chunk)
             logits, step, out = eng.prefill(kv, ids), eng.decode_step(kv), []
             for i, pos in enumerate(range(len(ids), len(ids) + 24)):
                 if not forced:
@@ -644,7 +655,7 @@ def test_interp_sequence_decodes_through_the_kernels_as_through_the_reference(kv
                 logits = step(tokens[i], pos)
                 out.append(logits)
             assert kv.uses_triton == forced
-            assert not forced or kv.staging.rotated  # chunks evicted between resident ones
+            assert not forced or kv.staging.rotated == evicts  # chunks evicted between resident ones
         runs.append(torch.stack(out))
     torch.testing.assert_close(
         runs[1], runs[0], **TOL[torch.float32 if kv_dtype == "fp32" else torch.bfloat16]
