@@ -4,15 +4,16 @@ bytes they move through shared memory, per 64-token tile.
 Decode attention is bound by memory, or by whatever stands between memory and the tensor cores:
 instruction issue, or shared memory, which each tile crosses at least once (copied in by cp.async)
 and again each time a dot reads it (an fp8 tile widened to fp16 through shared memory crossed it
-four times). This
-compiles `_decode_split_kernel` for sm_90 with the installed Triton, as the launcher would specialise
-it (pointers and strides divisible by 16: without that the compiler vectorises and pipelines
-nothing), disassembles the cubin with the nvdisasm Triton bundles, finds the loop over blocks (the
-largest backward branch around the tensor-core instructions) and counts, per warp and tile: all
-instructions, those by family, and shared-memory bytes by instruction (cp.async writes, loads,
-stores, ldmatrix), which over the tile's KV bytes is the shared traffic a byte of KV costs. Shared
-memory serves 128 B a clock an SM; HBM about 16-20 B a clock an SM, so past ~6 bytes of shared
-traffic a KV byte, shared memory, not HBM, bounds a tile.
+four times). This records the launch `paged_decode_attention` makes for a batch of BATCH sequences
+of CONTEXT tokens (fused merge, unrotated keys) and compiles it for sm_90 with the installed Triton
+as that launch would be specialised (`kvflash.kernels.hopper`: pointers and strides divisible by 16,
+without which the compiler vectorises and pipelines nothing), disassembles the cubin with the
+nvdisasm Triton bundles, finds the loop over blocks (the largest backward branch around the
+tensor-core instructions) and counts, per warp and tile: all instructions, those by family, and
+shared-memory bytes by instruction (cp.async writes, loads, stores, ldmatrix), which over the tile's
+KV bytes is the shared traffic a byte of KV costs. Shared memory serves 128 B a clock an SM; HBM
+about 16-20 B a clock an SM, so past ~6 bytes of shared traffic a KV byte, shared memory, not HBM,
+bounds a tile.
 
 The counts are the installed Triton's: the GPU machine's may differ (the JSON names the version).
 
@@ -29,17 +30,20 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
 import triton
 from rich.console import Console
 from rich.table import Table
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 from bench.harness import out_dir, pyplot, save_png, write_json
 from kvflash.kernels import triton_decode
+from kvflash.kernels._common import FP8
+from kvflash.kernels.hopper import compile_for_hopper, launches_as_on_hopper
 
 CHUNK = 64
 """Tokens a chunk, and a tile (one chunk a block: the engine's default)."""
+BATCH = 16
+CONTEXT = 65536
 SHAPES = {"SmolLM2": (64, 3, 3), "Llama-8B": (128, 4, 8)}
 """model -> (head_dim, query heads a kv-head, kv-heads)."""
 FAMILIES = {
@@ -76,30 +80,22 @@ class Loop:
 
 
 def compile_loop(model: str, kv: str, warps: int, stages: int, stack: bool) -> tuple[Loop, list[str]]:
-    """The loop as the launcher specialises it; `stack` lets the program serve the kv-heads
-    `decode_heads` gives it (else one)."""
+    """The loop of the launcher's own launch at this shape, 64-token tiles, these warps and stages;
+    `stack` lets the program serve the kv-heads `decode_heads` gives it (else one)."""
     d, group, h_kv = SHAPES[model]
-    fn = triton_decode._decode_split_kernel
     fp8 = kv == "fp8"
-    heads = triton_decode.decode_heads(h_kv, group, d, CHUNK, 1 if fp8 else 2, False) if stack else 1
-    pointers = {"q_ptr": "*bf16", "kv_ptr": "*fp8e4nv" if fp8 else "*bf16", "table_ptr": "*i32",
-                "n_slots_ptr": "*i32", "last_valid_ptr": "*i32", "o_ptr": "*fp32", "lse_ptr": "*fp32",
-                "out_ptr": "*bf16", "count_ptr": "*i32", "rot_ptr": "*fp32", "sc_ptr": "*fp32"}  # fmt: skip
-    constants = dict(G=group, BLOCK_G=16, C=CHUNK, CPI=1, D=d, F32_DOT=False, PREC="tf32", DIRECT=False,
-                     FUSED=True, MERGE_G=triton.next_power_of_2(group * heads), MERGE_ROWS=16, PDL=d < 128,
-                     SHIFTED=False, FP8=fp8, HEADS=heads, HD=triton.next_power_of_2(heads) * d)  # fmt: skip
-    signature = {name: "i32" for name in fn.arg_names} | pointers | {"qk_scale": "fp32"}
-    signature |= {name: "constexpr" for name in constants}
-    aligned = [*pointers, "stride_qb", "stride_qh", "stride_ob", "stride_oh", "layer_off", "stride_slot",
-               "stride_kv", "stride_head", "stride_tok"]  # fmt: skip
-    source = ASTSource(
-        fn=fn,
-        signature=signature,
-        constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()},
-        attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned},
-    )
-    options = {"num_warps": warps, "num_stages": stages}
-    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    pool = torch.zeros(2, 2, 2, h_kv, CHUNK + fp8, d, dtype=FP8 if fp8 else torch.bfloat16)
+    q = torch.zeros(BATCH, h_kv * group, d, dtype=torch.bfloat16)
+    table = torch.zeros(BATCH, CONTEXT // CHUNK, dtype=torch.int32)
+    listed = torch.full((BATCH,), CONTEXT // CHUNK, dtype=torch.int32)
+    with launches_as_on_hopper() as launches:
+        triton_decode.paged_decode_attention(
+            q, pool, 1, table, listed, listed, d**-0.5, fused=True, block_tokens=CHUNK, num_warps=warps,
+            num_stages=stages, heads=None if stack else 1,
+        )  # fmt: skip
+    launch = launches[0]
+    heads = launch[2]["HEADS"]
+    kernel = compile_for_hopper(launch)
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"

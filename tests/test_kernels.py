@@ -1010,76 +1010,28 @@ def test_gpu_write_tokens_fp8() -> None:
 
 # -- what only a GPU would refuse, compiled for one here --------------------------------------------
 
-POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
-           torch.int64: "*i64", torch.uint8: "*u8", FP8: "*fp8e4nv"}  # fmt: skip
-
-
-@contextlib.contextmanager
-def launches_as_on_hopper():
-    """Kernel launches recorded instead of run, by launchers that decide as on an H200: 132 SMs,
-    dots on the kernels' GPU path (not the interpreter's fp32 one), programmatic dependent launch
-    where head_dim is 64."""
-    import triton
-
-    launches: list = []
-    fakes = {"f32_dot": lambda t: False, "sm_count": lambda device: 132, "use_pdl": lambda d, device: d < 128}
-    with contextlib.ExitStack() as stack:
-        record = lambda self, *args, grid, warmup, **kw: launches.append((self, args, kw))  # noqa: E731
-        stack.enter_context(mock.patch.object(triton.runtime.jit.JITFunction, "run", record))
-        for module in ("triton_decode", "triton_prefill", "triton_scoring", "triton_copy"):
-            m = triton_impl(module)
-            for name in fakes.keys() & vars(m).keys():
-                stack.enter_context(mock.patch.object(m, name, fakes[name]))
-        yield launches
-
-
-def compile_for_hopper(fn, args: tuple, kw: dict):
-    """One recorded launch compiled for sm_90: tensors as pointers of their dtype, ints as i32 (i64
-    past it), None and the constexpr parameters as constants."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    values = dict(zip(fn.arg_names, args, strict=False)) | {k: v for k, v in kw.items() if k in fn.arg_names}
-    signature, constants = {}, {}
-    for i, p in enumerate(fn.params):
-        v = values[p.name]
-        if p.is_constexpr or v is None:
-            signature[p.name], constants[(i,)] = "constexpr", v
-        elif isinstance(v, torch.Tensor):
-            signature[p.name] = POINTER[v.dtype]
-        elif isinstance(v, bool):
-            signature[p.name] = "i1"
-        elif isinstance(v, int):
-            signature[p.name] = "i32" if -(2**31) <= v < 2**31 else "i64"
-        else:
-            signature[p.name] = "fp32"
-    options = {k: kw[k] for k in ("num_warps", "num_stages", "launch_pdl") if k in kw}
-    options["enable_fp_fusion"] = True  # as a launch compiles by default
-    src = ASTSource(fn=fn, signature=signature, constexprs=constants)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-
 
 def fp8_launches_compile_for_hopper(h_kv: int, group: int, d: int, c: int, warm: Callable) -> None:
     """Every launch that `warm(pool, hq)` makes over an fp8 pool of this shape, one of each
-    variant, compiles for sm_90. The interpreter runs the kernels' fp32 branches, so a constraint of
-    the GPU's own (an e4m3 dot needs 32 keys along K) meets nothing on a machine without one until a
-    GPU runs the variant."""
+    variant, compiles for sm_90 (`kvflash.kernels.hopper`: what the interpreter cannot refuse)."""
+    from kvflash.kernels.hopper import compile_for_hopper, launches_as_on_hopper
+
     pool = fp8_pool(torch.zeros(2, 1, 2, h_kv, c, d))
     with launches_as_on_hopper() as launches:
         warm(pool, h_kv * group)
     variants = {}
-    for fn, args, kw in launches:
+    for launch in launches:
+        fn, args, kw = launch
         if any(isinstance(a, torch.Tensor) and a.dtype == FP8 for a in args):
             unset = [name for name, a in zip(fn.arg_names, args, strict=False) if a is None]
             settings = ", ".join(f"{k}={v}" for k, v in kw.items())
             key = f"{fn.fn.__name__}({settings}; None: {', '.join(unset)})"
-            variants.setdefault(key, (fn, args, kw))
+            variants.setdefault(key, launch)
     assert variants
     failed = []
-    for key, (fn, args, kw) in variants.items():
+    for key, launch in variants.items():
         try:
-            compile_for_hopper(fn, args, kw)
+            compile_for_hopper(launch)
         except Exception as e:  # noqa: BLE001 (each failure is reported with its variant)
             while e.__cause__ is not None:  # the compiler's own complaint, under the source excerpts
                 e = e.__cause__
