@@ -1,11 +1,13 @@
-"""What the decode kernel's main loop compiles to on Hopper, without a GPU: its instructions and the
-bytes they move through shared memory, per 64-token tile.
+"""What the decode and prefill kernels' main loops compile to on Hopper, without a GPU: their
+instructions and the bytes they move through shared memory, per 64-token tile.
 
 Decode attention is bound by memory, or by whatever stands between memory and the tensor cores:
 instruction issue, or shared memory, which each tile crosses at least once (copied in by cp.async)
 and again each time a dot reads it (an fp8 tile widened to fp16 through shared memory crossed it
 four times). This records the launch `paged_decode_attention` makes for a batch of BATCH sequences
-of CONTEXT tokens (fused merge, unrotated keys) and compiles it for sm_90 with the installed Triton
+of CONTEXT tokens (fused merge, unrotated keys), or the one `prefill_attention` makes for a step of
+PREFILL_QUERIES queries after PREFILL_CONTEXT tokens (`--kernels prefill`, its own warps and
+stages), and compiles it for sm_90 with the installed Triton
 as that launch would be specialised (`kvflash.kernels.hopper`: pointers and strides divisible by 16,
 without which the compiler vectorises and pipelines nothing), disassembles the cubin with the
 nvdisasm Triton bundles, finds the loop over blocks (the largest backward branch around the
@@ -36,14 +38,16 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.harness import out_dir, pyplot, save_png, write_json
-from kvflash.kernels import triton_decode
+from kvflash.kernels import triton_decode, triton_prefill
 from kvflash.kernels._common import FP8
-from kvflash.kernels.hopper import compile_for_hopper, launches_as_on_hopper
+from kvflash.kernels.hopper import Launch, compile_for_hopper, launches_as_on_hopper
 
 CHUNK = 64
 """Tokens a chunk, and a tile (one chunk a block: the engine's default)."""
 BATCH = 16
 CONTEXT = 65536
+PREFILL_QUERIES = 512
+PREFILL_CONTEXT = 12288
 SHAPES = {"SmolLM2": (64, 3, 3), "Llama-8B": (128, 4, 8)}
 """model -> (head_dim, query heads a kv-head, kv-heads)."""
 FAMILIES = {
@@ -60,6 +64,8 @@ FAMILIES = {
 
 @dataclass
 class Loop:
+    kernel: str
+    """decode or prefill."""
     model: str
     kv: str
     warps: int
@@ -79,23 +85,46 @@ class Loop:
     traffic_per_kv_byte: float
 
 
-def compile_loop(model: str, kv: str, warps: int, stages: int, stack: bool) -> tuple[Loop, list[str]]:
-    """The loop of the launcher's own launch at this shape, 64-token tiles, these warps and stages;
+def _pool(model: str, kv: str) -> torch.Tensor:
+    """Two slots of two layers in the engine's layout (fp8: a scale row a block)."""
+    d, _, h_kv = SHAPES[model]
+    fp8 = kv == "fp8"
+    return torch.zeros(2, 2, 2, h_kv, CHUNK + fp8, d, dtype=FP8 if fp8 else torch.bfloat16)
+
+
+def decode_loop(model: str, kv: str, warps: int, stages: int, stack: bool) -> tuple[Loop, list[str]]:
+    """The decode launcher's own launch at this shape, 64-token tiles, these warps and stages;
     `stack` lets the program serve the kv-heads `decode_heads` gives it (else one)."""
     d, group, h_kv = SHAPES[model]
-    fp8 = kv == "fp8"
-    pool = torch.zeros(2, 2, 2, h_kv, CHUNK + fp8, d, dtype=FP8 if fp8 else torch.bfloat16)
     q = torch.zeros(BATCH, h_kv * group, d, dtype=torch.bfloat16)
     table = torch.zeros(BATCH, CONTEXT // CHUNK, dtype=torch.int32)
     listed = torch.full((BATCH,), CONTEXT // CHUNK, dtype=torch.int32)
     with launches_as_on_hopper() as launches:
         triton_decode.paged_decode_attention(
-            q, pool, 1, table, listed, listed, d**-0.5, fused=True, block_tokens=CHUNK, num_warps=warps,
-            num_stages=stages, heads=None if stack else 1,
+            q, _pool(model, kv), 1, table, listed, listed, d**-0.5, fused=True, block_tokens=CHUNK,
+            num_warps=warps, num_stages=stages, heads=None if stack else 1,
         )  # fmt: skip
-    launch = launches[0]
-    heads = launch[2]["HEADS"]
+    return measure("decode", model, kv, launches[0])
+
+
+def prefill_loop(model: str, kv: str) -> tuple[Loop, list[str]]:
+    """The prefill launcher's own launch for a step of PREFILL_QUERIES queries after PREFILL_CONTEXT
+    tokens, with the warps, stages and query tile it picks."""
+    d, group, h_kv = SHAPES[model]
+    n = (PREFILL_CONTEXT + PREFILL_QUERIES) // CHUNK
+    q = torch.zeros(PREFILL_QUERIES, h_kv * group, d, dtype=torch.bfloat16)
+    slots, order = torch.zeros(n, dtype=torch.int32), torch.arange(n, dtype=torch.int32)
+    with launches_as_on_hopper() as launches:
+        triton_prefill.prefill_attention(q, _pool(model, kv), 1, slots, order, PREFILL_CONTEXT, d**-0.5)
+    return measure("prefill", model, kv, launches[0])
+
+
+def measure(kernel_name: str, model: str, kv: str, launch: Launch) -> tuple[Loop, list[str]]:
+    """A recorded launch compiled for sm_90 (`compile_for_hopper`) and its loop counted."""
+    d = SHAPES[model][0]
+    heads = launch[2].get("HEADS", 1)
     kernel = compile_for_hopper(launch)
+    warps, stages = kernel.metadata.num_warps, kernel.metadata.num_stages
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
@@ -103,11 +132,11 @@ def compile_loop(model: str, kv: str, warps: int, stages: int, stack: bool) -> t
         sass = subprocess.run([tools / "nvdisasm", "-c", cubin], capture_output=True, text=True, check=True)
         usage = subprocess.run([tools / "cuobjdump", "-res-usage", cubin], capture_output=True, text=True)
     loop = _loop(sass.stdout)
-    tile_kv = 2 * CHUNK * d * heads * (1 if fp8 else 2)
+    tile_kv = 2 * CHUNK * d * heads * (1 if kv == "fp8" else 2)
     traffic = _shared_traffic(loop, warps)
     regs = re.search(r"REG:(\d+)", usage.stdout)
-    return Loop(model, kv, warps, stages, heads, int(regs.group(1)) if regs else -1, kernel.metadata.shared,
-                len(loop), len(loop) * 1024 / tile_kv, _families(loop), traffic,
+    return Loop(kernel_name, model, kv, warps, stages, heads, int(regs.group(1)) if regs else -1,
+                kernel.metadata.shared, len(loop), len(loop) * 1024 / tile_kv, _families(loop), traffic,
                 sum(traffic.values()) / tile_kv), loop  # fmt: skip
 
 
@@ -175,10 +204,11 @@ def _shared_traffic(loop: list[str], warps: int) -> dict[str, int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kernels", nargs="+", choices=["decode", "prefill"], default=["decode"])
     ap.add_argument("--models", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     ap.add_argument("--kv", nargs="+", choices=["bf16", "fp8"], default=["bf16", "fp8"])
-    ap.add_argument("--warps", nargs="+", type=int, default=[2, 4])
-    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--warps", nargs="+", type=int, default=[2, 4], help="decode's (prefill: its own)")
+    ap.add_argument("--stages", type=int, default=2, help="decode's (prefill: its own)")
     ap.add_argument(
         "--stack", nargs="+", choices=["rule", "one"], default=["rule"],
         help="kv-heads a program: the launcher's (decode_heads), or one",
@@ -188,26 +218,31 @@ def main() -> None:
     args = ap.parse_args()
     out = out_dir(args.out)
     rows = []
+    measured = []
     for model in args.models:
         for kv in args.kv:
-            for warps in args.warps:
-                for stack in [s for s in ("rule", "one") if s in args.stack]:
-                    if stack == "one" and "rule" in args.stack and rows[-1].heads == 1:
-                        continue  # the rule's row serves one kv-head already
-                    loop, sass = compile_loop(model, kv, warps, args.stages, stack == "rule")
-                    rows.append(loop)
-                    if args.dump:
-                        (out / f"{model}-{kv}-{warps}w-{loop.heads}h.sass").write_text("\n".join(sass))
-    table = Table(title=f"decode loop per 64-token tile, sm_90, Triton {triton.__version__}")
-    for col in ("model", "KV", "warps", "kv-heads", "regs", "instructions a warp", "a KV KiB",
+            if "decode" in args.kernels:
+                for warps in args.warps:
+                    for stack in [s for s in ("rule", "one") if s in args.stack]:
+                        if stack == "one" and "rule" in args.stack and measured[-1][0].heads == 1:
+                            continue  # the rule's row serves one kv-head already
+                        measured.append(decode_loop(model, kv, warps, args.stages, stack == "rule"))
+            if "prefill" in args.kernels:
+                measured.append(prefill_loop(model, kv))
+    rows = [loop for loop, _ in measured]
+    if args.dump:
+        for r, sass in measured:
+            (out / f"{r.kernel}-{r.model}-{r.kv}-{r.warps}w-{r.heads}h.sass").write_text("\n".join(sass))
+    table = Table(title=f"main loops per 64-token tile, sm_90, Triton {triton.__version__}")
+    for col in ("kernel", "model", "KV", "warps", "kv-heads", "regs", "instructions a warp", "a KV KiB",
                 "shared bytes a tile", "a KV byte"):  # fmt: skip
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(r.model, r.kv, str(r.warps), str(r.heads), str(r.registers), str(r.instructions),
-                      f"{r.instructions_per_kib:.0f}", f"{sum(r.shared_traffic.values()):,}",
-                      f"{r.traffic_per_kv_byte:.1f}")  # fmt: skip
+        table.add_row(r.kernel, r.model, r.kv, str(r.warps), str(r.heads), str(r.registers),
+                      str(r.instructions), f"{r.instructions_per_kib:.0f}",
+                      f"{sum(r.shared_traffic.values()):,}", f"{r.traffic_per_kv_byte:.1f}")  # fmt: skip
     Console().print(table)
-    meta = {"triton": triton.__version__, "target": "sm_90", "stages": args.stages}
+    meta = {"triton": triton.__version__, "target": "sm_90", "decode_stages": args.stages}
     write_json(out / "kernel_sass.json", {"meta": meta, "rows": [asdict(r) for r in rows]})
     plot(rows, out / "kernel_sass.png")
 
@@ -223,7 +258,7 @@ def plot(rows: list[Loop], path: Path) -> None:
                  * r.traffic_per_kv_byte for r in rows]  # fmt: skip
         ax.bar(range(len(rows)), share, bottom=bottom, label=kind)
         bottom = [b + s for b, s in zip(bottom, share, strict=True)]
-    ax.set_xticks(range(len(rows)), [f"{r.model}\n{r.kv} {r.warps}w {r.heads}h" for r in rows])
+    ax.set_xticks(range(len(rows)), [f"{r.kernel} {r.model}\n{r.kv} {r.warps}w {r.heads}h" for r in rows])
     ax.set_ylabel("shared-memory bytes a KV byte")
     ax.legend(fontsize=8)
     fig.tight_layout()
