@@ -40,7 +40,7 @@ from bench.kernel_speed import (
     to_fp8,
     to_values,
 )
-from kvflash.kernels.triton_decode import decode_heads, decode_launch, decode_splits, paged_decode_attention
+from kvflash.kernels.triton_decode import decode_grid, decode_launch, paged_decode_attention
 
 SHAPES = [("SmolLM2", ctx, b) for ctx in (65536, 262144) for b in (1, 4)] + [
     ("Llama-8B", ctx, b) for ctx in (32768, 65536, 131072, 262144) for b in (1, 4)
@@ -86,10 +86,7 @@ def shape_timer(model: str, context: int, batch: int, fp8: bool = False):
         merge, block, warps, stages, waves, heads = setting
         launch = decode_launch(d, batch, kv_bytes)
         block, stages = block or launch.block_tokens, stages or launch.stages
-        heads = heads or decode_heads(h_kv, hq // h_kv, d, CHUNK, kv_bytes, False)
-        cpi = 1 if heads > 1 else max(1, block // CHUNK)
-        tile = 2 * cpi * CHUNK * d * heads * kv_bytes
-        splits = decode_splits(-(-n // cpi), tile, batch, h_kv // heads, q.device, waves)
+        heads, _, splits = decode_grid(pool, batch, hq, n, False, q.device, block, heads, waves)
         kw = dict(
             fused=MERGES[merge], n_splits=splits, block_tokens=block, num_warps=warps, num_stages=stages,
             heads=heads,

@@ -370,29 +370,29 @@ def _attend_fp8_block(
     valid = _block_valid(blk, n, lv, C, CPI, MASKED)
     r = tl.arange(0, HD)
     g = tl.arange(0, BLOCK_G)
-    if HEADS > 1:  # one slot, HEADS kv-heads stacked along the dots' inner dimension (HD rows)
+    if CPI == 1:  # one slot: tile addresses the compiler sees as contiguous, in 16-byte copies
         slot_off = tl.load(table_row + blk).to(tl.int64) * stride_slot
         k_rows = k_base + slot_off + t * stride_tok
         v_cols = k_base + stride_kv + slot_off + t
-        head = (r // D < HEADS)[None, :]
-        k = tl.load(
-            k_rows[:, None] + ((r // D) * stride_head + r % D)[None, :], mask=valid[:, None] & head, other=0.0
-        )
-        v = tl.load(
-            v_cols[None, :] + ((r // D) * stride_head + (r % D) * C)[:, None],
-            mask=valid[None, :] & tl.trans(head),
-            other=0.0,
-        )  # V^T [HD, T]
-        sc_col = sc_base + (slot_off + (g // G) * stride_head) // 4  # each query's own head's scales
-        k_sc = tl.load(sc_col, mask=g < G * HEADS, other=0.0)
-        vs = tl.load(sc_col + stride_kv // 4, mask=g < G * HEADS, other=0.0)[None, :]
-    elif CPI == 1:  # one slot: tile addresses the compiler sees as contiguous, in 16-byte copies
-        slot_off = tl.load(table_row + blk).to(tl.int64) * stride_slot
-        k_rows = k_base + slot_off + t * stride_tok
-        v_cols = k_base + stride_kv + slot_off + t
-        sc_one = sc_base + slot_off // 4
-        k_sc = tl.load(sc_one)
-        vs = tl.load(sc_one + stride_kv // 4)
+        if HEADS > 1:  # HEADS kv-heads stacked along the dots' inner dimension (HD rows)
+            head = (r // D < HEADS)[None, :]
+            k = tl.load(
+                k_rows[:, None] + ((r // D) * stride_head + r % D)[None, :],
+                mask=valid[:, None] & head,
+                other=0.0,
+            )
+            v = tl.load(
+                v_cols[None, :] + ((r // D) * stride_head + (r % D) * C)[:, None],
+                mask=valid[None, :] & tl.trans(head),
+                other=0.0,
+            )  # V^T [HD, T]
+            sc_col = sc_base + (slot_off + (g // G) * stride_head) // 4  # each query's own head's
+            k_sc = tl.load(sc_col, mask=g < G * HEADS, other=0.0)
+            vs = tl.load(sc_col + stride_kv // 4, mask=g < G * HEADS, other=0.0)[None, :]
+        else:
+            sc_one = sc_base + slot_off // 4
+            k_sc = tl.load(sc_one)
+            vs = tl.load(sc_one + stride_kv // 4)
     else:
         slot_off = _chunk_offsets(table_row, blk, n, t, stride_slot, C, CPI, MASKED)
         k_rows = k_base + slot_off + (t % C) * stride_tok
@@ -641,6 +641,41 @@ def decode_heads(h_kv: int, group: int, head_dim: int, chunk: int, kv_bytes: int
     return next(fits)
 
 
+class Grid(NamedTuple):
+    heads: int
+    """kv-heads a program (`decode_heads`)."""
+    cpi: int
+    """Chunks a block."""
+    splits: int
+    """Splits per (sequence, program's kv-heads) (`decode_splits`)."""
+
+
+def decode_grid(
+    kv_pool: torch.Tensor,
+    batch: int,
+    hq: int,
+    width: int,
+    rotated: bool,
+    device: torch.device,
+    block_tokens: int | None = None,
+    heads: int | None = None,
+    waves: float | None = None,
+) -> Grid:
+    """What a launch over a slot table `width` chunks wide walks: the kv-heads a program serves,
+    the chunks a block and the split count, each the rule's unless given (bench/decode_tune.py
+    sweeps them through here, as the launcher takes them)."""
+    h_kv, c, d, kv_bytes = kv_pool.shape[3], chunk_tokens(kv_pool), kv_pool.shape[5], kv_pool.element_size()
+    tuned = decode_launch(d, batch, kv_bytes)
+    heads = heads or decode_heads(h_kv, hq // h_kv, d, c, kv_bytes, rotated)
+    assert h_kv % heads == 0 and (heads == 1 or (kv_bytes == 1 and not rotated and c == BLOCK_TOKENS))
+    cpi = 1 if rotated or heads > 1 else max(1, (block_tokens or tuned.block_tokens) // c)
+    tile_bytes = 2 * cpi * c * d * heads * kv_bytes
+    splits = decode_splits(
+        triton.cdiv(width, cpi), tile_bytes, batch, h_kv // heads, device, waves or tuned.waves
+    )
+    return Grid(heads, cpi, splits)
+
+
 def use_pdl(head_dim: int, device: torch.device) -> bool:
     """Programmatic dependent launch (Hopper on): a kernel is scheduled while the previous one in the
     stream drains and waits for its writes on the device, instead of launching after it. It pays
@@ -720,18 +755,16 @@ def paged_decode_attention(
     tuned = decode_launch(d, b, kv_pool.element_size())
     fused = tuned.fused if fused is None else fused
     pdl = use_pdl(d, q.device) if pdl is None else pdl
-    heads = heads or decode_heads(h_kv, g, d, c, kv_pool.element_size(), rot is not None)
-    cpi = 1 if rot is not None or heads > 1 else max(1, (block_tokens or tuned.block_tokens) // c)
-    assert h_kv % heads == 0 and (heads == 1 or (is_fp8(kv_pool) and rot is None and c == BLOCK_TOKENS))
+    heads, cpi, splits = decode_grid(
+        kv_pool, b, hq, slot_table.shape[1], rot is not None, q.device, block_tokens, heads
+    )
+    splits = n_splits or splits
     if rot is not None:
         assert (
             rot.dtype == torch.float32
             and rot.is_contiguous()
             and rot.shape[1:] == (slot_table.shape[1], 2, d // 2)
         )
-    tile_bytes = 2 * cpi * c * d * heads * kv_pool.element_size()
-    max_blocks = triton.cdiv(slot_table.shape[1], cpi)
-    splits = n_splits or decode_splits(max_blocks, tile_bytes, b, h_kv // heads, q.device, tuned.waves)
     out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
     direct = splits == 1
     o_part = lse = counters = None
