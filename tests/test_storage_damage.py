@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -20,7 +21,7 @@ import torch
 
 from kvflash.storage import ChunkCorrupt, ChunkError, SnapshotStore, StoreError
 from kvflash.storage.locking import LEASE_TTL_S
-from tests.store_util import FP, chunk_path, forkserver, make_chain, toks
+from tests.store_util import FP, chunk_path, forkserver, make_chain, rewrite_header, toks
 
 
 def _mount(args: list[str], what: str) -> None:
@@ -58,6 +59,129 @@ def test_an_index_that_is_not_a_database_is_set_aside_and_rebuilt(tmp_path) -> N
         assert all(_same_kv(st, s.id, a if s.n_chunks == 3 else b) for s in snaps.values())
         assert st.verify().ok
     assert len(list(root.glob("index.sqlite.damaged-*"))) == 1
+
+
+def _saved_store(root: Path) -> list:
+    """A store of three snapshots (6 chunk files), its index then checkpointed and closed."""
+    chains = [make_chain(toks(2, start=1000 * k)) for k in range(3)]
+    with SnapshotStore(root, workers=2) as st:
+        for k, chain in enumerate(chains):
+            st.put_snapshot(f"doc{k}", FP, chain)
+    return chains
+
+
+def _recovered(root: Path, chains: list) -> None:
+    """Every chain is a snapshot again and a prune keeps every chunk file."""
+    with SnapshotStore(root, workers=2) as st:
+        assert sorted(s.n_chunks for s in st.list_snapshots()) == [2, 2, 2]
+        assert all(st.find_longest_prefix(FP, [b.chain_hash for b in c]) == 2 for c in chains)
+        assert st.prune().chunks == 0
+        assert st.verify().ok
+    assert len(list(root.glob("chunks/*/*.kvc"))) == 6
+
+
+KILLED_MID_REBUILD = """
+import os, signal, sys
+from kvflash.storage import index, SnapshotStore
+add = index.Index.add_snapshot
+def add_then_die(self, *a, **kw):
+    add(self, *a, **kw)  # the first chain recovered, then the process is killed
+    os.kill(os.getpid(), signal.SIGKILL)
+index.Index.add_snapshot = add_then_die
+SnapshotStore(sys.argv[1])
+"""
+
+
+def test_a_rebuild_killed_midway_leaves_the_damaged_index_to_be_rebuilt_again(tmp_path) -> None:
+    """A rebuild fills another file and only a whole one takes the index's place: a killed one
+    leaves the damaged index there, never a partial index whose missing rows a prune would take
+    for files to delete."""
+    root = tmp_path / "store"
+    chains = _saved_store(root)
+    (root / "index.sqlite").write_bytes(b"this is not a database" * 100)
+    killed = subprocess.run([sys.executable, "-c", KILLED_MID_REBUILD, str(root)])
+    assert killed.returncode == -signal.SIGKILL
+    assert (root / "index.sqlite").read_bytes().startswith(b"this is not a database")
+    with pytest.warns(UserWarning, match="is damaged.* rebuilt from 6 chunk files"):
+        _recovered(root, chains)
+    assert not list(root.glob("index.sqlite.rebuilding*"))
+
+
+def test_an_index_missing_beside_chunk_files_is_rebuilt(tmp_path) -> None:
+    root = tmp_path / "store"
+    chains = _saved_store(root)
+    (root / "index.sqlite").unlink()
+    with pytest.warns(UserWarning, match="index .* is missing beside stored chunk files; rebuilt from 6"):
+        _recovered(root, chains)
+
+
+def test_an_index_damaged_past_its_first_page_is_set_aside_and_rebuilt(tmp_path) -> None:
+    """Opening reads the schema version from the first page only; the quick check reads the rest."""
+    root = tmp_path / "store"
+    chains = _saved_store(root)
+    path = root / "index.sqlite"
+    data = bytearray(path.read_bytes())
+    assert len(data) > 8192
+    data[4096:] = os.urandom(len(data) - 4096)  # every page but the first
+    path.write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match="is damaged.* set aside as index.sqlite.damaged-.* rebuilt from 6"):
+        _recovered(root, chains)
+
+
+def test_damage_met_after_opening_is_a_store_error_and_the_next_open_rebuilds(tmp_path) -> None:
+    root = tmp_path / "store"
+    chains = _saved_store(root)
+    st = SnapshotStore(root, workers=2)
+    path = root / "index.sqlite"
+    data = bytearray(path.read_bytes())
+    data[4096:] = os.urandom(len(data) - 4096)
+    path.write_bytes(bytes(data))
+    with sqlite3.connect(path) as other:  # a write elsewhere: the store's cached pages go stale
+        other.execute("PRAGMA user_version = 2")
+    with pytest.raises(StoreError, match="is damaged.*the store's next open rebuilds it"):
+        st.list_snapshots()
+    st.close()
+    with pytest.warns(UserWarning, match="rebuilt from 6 chunk files"):
+        _recovered(root, chains)
+
+
+def test_a_chunk_file_claiming_an_absurd_position_is_left_out_of_a_rebuild(tmp_path) -> None:
+    """A header that lies consistently (its checksum matches) about its position in the chain, past
+    what the index can hold, is refused as a damaged file, and the rebuild recovers the rest."""
+    root = tmp_path / "store"
+    chains = _saved_store(root)
+    rewrite_header(chunk_path(root, chains[0][1].chain_hash), index=1 << 63)
+    with SnapshotStore(root, workers=2) as st, pytest.raises(ChunkError, match="implausible chunk index"):
+        st.read_chunk(chains[0][1].chain_hash, FP)
+    (root / "index.sqlite").write_bytes(b"this is not a database" * 100)
+    with pytest.warns(UserWarning, match="rebuilt from 5 chunk files"), SnapshotStore(root, workers=2) as st:
+        assert sorted(s.n_chunks for s in st.list_snapshots()) == [1, 2, 2]  # chain 0's first chunk
+        assert st.find_longest_prefix(FP, [b.chain_hash for b in chains[0]]) == 1
+
+
+def test_a_damaged_index_on_a_full_disk_is_rebuilt_in_the_reserves_room(tmp_path) -> None:
+    """The rebuild's file cannot be written on a full disk; the store frees its reserve file and
+    rebuilds in that room, and never opens a half-made index in the meantime."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    _mount(["-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], "mount a tmpfs")
+    try:
+        root = mnt / "store"
+        chains = _saved_store(root)
+        assert (root / "reserve").is_file()
+        (root / "index.sqlite").write_bytes(b"this is not a database" * 100)
+        with open(mnt / "filler", "wb", buffering=0) as f, pytest.raises(OSError, match="No space"):
+            while True:
+                f.write(b"\0" * 4096)
+        assert os.statvfs(mnt).f_bavail == 0
+        with pytest.warns(UserWarning, match="set aside as .* rebuilt from 6 chunk files"):
+            st = SnapshotStore(root, workers=2)
+        with st:
+            assert sorted(s.n_chunks for s in st.list_snapshots()) == [2, 2, 2]
+        (mnt / "filler").unlink()
+        _recovered(root, chains)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_meta_that_is_not_json_is_reported_not_fatal(store) -> None:

@@ -21,7 +21,7 @@ from kvflash.storage.redis_link import RedisConfig, SharedUnavailable
 from kvflash.storage.redis_store import RedisStore
 from kvflash.storage.tiered import TierConfig, TieredStore
 from tests.redis_util import RedisServer
-from tests.store_util import FP, bits, make_chain, toks
+from tests.store_util import FP, bits, chunk_path, make_chain, toks
 from tests.test_cli_inputs import kvflash, one_error_line
 
 
@@ -99,6 +99,48 @@ def test_a_prune_on_one_server_spares_what_another_is_restoring(redis_server):
         report = a.prune(max_bytes=0)
         assert report.snapshots == [sid] and report.chunks == 5
         assert blob_keys(redis_server) == []
+
+
+def test_a_prune_reports_the_bytes_of_the_rows_it_decided_on(redis_server, monkeypatch):
+    """Another server's save that commits between a prune's start and its decision is counted in
+    the report from the decision's own reading of the index."""
+    with RedisStore(redis_server.url) as a, RedisStore(redis_server.url) as b:
+        a.put_snapshot("old", FP, make_chain(toks(2)))
+        remove = a.index.remove
+
+        def save_elsewhere_first(*args, **kw):
+            b.put_snapshot("new", FP, make_chain(toks(2, start=5000)))
+            return remove(*args, **kw)
+
+        monkeypatch.setattr(a.index, "remove", save_elsewhere_first)
+        report = a.prune(max_bytes=0)
+        assert report.chunks == 4 and len(report.snapshots) == 2
+        assert report.freed_bytes > 0 and report.remaining_bytes == 0
+        assert a.list_snapshots() == [] and a.index.all_chunk_rows() == {}
+
+
+def test_a_local_chunk_marked_damaged_is_whole_again_once_copied_down(redis_server, tmp_path):
+    """A local chunk file found damaged is marked; the tiered store brings the intact copy down from
+    Redis for a save that names it, and the mark goes with the bad file."""
+    chain = make_chain(toks(4))
+    hashes = hashes_of(chain)
+    with TieredStore(SnapshotStore(tmp_path / "local"), RedisStore(redis_server.url)) as st:
+        sid = st.put_snapshot("conv", FP, chain[:3])
+        deadline = time.monotonic() + 10
+        while sid not in [s.id for s in st.shared.list_snapshots()]:
+            assert time.monotonic() < deadline, "the snapshot never reached Redis"
+            time.sleep(0.05)
+        path = chunk_path(tmp_path / "local", hashes[1])
+        data = bytearray(path.read_bytes())
+        data[-20] ^= 0xFF
+        path.write_bytes(bytes(data))
+        with pytest.raises(ChunkCorrupt):
+            st.local.read_chunk(hashes[1], FP)
+        assert st.local.index.chunk_rows([hashes[1]])[hashes[1]].damaged
+        assert st.find_longest_prefix(FP, hashes[:3]) == 3
+        st.put_snapshot("conv", FP, [*hashes[:3], chain[3]])
+        assert st.local.index.chunk_rows([hashes[1]])[hashes[1]].damaged is None
+        assert st.local.verify().ok
 
 
 def test_a_lease_of_a_server_that_died_expires_with_its_heartbeat(redis_server, monkeypatch):

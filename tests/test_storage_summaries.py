@@ -168,6 +168,13 @@ def _damage(store: SnapshotStore, kind: str, blobs, other) -> str:
     if kind == "header bit":
         flip(path, 30)
         return "header checksum mismatch"
+    if kind == "huge shape":  # a header that lies consistently: its checksum matches
+        data = bytearray(path.read_bytes())
+        fields = list(summaries._HEADER.unpack_from(data))
+        fields[6], fields[7], fields[9] = 4096, 4096, 1 << 14  # L, Hkv, D at their caps
+        data[:SUMMARIES_HEADER_SIZE] = with_crc(summaries._HEADER.pack(*fields))
+        path.write_bytes(bytes(data))
+        return f"5 summaries of {4096 * 4096 * fields[8] * (1 << 14) * 4} bytes in {size} bytes"
     if kind == "table bit":
         flip(path, SUMMARIES_HEADER_SIZE + 1)
         return "checksum table mismatch"
@@ -190,6 +197,7 @@ KINDS = [
     "summary bit",
     "token bit",
     "header bit",
+    "huge shape",
     "table bit",
     "truncated",
     "missing",

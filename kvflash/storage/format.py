@@ -46,6 +46,9 @@ MAX_DIMS = (4096, 2, 4096, 1 << 16, 1 << 14)
 MAX_SUMMARY_BLOCKS = MAX_DIMS[3]
 """Cap of B, the summary's blocks per chunk (it also divides C, so B <= C)."""
 MAX_RAW_BYTES = 1 << 30
+MAX_CHUNK_INDEX = (1 << 40) - 1
+"""Cap of a chunk's position in its chain (a u64 field): past any context, inside SQLite's signed
+64-bit integers, which the index stores it in."""
 
 
 def stored_bound(raw_len: int) -> int:
@@ -240,6 +243,8 @@ def fingerprint_field(raw: bytes, chunk_hash: str) -> str:
 
 
 def _check_sizes(h: ChunkHeader, file_len: int, chunk_hash: str) -> None:
+    if h.index > MAX_CHUNK_INDEX:
+        raise SizeMismatch(chunk_hash, f"implausible chunk index {h.index}")
     if any(not 1 <= d <= cap for d, cap in zip(h.shape, MAX_DIMS, strict=True)) or h.shape[1] != 2:
         raise SizeMismatch(chunk_hash, f"implausible shape {list(h.shape)}")
     if h.n_tokens != h.shape[3]:

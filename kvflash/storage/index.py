@@ -97,12 +97,11 @@ class Index:
             )
 
     def add_chunk_rows(self, rows: list[ChunkRow], now: float) -> None:
-        """Rows of files already durable, referenced by no snapshot yet (an index being rebuilt)."""
+        """Rows of files already durable and checked, referenced by no snapshot yet (an index being
+        rebuilt, chunks copied from another tier): a row there already is the file's now, no longer
+        damaged."""
         with self.db.write() as c:
-            c.executemany(
-                f"INSERT OR IGNORE INTO chunks ({_CHUNK_COLS}) VALUES ({','.join('?' * 12)})",
-                [_row_values(r, now) for r in rows],
-            )
+            c.executemany(_PUT_CHUNK, [_row_values(r, now) for r in rows])
 
     # snapshots
 
@@ -122,23 +121,17 @@ class Index:
         The snapshot starts with the hits of the snapshots it `succeeds` (a session's newer prefix).
         A `snapshot_id` given (a copy from another tier keeps its id) that is here already is that
         snapshot, copied before: nothing changes."""
+        taken = "SELECT 1 FROM snapshots WHERE id = ?"
         with self.db.write() as c:
-            taken = "SELECT 1 FROM snapshots WHERE id = ?"
             if snapshot_id and c.execute(taken, (snapshot_id,)).fetchone():
                 return snapshot_id
-            c.executemany(
-                f"INSERT INTO chunks ({_CHUNK_COLS}) VALUES ({','.join('?' * 12)}) "
-                "ON CONFLICT(hash) DO UPDATE SET damaged = NULL, codec = excluded.codec, "
-                "stored_bytes = excluded.stored_bytes, raw_bytes = excluded.raw_bytes",
-                [_row_values(r, now) for r in new_rows],
-            )
+            c.executemany(_PUT_CHUNK, [_row_values(r, now) for r in new_rows])
             for i in range(0, len(hashes), _BATCH):
                 batch = hashes[i : i + _BATCH]
                 marks = ",".join("?" * len(batch))
                 found = {r[0] for r in c.execute(f"SELECT hash FROM chunks WHERE hash IN ({marks})", batch)}
                 if missing := [h for h in batch if h not in found]:
                     raise ChunkMissing(missing[0], "referenced by the new snapshot but not stored")
-            taken = "SELECT 1 FROM snapshots WHERE id = ?"
             while not snapshot_id or c.execute(taken, (snapshot_id,)).fetchone():
                 snapshot_id = new_snapshot_id()
             marks = ",".join("?" * len(succeeds))
@@ -230,14 +223,13 @@ class Index:
             if not dry_run:
                 c.executemany("DELETE FROM leases WHERE id = ?", [(lid,) for lid in dead])
             leased = {h for lid, h in c.execute("SELECT lease_id, hash FROM lease_chunks") if lid not in dead}
-            decision = decide(
-                PruneInput(
-                    snapshots=[_snapshot_info(r) for r in c.execute(_snapshot_query())],
-                    members=self.members(),
-                    chunks=self.all_chunk_rows(),
-                    leased=leased,
-                )
+            inp = PruneInput(
+                snapshots=[_snapshot_info(r) for r in c.execute(_snapshot_query())],
+                members=self.members(),
+                chunks=self.all_chunk_rows(),
+                leased=leased,
             )
+            decision = decide(inp).sized(inp.chunks)
             decision.gone_owners = gone
             if not dry_run:
                 c.execute(f"UPDATE chunks SET refcount = ({_REFS}) WHERE refcount != ({_REFS})")
@@ -357,6 +349,12 @@ _CHUNK_COLS = (
     "hash, fingerprint, chunk_index, parent_hash, n_tokens, codec, stored_bytes, raw_bytes, "
     "refcount, damaged, created, last_used"
 )
+_PUT_CHUNK = (
+    f"INSERT INTO chunks ({_CHUNK_COLS}) VALUES ({','.join('?' * 12)}) "
+    "ON CONFLICT(hash) DO UPDATE SET damaged = NULL, codec = excluded.codec, "
+    "stored_bytes = excluded.stored_bytes, raw_bytes = excluded.raw_bytes"
+)
+"""A chunk row for a file just written and checked: one there already is that file's now."""
 
 
 def _snapshot_query(where: str = "") -> str:

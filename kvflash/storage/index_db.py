@@ -7,7 +7,9 @@ files: a commit lost to a power cut would leave rows naming deleted files.
 
 Opening writes nothing unless the schema is older than this code's, so a store on a full disk or a
 read-only one still opens; a read-only one is opened read-only (`read_only`), and a file that is not
-a database raises `IndexDamaged` (the store then rebuilds the index from its chunk files).
+a database, or whose pages SQLite's quick check finds damaged (one pass over the file: 0.1 s for an
+index of 200,000 chunks), raises `IndexDamaged` (the store then rebuilds the index from its chunk
+files). Damage met after opening raises `IndexDamaged` too, from the statement that met it.
 """
 
 from __future__ import annotations
@@ -104,6 +106,9 @@ class IndexDb:
         c = self.conn
         c.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
         version = c.execute("PRAGMA user_version").fetchone()[0]  # reads the file: NOTADB shows here
+        if (found := c.execute("PRAGMA quick_check(1)").fetchone()[0]) != "ok":
+            # damage past the first page, which user_version alone does not read
+            raise IndexDamaged(f"index {self.path} is damaged: {' '.join(found.split())}")
         if version > SCHEMA_VERSION:
             raise StoreError(f"index {self.path} has schema {version}; this kvflash knows {SCHEMA_VERSION}")
         if self.read_only:
@@ -128,13 +133,21 @@ class IndexDb:
         with self.lock:
             self.conn.close()
 
+    def checkpoint(self) -> None:
+        """Moves the WAL's pages into the database file and empties the WAL (a file about to be
+        renamed must hold everything itself)."""
+        with self.lock, _store_errors(self.path):
+            busy = self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
+        if busy:
+            raise StoreError(f"the index {self.path} is in use: its WAL cannot be emptied")
+
     @contextmanager
     def write(self, busy_s: float | None = None) -> Iterator[sqlite3.Connection]:
         """One write transaction; `busy_s` bounds the wait for another writer (best-effort writes
         give up sooner than BUSY_TIMEOUT_S)."""
         if self.read_only:
             raise StoreError(f"the index {self.path} is read-only")
-        with _disk_full_as_error(), self._begun(BUSY_TIMEOUT_S if busy_s is None else busy_s):
+        with _store_errors(self.path), self._begun(BUSY_TIMEOUT_S if busy_s is None else busy_s):
             try:
                 yield self.conn
                 self.conn.execute("COMMIT")
@@ -173,7 +186,7 @@ class IndexDb:
     @contextmanager
     def read(self) -> Iterator[sqlite3.Connection]:
         """One consistent view across several statements."""
-        with self.lock:
+        with self.lock, _store_errors(self.path):
             self.conn.execute("BEGIN")
             try:
                 yield self.conn
@@ -182,7 +195,7 @@ class IndexDb:
 
     def query(self, sql: str, params: tuple = ()) -> list[tuple]:
         """One statement's rows."""
-        with self.lock:
+        with self.lock, _store_errors(self.path):
             return self.conn.execute(sql, params).fetchall()
 
 
@@ -212,7 +225,7 @@ def _full(path: Path | str) -> bool:
 
 def _damage(path: Path | str, e: sqlite3.DatabaseError) -> StoreError:
     code = getattr(e, "sqlite_errorcode", None)
-    if code in (sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CORRUPT) or "not a database" in str(e):
+    if _damaged(e):
         return IndexDamaged(f"index {path} is damaged: {e}")
     if code == sqlite3.SQLITE_FULL or (
         code is not None and code & 0xFF == sqlite3.SQLITE_IOERR and _full(path)
@@ -221,11 +234,20 @@ def _damage(path: Path | str, e: sqlite3.DatabaseError) -> StoreError:
     return StoreError(f"cannot open the index {path}: {e}")
 
 
+def _damaged(e: sqlite3.DatabaseError) -> bool:
+    code = getattr(e, "sqlite_errorcode", None)
+    return code in (sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CORRUPT) or "not a database" in str(e)
+
+
 @contextmanager
-def _disk_full_as_error() -> Iterator[None]:
+def _store_errors(path: Path | str) -> Iterator[None]:
+    """A full disk as `DiskFull` and a damaged file as `IndexDamaged` (which the next open of the
+    store sets aside and rebuilds), where SQLite raises them mid-statement."""
     try:
         yield
-    except sqlite3.OperationalError as e:
+    except sqlite3.DatabaseError as e:
         if getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or "disk is full" in str(e):
             raise DiskFull(f"no space left for the snapshot index: {e}") from e
+        if _damaged(e):
+            raise IndexDamaged(f"index {path} is damaged: {e}; the store's next open rebuilds it") from e
         raise

@@ -176,14 +176,12 @@ class LocalDirBackend:
                 raise SizeMismatch(chunk_hash, f"file of {size} bytes exceeds any valid chunk")
             n = 0
             if check is not None:
-                first = os.pread(fd, min(head, size), 0)
-                check(memoryview(first), size)
+                check(memoryview(os.pread(fd, min(head, size), 0)), size)
             view = (into or ReadBuffer()).view(size)
-            try:
-                while n < size and (got := os.readv(fd, [view[n:]])):
-                    n += got
-            except OSError as e:
-                raise ChunkUnavailable(chunk_hash, f"read failed: {e.strerror}") from None
+            while n < size and (got := os.readv(fd, [view[n:]])):
+                n += got
+        except OSError as e:
+            raise ChunkUnavailable(chunk_hash, f"read failed: {e.strerror}") from None
         finally:
             os.close(fd)
         return view[:n]

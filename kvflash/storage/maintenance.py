@@ -115,7 +115,6 @@ class Maintenance:
             raise StoreError(f"the snapshot store {self.where} is read-only: nothing removed")
         alive = self.coordination.owner_alive
         with self.coordination.removing():
-            before = self.index.all_chunk_rows()
             if dry_run:
                 decision = self.index.remove(decide, True, time.time(), alive)
             else:
@@ -130,13 +129,12 @@ class Maintenance:
                         self.backend.delete(h)
                 swept = self._sweep_orphans()
                 self.coordination.after_removal(decision.gone_owners)
-        freed = sum(before[h].stored_bytes for h in decision.chunks)
         return PruneReport(
             dry_run=dry_run,
             snapshots=decision.snapshots,
             chunks=len(decision.chunks),
-            freed_bytes=freed,
-            remaining_bytes=sum(r.stored_bytes for r in before.values()) - freed,
+            freed_bytes=decision.freed_bytes,
+            remaining_bytes=decision.remaining_bytes,
             swept_files=swept,
         )
 

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from kvflash.storage.chunk import ROOT_HASH
-from kvflash.storage.errors import ChunkError
+from kvflash.storage.errors import ChunkError, StoreError
 from kvflash.storage.format import HEADER_SIZE, parse_header
 from kvflash.storage.index import Index
 from kvflash.storage.local_backend import LocalDirBackend
@@ -22,10 +22,48 @@ from kvflash.storage.records import ChunkRow
 RECOVERED_PREFIX = "recovered:"
 
 
+_DB_FILES = ("", "-wal", "-shm")
+"""An SQLite database in WAL mode: the file, its log and its shared memory."""
+
+
+def rebuild_index(path: Path, backend: LocalDirBackend) -> tuple[Path | None, int]:
+    """Builds an index from the chunk files under another name and only then puts it at `path`,
+    setting the damaged one there (if any) aside: a rebuild that fails or is killed leaves the
+    damaged index (or none) in place, which the next open rebuilds again, never a partial one that
+    would look whole and whose missing rows the next prune would take for files to delete. Returns
+    where the damaged index went and how many chunk files the new one took."""
+    building = path.with_name(f"{path.name}.rebuilding")
+    _remove_db(building)
+    try:
+        index = Index(building)
+        try:
+            n = rebuild(index, backend)
+            index.db.checkpoint()
+        finally:
+            index.close()
+        if any(building.with_name(building.name + s).exists() for s in _DB_FILES[1:]):
+            raise StoreError(f"the rebuilt index {building} kept its WAL files; not put in place")
+    except BaseException:
+        _remove_db(building)
+        raise
+    aside = set_aside(path) if path.exists() else None
+    building.replace(path)
+    return aside, n
+
+
+def _remove_db(path: Path) -> None:
+    for suffix in _DB_FILES:
+        path.with_name(path.name + suffix).unlink(missing_ok=True)
+
+
 def set_aside(path: Path) -> Path:
-    """Renames a damaged index (and its WAL files) out of the way, keeping it for inspection."""
-    aside = path.with_name(f"{path.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
-    for suffix in ("", "-wal", "-shm"):
+    """Renames a damaged index (and its WAL files) out of the way, keeping it for inspection; a
+    name another damaged index took (the same second) gets a number."""
+    stem = f"{path.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}"
+    aside, n = path.with_name(stem), 1
+    while any(aside.with_name(aside.name + s).exists() for s in _DB_FILES):
+        aside, n = path.with_name(f"{stem}-{n}"), n + 1
+    for suffix in _DB_FILES:
         src = path.with_name(path.name + suffix)
         if src.exists() or src.is_symlink():
             src.replace(aside.with_name(aside.name + suffix))

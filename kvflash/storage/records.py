@@ -82,6 +82,15 @@ class PruneDecision:
     """Chunks left unreferenced and unleased once those snapshots are gone."""
     gone_owners: list[str] = field(default_factory=list)
     """Lease owners found gone: their owner files are the caller's to remove."""
+    freed_bytes: int = 0
+    remaining_bytes: int = 0
+    """Stored bytes of the chunks removed and of those left, by the rows the decision was made on."""
+
+    def sized(self, rows: dict[str, ChunkRow]) -> PruneDecision:
+        """This decision with its byte counts, from the rows it was made on (`PruneInput.chunks`)."""
+        self.freed_bytes = sum(rows[h].stored_bytes for h in self.chunks if h in rows)
+        self.remaining_bytes = sum(r.stored_bytes for r in rows.values()) - self.freed_bytes
+        return self
 
 
 BAD_META: dict = {}

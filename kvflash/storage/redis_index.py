@@ -369,12 +369,12 @@ class RedisIndex:
         snaps = self.snapshots()
         leased = {h.decode() for h in self.link.call(lambda c: self._leased(args=[self.p]))}
         inp = PruneInput(snaps, self._members([s.id for s in snaps]), self.all_chunk_rows(), leased)
-        decision = decide(inp)
+        decision = decide(inp).sized(inp.chunks)
         if dry_run or not (decision.snapshots or decision.chunks):
             return decision
         args = [self.p, json.dumps(decision.snapshots), json.dumps(decision.chunks)]
         gone_s, gone_c = self.link.call(lambda c: self._remove(args=args))
-        return PruneDecision(snapshots=_json_list(gone_s), chunks=_json_list(gone_c))
+        return PruneDecision(snapshots=_json_list(gone_s), chunks=_json_list(gone_c)).sized(inp.chunks)
 
     # leases
 

@@ -272,18 +272,22 @@ class SnapshotWriter:
     def _remove_unindexed(self, hashes: list[str], summaries: Sequence[str] = ()) -> None:
         """After a failed save: its chunk files that no index row names, its summaries file if no
         snapshot has that chain (none can be mid-save: exclusive). Where failed saves' files expire
-        by themselves, nothing."""
+        by themselves, nothing. Best effort: the save's own error is the one to raise, and files left
+        here are orphans the next prune sweeps."""
         if self.coordination.failed_saves_expire:
             return
-        with self.coordination.removing():
-            indexed = self.index.chunk_rows(hashes)
-            for h in hashes:
-                if h not in indexed:
-                    self.backend.delete(h)
-            ends = self.index.chain_ends() if summaries else set()
-            for h in summaries:
-                if h not in ends:
-                    self.backend.delete_summaries(h)
+        try:
+            with self.coordination.removing():
+                indexed = self.index.chunk_rows(hashes)
+                for h in hashes:
+                    if h not in indexed:
+                        self.backend.delete(h)
+                ends = self.index.chain_ends() if summaries else set()
+                for h in summaries:
+                    if h not in ends:
+                        self.backend.delete_summaries(h)
+        except (StoreError, OSError) as e:
+            warnings.warn(f"a failed save's files stay until the next prune: {e}", stacklevel=3)
 
 
 def check_codec(codec: str, level: int) -> None:

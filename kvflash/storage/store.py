@@ -54,7 +54,7 @@ from kvflash.storage.local_backend import LocalDirBackend
 from kvflash.storage.locking import LEASE_TTL_S, Coordination, Heartbeat, LocalCoordination, StoreLock
 from kvflash.storage.maintenance import DiskUsage, Maintenance, PruneReport, VerifyReport
 from kvflash.storage.names import check_hash, check_snapshot_id
-from kvflash.storage.rebuild import rebuild, set_aside
+from kvflash.storage.rebuild import rebuild_index
 from kvflash.storage.records import Snapshot, SnapshotInfo
 from kvflash.storage.snapshot_writer import SnapshotWriter, check_codec
 from kvflash.storage.summary_reader import SummaryReader
@@ -306,21 +306,29 @@ class SnapshotStore:
 
 
 def _open_index(path: Path, read_only: bool, lock: StoreLock, backend: ChunkBackend) -> Index:
-    """The index; one that is not a database is set aside and rebuilt from the chunk files, under
-    the exclusive lock so that one process rebuilds while the others wait for it."""
+    """The index. One that is damaged, or missing where chunk files are stored (a rebuild that
+    ended between setting a damaged index aside and putting the new one in its place), is rebuilt
+    from the chunk files, under the exclusive lock so that one process rebuilds while the others
+    wait for it."""
     try:
-        return Index(path, read_only)
+        if read_only or path.exists() or not _holds_chunks(backend):
+            return Index(path, read_only)
+        damage = f"index {path} is missing beside stored chunk files"
     except IndexDamaged as e:
         if read_only:
             raise StoreError(f"{e}; the store is read-only, so it cannot be rebuilt") from None
-        damage = e
+        damage = str(e)
     with lock.exclusive():
         try:
-            return Index(path)  # another process may have rebuilt it meanwhile
+            if path.exists():
+                return Index(path)  # another process may have rebuilt it meanwhile
         except IndexDamaged:
             pass
-        aside = set_aside(path)
-        index = Index(path)
-        n = rebuild(index, backend)
-    warnings.warn(f"{damage}; set aside as {aside.name} and rebuilt from {n} chunk files", stacklevel=3)
-    return index
+        aside, n = rebuild_index(path, backend)
+    kept = f"set aside as {aside.name} and " if aside else ""
+    warnings.warn(f"{damage}; {kept}rebuilt from {n} chunk files", stacklevel=3)
+    return Index(path)
+
+
+def _holds_chunks(backend: ChunkBackend) -> bool:
+    return next(iter(backend.list_files()), None) is not None

@@ -50,6 +50,10 @@ VERSIONS = (1, 2)
 
 _HEADER = struct.Struct(f"<8sH2x{MAX_FINGERPRINT}s32s7I")
 SUMMARIES_HEADER_SIZE = _HEADER.size + 4
+ZSTD_MAX_RATIO = 1 << 15
+"""No zstd frame decodes to more than this many times its own size (a block of 128 KiB is at least
+4 bytes: an RLE block), so a version 2 file's frames bound the summaries its header may claim before
+anything sized by that claim is allocated."""
 NATIVE = sys.byteorder == "little"
 """Entries are read straight into the caller's fp32 tensor, whose bytes are the file's little-endian
 floats on such a host; elsewhere summaries are read per chunk file (which converts)."""
@@ -165,6 +169,8 @@ def parse_summaries_header(buf: bytes | memoryview, file_len: int, name: str) ->
     most = h.file_len + (h.n_chunks * stored_bound(h.summary_len) if h.compressed else 0)
     if not h.file_len <= file_len <= most or (file_len != h.file_len and not h.compressed):
         raise SizeMismatch(name, f"header implies {h.file_len} bytes, the file has {file_len}")
+    if h.compressed and h.n_chunks * h.summary_len > ZSTD_MAX_RATIO * (file_len - h.summaries_at):
+        raise SizeMismatch(name, f"{h.n_chunks} summaries of {h.summary_len} bytes in {file_len} bytes")
     return h
 
 

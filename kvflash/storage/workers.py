@@ -67,9 +67,11 @@ _ERRORS = {
         errors.ChunkMismatch,
         errors.UnsupportedVersion,
         errors.ForeignFingerprint,
+        errors.ChunkUnavailable,
     )
 }
-"""A read's chunk errors, which the chunk's damage causes (not the worker)."""
+"""A read's chunk errors, which the chunk's file causes (its damage, or a read the file system
+refused), not the worker."""
 _WRITE_ERRORS = {cls.__name__: cls for cls in (errors.StoreError, errors.DiskFull)}
 """A write's store errors (a full disk, a store directory in the way): the threads would meet them too."""
 ROW_FIELDS = ("hash", "fingerprint", "index", "parent_hash", "n_tokens", "codec", "stored_bytes", "raw_bytes")
