@@ -97,6 +97,7 @@ def test_bad_flags_give_one_line(tmp_path, capfd, monkeypatch, doc) -> None:
             ["ask", str(doc), "q?", "--pin", "system", "--server", "http://127.0.0.1:9"],
             "--pin",
         ),
+        "serve max-waiting 0": (["serve", "--no-store", "--max-waiting", "0"], "--max-waiting"),
         "kv-dtype with --server": (
             ["ask", str(doc), "q?", "--kv-dtype", "bf16", "--server", "http://127.0.0.1:9"],
             "--kv-dtype",

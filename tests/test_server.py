@@ -19,16 +19,22 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from kvflash import KVFlashError
 from kvflash.config import EngineConfig
 from kvflash.engine.engine import Engine
+from kvflash.engine.host_tier import HostTierFull
+from kvflash.engine.pool import PoolFull
 from kvflash.engine.residency import chunks_of
 from kvflash.models.loader import load_model
-from kvflash.serve.protocol import ChatRequest
-from kvflash.serve.routes import create_app
+from kvflash.serve.protocol import ChatRequest, CompletionRequest
+from kvflash.serve.routes import create_app, failure
+from kvflash.serve.scheduler import SchedulerDown, TimedOut
 from kvflash.serve.server import Server, StopText
 from kvflash.serve.snapshots import KVSnapshots
-from kvflash.storage import SnapshotStore
+from kvflash.storage import ChunkCorrupt, SnapshotStore
 
 MODEL = "SmolLM2-135M-Instruct"
 DOC = (
@@ -290,6 +296,24 @@ def test_min_tokens_holds_the_end_of_sequence_back(lm) -> None:
     assert held.choices[0].message.content.startswith(free.choices[0].message.content)
 
 
+@settings(max_examples=400, deadline=None)
+@given(
+    st.lists(st.text("ab c", min_size=1, max_size=7), min_size=1, max_size=3),
+    st.lists(st.text("ab c", max_size=4), max_size=8),
+)
+def test_stop_text_holds_back_exactly_the_longest_start_of_a_stop_string(stops, pieces) -> None:
+    """What is held back is the longest end of the text that begins some stop string (checked against
+    every prefix of every stop, as the definition reads), and what is sent is never taken back."""
+    s, sent = StopText(stops), ""
+    for piece in pieces:
+        sent += s.push(piece)
+        if s.stopped:
+            break
+        held = max((k for t in stops for k in range(1, len(t)) if s.text.endswith(t[:k])), default=0)
+        assert sent == s.text[: len(s.text) - held]
+    assert sent + s.flush() == s.text and not any(t in s.text for t in stops)
+
+
 def test_stop_text_holds_back_what_may_begin_a_stop_string() -> None:
     s = StopText(["END", "xy"])
     assert s.push("abc E") == "abc "  # "E" may begin "END"
@@ -460,6 +484,40 @@ def test_a_tiny_temperature_or_top_p_samples_as_greedy_decoding(lm) -> None:
             assert r.json()["choices"][0]["message"]["content"] == greedy
 
 
+def test_an_answer_that_would_not_fit_after_its_prompt_is_refused_up_front(lm) -> None:
+    """max_tokens past what one sequence holds after the prompt is a 400 before the engine runs
+    (not an error after the answer decoded that far); an answer of no asked length takes the
+    server's default up to that room; a text completion's default is OpenAI's 16."""
+    with serving(lm, None, max_tokens=1 << 30, max_prompt_tokens=3000) as (url, server):
+        most = server.scheduler.max_context_tokens
+        n = len(server.prompt(ChatRequest(model=MODEL, messages=TURN1)).ids)
+        for route, fields in (("chat/completions", {"messages": TURN1}), ("completions", {"prompt": DOC})):
+            fields = {"model": MODEL, "max_tokens": most, **fields}
+            r = httpx.post(f"{url}/v1/{route}", json=fields, timeout=30)
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["code"] == "context_length_exceeded" and f"holds at most {most}" in err["message"]
+        assert server.prompt(ChatRequest(model=MODEL, messages=TURN1)).max_tokens == most - n
+        asked = ChatRequest(model=MODEL, messages=TURN1, max_tokens=most - n)
+        assert server.prompt(asked).max_tokens == most - n
+        assert server.prompt(CompletionRequest(model=MODEL, prompt=DOC, max_tokens=None)).max_tokens == 16
+        assert _metric(httpx.get(f"{url}/metrics").text, 'requests_total{outcome="refused"}') == 2
+
+
+def test_what_ends_a_request_in_the_engine_is_the_servers_to_answer_for() -> None:
+    """A request's own faults are refused before the engine (400); what ends one there is a stopped
+    scheduler or KV memory others hold (503, retry), its time limit (504) or a failure (500)."""
+    for e, want in (
+        (SchedulerDown("stopped"), (503, "server_error")),
+        (HostTierFull("full"), (503, "server_error")),
+        (PoolFull("full"), (503, "server_error")),
+        (TimedOut("late"), (504, "timeout_error")),
+        (ChunkCorrupt("ab" * 32, "bad"), (500, "server_error")),
+        (KVFlashError("a step needs more chunks than the budget"), (500, "server_error")),
+    ):
+        assert failure(e) == want, e
+
+
 def test_a_prompt_over_the_limit_is_refused_up_front(lm) -> None:
     with serving(lm, None, max_prompt_tokens=64) as (url, _):
         r = post(url, messages=TURN1)
@@ -509,6 +567,7 @@ def test_a_non_streamed_client_that_leaves_ends_its_request(lm) -> None:
         kept = [kv for kv in server.scheduler.cache.idle if not any(kv is b for b in before)]
         assert all(len(kv.seq) - len(ids) < whole - 1 for kv in kept), [len(kv.seq) - len(ids) for kv in kept]
         assert post(url, messages=TURN1, max_tokens=2).status_code == 200
+        assert _metric(httpx.get(f"{url}/metrics").text, 'requests_total{outcome="cancelled"}') == 1
 
 
 def test_a_streamed_client_that_leaves_mid_prefill_ends_it_before_its_first_token(lm) -> None:
@@ -594,6 +653,7 @@ def test_metrics_count_requests_tokens_and_pool_use(lm) -> None:
                            {"role": "user", "content": "When?"}], max_tokens=4)  # fmt: skip
         with pytest.raises(openai.NotFoundError):  # refused: no such model here
             client(url).chat.completions.create(model="nope", messages=TURN1)
+        assert post(url, messages=TURN1, temperature="hot").status_code == 400  # refused: a bad field
         text = httpx.get(f"{url}/metrics").text
         steps, prefill_steps = server.scheduler.steps, server.scheduler.prefill_steps
     kinds = [k for k in ("decode", "mixed", "prefill") if f'step_seconds_count{{kind="{k}"}}' in text]
@@ -609,7 +669,7 @@ def test_metrics_count_requests_tokens_and_pool_use(lm) -> None:
     done = sum(
         _metric(text, f'requests_total{{outcome="{o}"}}') for o in ("stop", "length") if f'"{o}"' in text
     )
-    assert done == 2 and _metric(text, 'requests_total{outcome="refused"}') == 1
+    assert done == 2 and _metric(text, 'requests_total{outcome="refused"}') == 2
     reused = second.usage.prompt_tokens_details.cached_tokens
     assert reused > 0 and _metric(text, 'tokens_total{kind="memory"}') == reused
     generated = first.usage.completion_tokens + second.usage.completion_tokens

@@ -52,7 +52,7 @@ def serve(
     max_waiting: int = typer.Option(
         256,
         "--max-waiting",
-        min=0,
+        min=1,
         help="Requests that may wait for admission; more get 429 with Retry-After.",
     ),
     max_prompt_tokens: int = typer.Option(

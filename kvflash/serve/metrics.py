@@ -38,8 +38,9 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            "kvflash_requests", "Requests ended, by finish reason (stop, length) or error, refused (a bad "
-            "request) or busy (the waiting queue was full).", ["outcome"], registry=r,
+            "kvflash_requests", "Requests ended, by finish reason (stop, length), cancelled (the client "
+            "left), timeout, error (the engine failed it), down (the scheduler had stopped), refused "
+            "(a bad request) or busy (the waiting queue was full).", ["outcome"], registry=r,
         )  # fmt: skip
         self.tokens = Counter(
             "kvflash_tokens", "Prompt tokens by where their KV came from (cold: prefilled; memory: the "
@@ -99,8 +100,8 @@ class ServerMetrics:
         self.ttft.observe(stats.ttft_s)
 
     def failed(self, outcome: str = "error") -> None:
-        """A request that failed in the engine ("error"), or that was refused before it ("refused",
-        "busy")."""
+        """A request that did not end in an answer: ended in the engine ("error", "cancelled",
+        "timeout", "down") or refused before it ("refused", "busy", "down")."""
         self.requests.labels(outcome).inc()
 
     def render(self) -> str:

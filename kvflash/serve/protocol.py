@@ -68,8 +68,9 @@ class Sampled(BaseModel):
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return [s for s in stops if s]
 
-    def answer_tokens(self, default: int) -> int:
-        return self.max_tokens or default
+    def asked_tokens(self) -> int | None:
+        """The answer's most tokens as the request asks, or None where it leaves them to the server."""
+        return self.max_tokens
 
 
 class MessageSpan(BaseModel):
@@ -99,16 +100,22 @@ class ChatRequest(Sampled):
     max_completion_tokens: int | None = Field(None, ge=1)
     kvflash: Extras = Field(default_factory=Extras)
 
-    def answer_tokens(self, default: int) -> int:
-        return self.max_completion_tokens or self.max_tokens or default
+    def asked_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+COMPLETION_TOKENS = 16
+"""OpenAI's default answer length for a text completion (`max_tokens` absent or null)."""
 
 
 class CompletionRequest(Sampled):
     """OpenAI's (legacy) text completion request: one prompt string, its continuation back."""
 
     prompt: Text = Field(min_length=1)
-    max_tokens: int | None = Field(16, ge=1)
-    """OpenAI's default for this route."""
+    max_tokens: int | None = Field(COMPLETION_TOKENS, ge=1)
+
+    def asked_tokens(self) -> int:
+        return self.max_tokens or COMPLETION_TOKENS
 
 
 @dataclass

@@ -24,6 +24,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.types import Message as Message_
 
 from kvflash import KVFlashError
+from kvflash.engine.host_tier import HostTierFull
+from kvflash.engine.pool import PoolFull
 from kvflash.serve.outbox import outbox_of
 from kvflash.serve.protocol import CHAT, TEXT, ChatRequest, Completion, CompletionRequest, ErrorBody, Shape
 from kvflash.serve.scheduler import SchedulerDown, TimedOut
@@ -44,7 +46,7 @@ ERRORS = {status: {"model": ErrorBody, "description": why} for status, why in (
     (413, f"The body is larger than {MAX_BODY_BYTES} bytes"),
     (429, "Too many requests wait for the engine: retry after Retry-After seconds"),
     (500, "The request failed in the engine"),
-    (503, "The scheduler has stopped: the server cannot answer"),
+    (503, "The scheduler has stopped, or the KV memory a request needs is in use: retry after Retry-After"),
     (504, "The request reached its time limit (--request-timeout) before its first token"),
 )}  # fmt: skip
 """What the routes answer besides 200, as the OpenAPI schema declares it."""
@@ -110,6 +112,7 @@ def create_app(server: Server, max_body_bytes: int = MAX_BODY_BYTES, api_key: st
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        server.metrics.failed("refused")
         first = exc.errors()[0]
         if first.get("type") == "json_invalid":
             why = first.get("ctx", {}).get("error", "")
@@ -176,6 +179,7 @@ async def _answer(server: Server, req: ChatRequest | CompletionRequest, request:
     try:
         items = _submit(server, req, prompt, gone)
     except SchedulerDown as e:
+        server.metrics.failed("down")
         return error(503, str(e), "server_error")
     except Busy as e:
         server.metrics.failed("busy")
@@ -189,17 +193,25 @@ async def _answer(server: Server, req: ChatRequest | CompletionRequest, request:
     finally:
         gone.set()  # a handler cancelled (the server stopping) ends its request too
         watch.cancel()
-    if isinstance(done, SchedulerDown):
-        return error(503, str(done), "server_error")
-    if isinstance(done, TimedOut):
-        return error(504, str(done), "timeout_error")
     if isinstance(done, KVFlashError):
-        return error(400, str(done), "invalid_request_error")
+        status, kind = failure(done)
+        retry = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+        return error(status, str(done), kind, headers=retry)
     if isinstance(done, BaseException):
         raise done
     choice = shape.choice(done.text, done.finish_reason)
     body = {**head, "object": shape.whole, "choices": [choice], "usage": done.usage()}
     return {**body, "kvflash": done.stats.to_dict()}
+
+
+def failure(e: KVFlashError) -> tuple[int, str]:
+    """The status and error type of a request the engine ended with `e`. What the request itself
+    gets wrong is refused before it reaches the engine (400), so what ends it there is the server's:
+    a stopped scheduler or KV memory that other requests hold now (503, worth a retry), its time
+    limit (504), anything else (500)."""
+    if isinstance(e, SchedulerDown | PoolFull | HostTierFull):
+        return 503, "server_error"
+    return (504, "timeout_error") if isinstance(e, TimedOut) else (500, "server_error")
 
 
 async def _watch_disconnect(request: Request, gone: threading.Event) -> None:
@@ -242,11 +254,7 @@ async def _stream(
             if piece is None:
                 piece = await items.get()
         if isinstance(piece, BaseException):  # headers are sent: the error goes in the stream
-            kind = (
-                "timeout_error" if isinstance(piece, TimedOut)
-                else "invalid_request_error" if isinstance(piece, KVFlashError)
-                else "server_error"
-            )  # fmt: skip
+            kind = failure(piece)[1] if isinstance(piece, KVFlashError) else "server_error"
             yield _event({"error": {"message": str(piece), "type": kind, "param": None, "code": None}})
             return
         done = piece

@@ -295,9 +295,10 @@ class Scheduler:
     def need(self, job: Job) -> Room:
         """The slots a job may fill: a chunk per `chunk_tokens` of its prompt and answer and one for
         the append head, up to the budget in the pool; all of them on the host when it evicts (a
-        chunk paged back in keeps its host copy)."""
+        chunk paged back in keeps its host copy), up to the host tier's size."""
         chunks = -(-(len(job.ids) + job.max_tokens) // self.engine.cfg.residency.chunk_tokens) + 1
-        return Room(min(self.budget, chunks), chunks if chunks > self.budget else 0)
+        host = min(chunks, self.engine.host.max_slots) if chunks > self.budget else 0
+        return Room(min(self.budget, chunks), host)
 
     def _make_room(self, job: Job) -> bool:
         """Whether the job's reservation fits beside the busy jobs' once idle sequences are freed;

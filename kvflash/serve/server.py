@@ -36,7 +36,7 @@ from kvflash.serve.metrics import ServerMetrics
 from kvflash.serve.pins import request_pins
 from kvflash.serve.prompt import encode_messages
 from kvflash.serve.protocol import ChatRequest, Completion, CompletionRequest, Message
-from kvflash.serve.scheduler import Scheduler
+from kvflash.serve.scheduler import Cancelled, Scheduler, SchedulerDown, TimedOut
 from kvflash.serve.snapshots import KVSnapshots, StagedSnapshot
 from kvflash.serve.turn import TurnStats
 
@@ -57,8 +57,22 @@ class StopText:
         if cuts:
             self.text, self.stopped = self.text[: min(cuts)], True
             return self._release(len(self.text))
-        held = max((k for s in self.stops for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)
-        return self._release(len(self.text) - held)
+        return self._release(len(self.text) - self._held())
+
+    def _held(self) -> int:
+        """How many characters at the text's end begin some stop string (the most of any). Only
+        where a stop's first character stands among the text's last len(stop) - 1 characters can
+        one begin: comparing every prefix of every stop cost up to 0.5 ms a token, on the thread
+        that runs the scheduler."""
+        text, held = self.text, 0
+        n = len(text)
+        for s in self.stops:
+            i = text.find(s[0], max(0, n - len(s) + 1), n - held)
+            while i >= 0 and not s.startswith(text[i:]):
+                i = text.find(s[0], i + 1, n - held)
+            if i >= 0:
+                held = n - i
+        return held
 
     def flush(self) -> str:
         return self._release(len(self.text))
@@ -93,9 +107,11 @@ IDLE_TRIM_S = 1.0
 
 @dataclass(frozen=True)
 class Prompt:
-    """A request's prompt ids and the token ranges [lo, hi) it pins."""
+    """A request's prompt ids, the most tokens its answer may take and the token ranges [lo, hi) it
+    pins."""
 
     ids: list[int]
+    max_tokens: int
     pins: tuple[tuple[int, int], ...] = ()
 
 
@@ -161,9 +177,13 @@ class Server:
 
     def prompt(self, req: ChatRequest | CompletionRequest) -> Prompt:
         """The prompt's ids (a chat's rendered by the model's template; a completion's prompt is
-        user text after the model's BOS) and the token ranges it pins; KVFlashError for a template
-        that refuses the messages, a prompt longer than `max_prompt_tokens` or pins that no
-        sequence could hold (refused before they take the engine's time)."""
+        user text after the model's BOS), its answer's length and the token ranges it pins;
+        KVFlashError for a template that refuses the messages, a prompt longer than
+        `max_prompt_tokens`, an answer asked for that would not fit one sequence after it
+        (ContextTooLong, as OpenAI refuses one past the model's context) or pins that no sequence
+        could hold: refused before they take the engine's time, where they would fail late and
+        their answer so far be lost. An answer of no asked length takes the server's default, up
+        to the room the prompt leaves."""
         pins: list[tuple[int, int]] = []
         if isinstance(req, CompletionRequest):
             ids = [self.tok.bos_id] * self.tok.add_bos + self.tok.encode_plain(req.prompt)
@@ -176,10 +196,18 @@ class Server:
                 f"context too long: the prompt has {len(ids)} tokens, this server takes at most "
                 f"{self.max_prompt_tokens} (kvflash serve --max-prompt-tokens)"
             )
+        most, asked = self.scheduler.max_context_tokens, req.asked_tokens()
+        if len(ids) + (asked or 1) > most:
+            answer = f" and the answer may take {asked} (max_tokens)" if asked else ""
+            raise ContextTooLong(
+                f"context too long: the prompt has {len(ids)} tokens{answer}; a sequence on this "
+                f"server holds at most {most}"
+            )
+        max_tokens = asked or min(self.default_max_tokens, most - len(ids))
         if pins:
             cfg = self.scheduler.engine.cfg.residency
             check_pins(cfg, self.scheduler.budget, len(chunks_of(pins, cfg.chunk_tokens)))
-        return Prompt(ids, tuple(pins))
+        return Prompt(ids, max_tokens, tuple(pins))
 
     def submit(
         self,
@@ -199,7 +227,7 @@ class Server:
                 f"{self.scheduler.waiting} requests are waiting, the most this server queues "
                 f"(kvflash serve --max-waiting); retry later"
             )
-        ids, max_tokens = prompt.ids, req.answer_tokens(self.default_max_tokens)
+        ids, max_tokens = prompt.ids, prompt.max_tokens
         stop, decoder = StopText(req.stop_strings()), StreamDecoder(self.tok)
         label = conversation_label(req.messages) if isinstance(req, ChatRequest) else prompt_label(req.prompt)
 
@@ -217,7 +245,7 @@ class Server:
         def relay(item: str | Completion | BaseException) -> None:
             if isinstance(item, BaseException):
                 settle()
-                self.metrics.failed()
+                self.metrics.failed(outcome_of(item))
             emit(item)
 
         last = 0.0
@@ -236,7 +264,7 @@ class Server:
             if not stop.stopped and (tail := stop.push(decoder.flush()) + stop.flush()):
                 relay(tail)
             finish = "length" if (len(out) >= max_tokens or job.timed_out) and not stop.stopped else "stop"
-            self.metrics.answered(finish, stats)
+            self.metrics.answered("cancelled" if gone.is_set() else finish, stats)
             relay(Completion(stop.text, finish, len(ids), len(out), stats))
             if self.snapshots:
                 try:
@@ -405,7 +433,16 @@ class Server:
 
 
 class ContextTooLong(KVFlashError):
-    pass
+    """A prompt, or a prompt and the answer it asks for, longer than this server takes."""
+
+
+def outcome_of(e: BaseException) -> str:
+    """The `kvflash_requests` outcome of a request the engine ended with this error."""
+    if isinstance(e, Cancelled):
+        return "cancelled"
+    if isinstance(e, TimedOut):
+        return "timeout"
+    return "down" if isinstance(e, SchedulerDown) else "error"
 
 
 class Busy(KVFlashError):
