@@ -348,6 +348,18 @@ BAD = [
     (body(messages=[{"role": "tool", "content": "x"}]), 400, "messages.0"),
     (body(messages=IMAGE), 400, "messages.0"),
     (body(model="gpt-9"), 404, "model"),
+    (body(stream="yes"), 400, "stream"),
+    (body(max_tokens="5"), 400, "max_tokens"),
+    (body(max_tokens=5.0), 400, "max_tokens"),
+    (body(temperature=float("nan")), 400, "temperature"),
+]
+
+NAMED = [  # (body, content type, the param named exactly, words of the message)
+    (body(messages=[{"role": "user", "content": None}]), JSON, "messages.0.content", "valid string"),
+    (body(temperature=float("nan")), JSON, "temperature", "finite number"),
+    (b"hello", "text/plain", None, "must be a JSON object"),
+    (b"", JSON, None, "must be a JSON object"),
+    (b"[1, 2]", JSON, None, "must be a JSON object"),
 ]
 
 
@@ -366,6 +378,15 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(lm) -> None:
         assert httpx.get(f"{url}/v1/nothing").json()["error"]["message"] == "Not Found"
         assert [m.id for m in client(url).models.list()] == [MODEL]
         assert ask(url, TURN1).choices[0].message.content
+
+
+def test_a_bad_field_is_named_as_the_request_spells_it(lm) -> None:
+    with serving(lm, None, max_tokens=2) as (url, _):
+        for content, kind, param, words in NAMED:
+            r = httpx.post(f"{url}/v1/chat/completions", content=content, headers={"content-type": kind})
+            assert r.status_code == 400, (content, r.text)
+            err = r.json()["error"]
+            assert err["param"] == param and words in err["message"], (content, err)
 
 
 def test_concurrent_requests_get_the_answers_they_get_alone(lm, tmp_path) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:
     from kvflash.serve.turn import TurnStats
@@ -30,12 +30,20 @@ MAX_STOP_CHARS = 256
 StopString = Annotated[Text, Field(max_length=MAX_STOP_CHARS)]
 
 
-class TextPart(BaseModel):
+class Strict(BaseModel):
+    """A request body's part: a field of another JSON type is refused, not converted (`"stream":
+    "yes"`, `"max_tokens": "5"` or `5.0` are 400s, as the schema they are declared in says); an
+    integer where a number is asked for is a number."""
+
+    model_config = ConfigDict(strict=True)
+
+
+class TextPart(Strict):
     type: Literal["text"]
     text: Text
 
 
-class Message(BaseModel):
+class Message(Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: Text | list[TextPart]
 
@@ -45,17 +53,17 @@ class Message(BaseModel):
         return {"role": "system" if self.role == "developer" else self.role, "content": text}
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(Strict):
     include_usage: bool = False
 
 
-class Sampled(BaseModel):
+class Sampled(Strict):
     """The fields the chat and the text completion requests share; others are ignored."""
 
     model: Text
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)
     min_tokens: int = Field(0, ge=0, lt=2**31)
     """vLLM's extension: the end-of-sequence ids are not sampled before this many tokens."""
@@ -73,7 +81,7 @@ class Sampled(BaseModel):
         return self.max_tokens
 
 
-class MessageSpan(BaseModel):
+class MessageSpan(Strict):
     """Characters [start, end) of one message's content (the whole content by default)."""
 
     message: int = Field(ge=0)
@@ -85,7 +93,7 @@ MAX_PINS = 64
 Pin = Literal["system", "last-turn"] | MessageSpan
 
 
-class Extras(BaseModel):
+class Extras(Strict):
     """The `kvflash` field of a chat request: what only this server does."""
 
     pin: list[Pin] = Field(default_factory=list, max_length=MAX_PINS)

@@ -114,10 +114,15 @@ def create_app(server: Server, max_body_bytes: int = MAX_BODY_BYTES, api_key: st
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         server.metrics.failed("refused")
         first = exc.errors()[0]
-        if first.get("type") == "json_invalid":
+        kind = first.get("type")
+        if kind == "json_invalid":
             why = first.get("ctx", {}).get("error", "")
             return error(400, f"the body is not valid JSON ({why})", "invalid_request_error")
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        # the path into the request; pydantic's names of a union's members (`list[TextPart]`) are not
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body" and "[" not in str(p))
+        if not where and kind in ("missing", "model_attributes_type", "dict_type"):
+            return error(400, "the body must be a JSON object (Content-Type: application/json)",
+                         "invalid_request_error")  # fmt: skip
         return error(400, f"{where or 'body'}: {first.get('msg')}", "invalid_request_error", where or None)
 
     @app.exception_handler(Exception)

@@ -186,7 +186,8 @@ class Scheduler:
     @property
     def pinned_chunks(self) -> int:
         """Chunks the admitted requests have pinned (a snapshot)."""
-        return sum(j.kv.n_pinned for j in [*self._filling, *self._running] if j.kv is not None)
+        held = [j.kv for j in [*self._filling, *self._running]]  # read once: the loop may drop one
+        return sum(kv.n_pinned for kv in held if kv is not None)
 
     @property
     def waiting(self) -> int:

@@ -290,8 +290,8 @@ class Server:
             return
         with self._counts:  # one lock with `_saved`: a save that ends now sees this one deferred
             deferred = self.unsaved >= MAX_UNSAVED
+            self._deferred.pop(label, None)  # this answer's snapshot supersedes an older deferred one
             if deferred:
-                self._deferred.pop(label, None)
                 self._deferred[label] = kv, prompt_tokens
             else:
                 self.unsaved += 1
