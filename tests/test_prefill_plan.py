@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvflash.config import EngineConfig, ResidencyConfig
 from kvflash.engine.engine import Engine
+from kvflash.engine.paged_kv import PagedKV
+from kvflash.engine.pool import PoolFull
 from kvflash.engine.residency import required_chunks, select_resident
 from kvflash.engine.sequence import Sequence
 from kvflash.models.loader import LoadedModel
@@ -133,3 +136,87 @@ def test_expect_pins_ahead_the_host_memory_a_long_prompt_pages_out() -> None:
     with eng.host._grown:
         eng.host._grown.wait_for(lambda: not eng.host._growing, timeout=60)
     assert 192 <= eng.host._n_slots <= 256  # the chunks beyond the pool, in whole blocks of 64
+
+
+def _qk_engine(pool_chunks: int, step_tokens: int, **res) -> Engine:
+    cfg = tiny_config()
+    lm = LoadedModel(tiny_model(cfg), None, cfg, Path("tiny"), torch.float32, CPU)
+    rc = ResidencyConfig(**{"chunk_tokens": 16, "tail_chunks": 1, "policy": "qk", **res})
+    return Engine(
+        lm, EngineConfig(pool_tokens=16 * pool_chunks, residency=rc, prefill_step_tokens=step_tokens)
+    )
+
+
+def _listings(kv: PagedKV) -> list[tuple[bool, int, list[int]]]:
+    """(scout, tokens, chunks listed) of each step `kv` begins from here on."""
+    seen, begin = [], kv._begin
+
+    def recording(ids, start, t, send=True, scout=False):
+        begin(ids, start, t, send, scout)
+        seen.append((scout, t, kv.listing.order.tolist()))
+
+    kv._begin = recording
+    return seen
+
+
+def test_a_prompt_past_its_budget_only_in_its_last_piece_is_scouted() -> None:
+    """12 chunks over a budget of 10, in pieces of 3 chunks: the budget is passed by the last piece
+    alone, whose question still selects what it attends to from its own scouts' scores."""
+    eng = _qk_engine(pool_chunks=32, step_tokens=48, tail_chunks=4)
+    kv = eng.new_sequence(16 * 10)
+    steps = _listings(kv)
+    eng.prefill(kv, torch.randint(0, 256, (189,), generator=torch.Generator().manual_seed(2)).tolist())
+    assert [s for s, _, _ in steps] == [False] * 3 + [True] * kv.cfg.scout_rounds + [False]
+    assert kv.approximate and len(steps[-1][2]) == 10
+
+
+@pytest.mark.parametrize("last_piece", [1, 2])
+def test_the_question_attends_to_what_its_scouts_chose_whatever_its_length(last_piece: int) -> None:
+    """A final piece of one token (a prompt ending one token past a piece) selects with its scouts'
+    scores as a longer one does, not on the first scout's floor alone (a re-selection not yet due
+    in tokens: tau far off)."""
+    eng = _qk_engine(pool_chunks=32, step_tokens=64, tau=1000, tau_history_div=1 << 30)
+    kv = eng.new_sequence(16 * 10)
+    steps = _listings(kv)
+    eng.prefill(
+        kv, torch.randint(0, 256, (320 + last_piece,), generator=torch.Generator().manual_seed(5)).tolist()
+    )
+    first_scout, *later = steps[-kv.cfg.scout_rounds - 1 :]
+    assert first_scout[0] and len(first_scout[2]) == 3  # the floor: sink, tail, append head
+    assert all(t == last_piece and len(order) == 10 for _, t, order in later), later
+
+
+def test_a_selection_that_fails_for_room_lists_no_slot_the_sequence_does_not_hold() -> None:
+    """A decode re-selection pages its losers out, then finds the pool full. The sequence keeps no
+    listing of the slots it gave up (another sequence takes them), and its step run again selects
+    afresh, listing only slots it holds."""
+    eng = _qk_engine(pool_chunks=14, step_tokens=48, tau=24, tau_history_div=1 << 30)
+    a = eng.new_sequence(16 * 8)
+    eng.prefill(a, torch.randint(0, 256, (192,), generator=torch.Generator().manual_seed(1)).tolist())
+    a.park()  # all on the host: the next step selects afresh
+    k = len(a.seq) // 16  # the last whole chunk of the prompt is k - 1
+    for _ in range(24):
+        eng.decode_batch([a], [3])
+    b = eng.new_sequence(16 * 8)
+    eng.prefill(
+        b, torch.randint(0, 256, (16 * eng.pool.n_free,), generator=torch.Generator().manual_seed(9)).tolist()
+    )
+    n = len(a.seq) // 16
+    a.selector.scores = torch.tensor([0.0 if i == k - 1 else 1.0 for i in range(n)])  # chunk k-1 loses
+    given_up = a.seq.chunks[k - 1].gpu
+    with pytest.raises(PoolFull):
+        eng.decode_batch([a], [3])
+    assert a.listing is None and a.seq.chunks[k - 1].gpu is None
+    b.free()
+    c = eng.new_sequence(16 * 14)  # writes its own KV into every free slot, chunk k-1's among them
+    eng.prefill(
+        c, torch.randint(0, 256, (16 * eng.pool.n_free,), generator=torch.Generator().manual_seed(3)).tolist()
+    )
+    assert given_up in {ch.gpu for ch in c.seq.chunks}
+    c.park()  # room for a's step again
+    eng.decode_batch([a], [3])
+    held = {ch.index: ch.gpu for ch in a.seq.chunks if ch.gpu is not None}
+    for i, slot in zip(a.listing.order.tolist(), a.listing.slots.tolist(), strict=True):
+        assert held.get(i) == slot  # each listed slot is the listed chunk's own
+        if (h := a.seq.chunks[i].host) is not None:
+            assert torch.equal(eng.pool.kv[slot], a.host.view(h))

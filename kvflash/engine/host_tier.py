@@ -255,6 +255,7 @@ class HostTier:
             take = min(len(gpu_slots), len(self._free))
             hosts = sorted(self._free[len(self._free) - take :])
             del self._free[len(self._free) - take :]
+            self.epoch += 1
         self._copy_out(hosts, gpu_slots[:take])
         if not (self.cuda and hosts):
             return hosts, None
@@ -263,16 +264,21 @@ class HostTier:
         return hosts, done
 
     def _copy_out(self, hosts: list[int], gpu_slots: list[int]) -> None:
-        """Pool slots into host slots, one copy per adjacent run (async on the side stream on CUDA)."""
-        if self.cuda:
-            self.stream.wait_stream(torch.cuda.current_stream(self.pool.kv.device))
-            with torch.cuda.stream(self.stream):
+        """Pool slots into host slots, one copy per adjacent run (async on the side stream on CUDA);
+        the host slots go back to the tier if a copy raises."""
+        try:
+            if self.cuda:
+                self.stream.wait_stream(torch.cuda.current_stream(self.pool.kv.device))
+                with torch.cuda.stream(self.stream):
+                    for h, g, n in runs(hosts, gpu_slots, BLOCK_SLOTS):
+                        self._run(h, n).copy_(self.pool.kv[g : g + n], non_blocking=True)
+                self._pending_out = True
+            else:
                 for h, g, n in runs(hosts, gpu_slots, BLOCK_SLOTS):
-                    self._run(h, n).copy_(self.pool.kv[g : g + n], non_blocking=True)
-            self._pending_out = True
-        else:
-            for h, g, n in runs(hosts, gpu_slots, BLOCK_SLOTS):
-                self._run(h, n).copy_(self.pool.kv[g : g + n])
+                    self._run(h, n).copy_(self.pool.kv[g : g + n])
+        except BaseException:
+            self.release_many(hosts)
+            raise
 
     def page_in(self, host_slot: int, gpu_slot: int) -> None:
         self.page_in_many([host_slot], [gpu_slot])

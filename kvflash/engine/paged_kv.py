@@ -185,15 +185,21 @@ class PagedKV:
 
     def _select(self, want: set[int], first: int, last: int, scout: bool) -> None:
         """Pages the chunks of `want` in and the others out for a step writing chunks first..last,
-        and lists them (`listing`)."""
-        if not scout and len(want) <= last:  # want lies in 0..last and holds first..last
-            self.approximate = True
+        and lists them (`listing`). A page that fails (a full pool) leaves no listing, and the next
+        step selects again: the last listing may name slots paged out and since given to another
+        sequence."""
         order = sorted(want)
         wanted = [self.seq.chunks[i] for i in order]
-        self.pager.page([ch for ch in self.resident() if ch.index not in want], wanted)
+        try:
+            self.pager.page([ch for ch in self.resident() if ch.index not in want], wanted)
+        except BaseException:
+            self.listing, self.selector.dirty = None, True
+            raise
+        if not scout and len(want) <= last:  # want lies in 0..last and holds first..last
+            self.approximate = True
         for ch in wanted:
             ch.last_use = self.step
-        self.selector.dirty = False
+        self.selector.selected()
         dev, i32, c = self.device, torch.int32, self.cfg.chunk_tokens
         slots = torch.tensor([self.seq.chunks[i].gpu for i in order], device=dev, dtype=i32)
         index = torch.tensor(order, device=dev, dtype=i32)

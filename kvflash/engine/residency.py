@@ -121,6 +121,8 @@ class Selector:
         """Pins changed since the last selection: the next step must select again."""
         self.since_select = 0
         """Tokens since the last due selection: decode selects again every `tau` of them."""
+        self.due = False
+        """The selection `want` gave last is a due one (it restarts `since_select` once in place)."""
 
     def tau(self, seq: Sequence) -> int:
         return max(self.cfg.tau, len(seq) // self.cfg.tau_history_div)
@@ -148,7 +150,9 @@ class Selector:
         # exactly as a cold one does. A later scout selects with the previous one's scores.
         first_scout = scout and not self.scouted
         decode_due = self.since_select >= self.tau(seq) and not self.roomy(seq, approximate)
-        due = (t > 1 or decode_due) and not first_scout
+        # the question's steps after its first scout select whatever their size: a final piece of
+        # one token must not keep the first scout's floor
+        due = self.due = (t > 1 or scout or self.scouted or decode_due) and not first_scout
         fast = not (due or first_scout or self.dirty)
         if fast and first == last and seq.chunks[first].gpu is not None:
             return None
@@ -157,10 +161,15 @@ class Selector:
         # a document's own steps keep what they hold unless a chunk beats it by the margin; the
         # question's steps (scouts, and the step after them) select exactly
         margin = self.cfg.keep_margin if t > 1 and not (scout or self.scouted) else 0.0
-        want = select_resident(seq, self.cfg, self.budget, first, last, due, margin)
-        if due:
+        return select_resident(seq, self.cfg, self.budget, first, last, due, margin)
+
+    def selected(self) -> None:
+        """The selection `want` gave is in place (its chunks paged in): pins are current, and after
+        a due one the next falls due `tau` tokens on. A selection that could not be put in place
+        leaves both as they were, so the next step selects again."""
+        self.dirty = False
+        if self.due:
             self.since_select = 0
-        return want
 
     def records(self, seq: Sequence, t: int, scout: bool, approximate: bool) -> bool:
         """A step of t tokens records its queries to score the chunks: under `qk`, scouts, prefill

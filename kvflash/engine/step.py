@@ -59,8 +59,8 @@ class Prefill:
         boundary = (pos // c + self._plan(kv, remaining)) * c
         n = min(remaining, boundary - pos, remaining if limit is None else max(1, limit))
         piece = Piece(kv, self.ids[self.done : self.done + n], pos, self.done + n == len(self.ids))
-        if piece.final and kv.cfg.policy == "qk" and len(kv.seq.chunks) + 1 > kv.budget:
-            self._scout(piece)
+        if piece.final and kv.cfg.policy == "qk" and -(-(pos + n) // c) > kv.budget:
+            self._scout(piece)  # the context, this piece's tokens included, exceeds the budget
         return piece
 
     def ran(self, piece: Piece) -> None:
