@@ -67,6 +67,19 @@ class ModelConfig:
 
         if self.arch not in SUPPORTED_ARCHS:
             raise KVFlashError(f"unknown architecture {self.arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
+        sizes = (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "head_dim",
+        )
+        if bad := next((f for f in sizes if not getattr(self, f) >= 1), None):
+            raise KVFlashError(f"{bad} {getattr(self, bad)}: a model's sizes are at least 1")
+        if self.head_dim % 2:
+            raise KVFlashError(f"head_dim {self.head_dim}: RoPE turns pairs of dimensions")
         if self.n_heads % self.n_kv_heads:
             raise KVFlashError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
 

@@ -6,6 +6,8 @@ Loader tests compare what `load_gguf` returns with the HF-layout weights this mo
 from __future__ import annotations
 
 import math
+import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -147,12 +149,14 @@ def write_tiny_gguf(
     storage: str = "fp32",
     seed: int = 0,
     raw_type_of: dict[str, str] | None = None,
+    fields: Callable[[gguf.GGUFWriter], None] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Writes the GGUF; returns the HF-layout fp32 weights `load_gguf` should give back.
 
     storage: one of STORAGES for the 2-D weights (1-D ones stay fp32, as llama.cpp keeps them); the
     returned weights are the oracle's dequantisation of what was stored, so a correct loader matches
     them exactly. raw_type_of names GGUF tensors stored instead as random bytes of another GGML type.
+    `fields` adds metadata of its own to the writer.
     """
     if storage not in STORAGES:
         raise ValueError(f"unknown storage {storage!r}; choose one of {STORAGES}")
@@ -180,6 +184,8 @@ def write_tiny_gguf(
     writer.add_add_bos_token(False)
     if spec.chat_template is not None:
         writer.add_chat_template(spec.chat_template)
+    if fields is not None:
+        fields(writer)
 
     expected, rng = {}, np.random.default_rng(seed + 1)
     for name, w in weights.items():
@@ -211,3 +217,13 @@ def write_tiny_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return expected
+
+
+def patch_field(path: Path, key: str, value: bytes) -> None:
+    """Overwrites the bytes of metadata `key`'s value (as many as `value` has) in a written GGUF:
+    a file another writer made, or damaged, for the loader to refuse."""
+    data = bytearray(path.read_bytes())
+    name = key.encode()
+    at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name) + 4  # past the value's type
+    data[at : at + len(value)] = value
+    path.write_bytes(bytes(data))

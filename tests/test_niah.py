@@ -97,7 +97,8 @@ def test_resume_skips_finished_trials_and_redoes_a_torn_row(tmp_path) -> None:
     run_grid(Grid(small(tmp_path)), arm)
     assert arm.calls == 12
     results = tmp_path / "arm" / "results.jsonl"
-    results.write_text(results.read_text() + '{"length": 512, "dep')  # a crash mid-row
+    not_rows = '[1, 2]\n{"length": 512}\n'
+    results.write_text(results.read_text() + not_rows + '{"length": 512, "dep')  # and a crash mid-row
     summary = run_grid(Grid(small(tmp_path, trials=3)), arm)
     assert arm.calls == 12 + 6 and summary["n"] == 18
     rows = [json.loads(line) for line in results.read_text().splitlines()]
@@ -114,6 +115,11 @@ def test_another_arm_in_the_same_directory_is_refused(tmp_path) -> None:
     with pytest.raises(KVFlashError, match=r"cache_order 'document' -> 'score'"):
         Grid(small(tmp_path, policy="qk", budget_frac=0.25, cache_order="score"))
     saved = tmp_path / "arm" / "config.json"
+    kept = saved.read_text()
+    saved.write_text("[1, 2]")
+    with pytest.raises(KVFlashError, match="not a grid's readable JSON"):
+        Grid(small(tmp_path, policy="qk", budget_frac=0.25))
+    saved.write_text(kept)
     old = json.loads(saved.read_text())
     del old["cache_order"]  # saved before the field existed: the document's order
     saved.write_text(json.dumps(old))
@@ -168,6 +174,7 @@ def test_bad_settings_are_refused(over: dict, message: str) -> None:
 
 def test_cli_parsers() -> None:
     assert parse_lengths("2048, 4K,8k") == (2048, 4096, 8192)
+    assert parse_lengths("2K,2048,4K") == (2048, 4096) and parse_depths("0.5,0,0.5") == (0.5, 0.0)
     assert parse_depths("5") == (0.0, 0.25, 0.5, 0.75, 1.0)
     assert len(parse_depths("11")) == 11 and parse_depths("0.5") == (0.5,)
     for bad in ("2K,x", "4.5K"):

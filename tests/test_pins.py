@@ -79,6 +79,9 @@ def test_last_turn_pins_the_previous_question_and_answer(lm) -> None:
         q1 = lm.tokenizer.encode_plain(Q1)
         text = lm.tokenizer.decode([t for i in pinned for t in kv.seq.tokens[i * c : (i + 1) * c]])
         assert second.pinned_chunks == len(pinned) >= 1 and lm.tokenizer.decode(q1) in text
+        sess.reset()  # a new conversation over the documents: no turn before its first one
+        _, fresh = sess.ask(Q1, 4)
+        assert fresh.pinned_chunks == 0
     finally:
         sess.close()
 

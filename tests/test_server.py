@@ -23,6 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvflash import KVFlashError
+from kvflash.cli.serve_cmd import served_name
 from kvflash.config import EngineConfig
 from kvflash.engine.engine import Engine
 from kvflash.engine.host_tier import HostTierFull
@@ -451,6 +452,20 @@ def serve_process(smollm_path: Path, store: Path, *flags: str) -> Iterator[tuple
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+
+
+def test_a_server_answers_to_its_models_name_dots_and_all(tmp_path) -> None:
+    """`--served-model-name` by default: a GGUF's file name up to its quantisation, an HF
+    directory's name as it is (`Qwen2.5-7B-Instruct` was served as `Qwen2`)."""
+    (hf := tmp_path / "Qwen2.5-7B-Instruct").mkdir()
+    assert served_name(hf) == "Qwen2.5-7B-Instruct"
+    for file, name in (
+        ("SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"),
+        ("Qwen2.5-7B-Instruct.Q4_K_M.gguf", "Qwen2.5-7B-Instruct"),
+        ("Llama-3.1-8B.gguf", "Llama-3.1-8B"),
+        ("Llama-3.1-8B.BF16.gguf", "Llama-3.1-8B"),
+    ):
+        assert served_name(tmp_path / file) == name
 
 
 def test_serve_command_answers_and_stops_cleanly(smollm_path, tmp_path) -> None:

@@ -16,10 +16,10 @@ import typer
 
 from kvflash import KVFlashError
 from kvflash.cli.engine_options import ENGINE, FLAGS, EngineOptions, engine_command, open_engine
-from kvflash.cli.files import read_text
 from kvflash.cli.messages import warn
 from kvflash.cli.options import JsonOpt, StoreOpt
 from kvflash.serve.documents import Document
+from kvflash.text_file import read_text
 
 if TYPE_CHECKING:
     from kvflash.serve.client import Conversation, Server
@@ -286,6 +286,8 @@ def chat(
                 console.print("[dim]conversation reset[/]")
             elif line == "/save" and sess is None:
                 console.print("[dim]the server snapshots every turn[/]")
+            elif line == "/save" and sess.snapshots is None:
+                console.print("[dim]no snapshot store to save in (--no-store, or one that could not open)[/]")
             elif line == "/save":
                 sid = sess.save() if sess.kv is not None else None
                 console.print(f"[dim]saved snapshot {sid}[/]" if sid else "[dim]nothing to save[/]")

@@ -13,6 +13,7 @@ import typer
 from rich.console import Console
 
 from kvflash import KVFlashError
+from kvflash.cli.limits import check_pool_fits
 from kvflash.cli.options import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt
 from kvflash.config import DTYPES, EngineConfig, ResidencyConfig
 from kvflash.engine.engine import Engine
@@ -44,7 +45,10 @@ def generate(
     ids = tok.encode(text)
     if not ids:
         raise KVFlashError("the prompt is empty")
-    engine = Engine(lm, dense_config(lm, len(ids) + max_tokens), warm=False)
+    cfg = dense_config(lm, len(ids) + max_tokens)
+    asked = f"{len(ids)} prompt tokens and --max-tokens {max_tokens}"
+    check_pool_fits(lm, cfg.pool_tokens, cfg.residency.chunk_tokens, cfg.kv_dtype, asked)
+    engine = Engine(lm, cfg, warm=False)
     kv = engine.new_sequence()
     console = Console(highlight=False)
     stream = StreamDecoder(tok)

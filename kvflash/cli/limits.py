@@ -25,9 +25,12 @@ def free_memory(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def check_pool_fits(lm, budget: int | str, chunk_tokens: int, kv_dtype: str) -> None:
-    """Refuses a --pool-tokens budget whose pool alone (of KV in kv_dtype, an `EngineConfig.kv_dtype`)
-    exceeds the free memory of its device."""
+def check_pool_fits(
+    lm, budget: int | str, chunk_tokens: int, kv_dtype: str, asked: str | None = None
+) -> None:
+    """Refuses a pool budget whose pool alone (of KV in kv_dtype, an `EngineConfig.kv_dtype`)
+    exceeds the free memory of its device; `asked` says what set the budget (--pool-tokens where
+    not given)."""
     if budget == "auto":
         return
     dtype = resolve_kv_dtype(kv_dtype, lm.dtype, lm.device)
@@ -37,6 +40,6 @@ def check_pool_fits(lm, budget: int | str, chunk_tokens: int, kv_dtype: str) -> 
     free = free_memory(lm.device)
     if need > free:
         raise KVFlashError(
-            f"--pool-tokens {budget}: the pool needs {need / 2**30:,.1f} GiB, "
+            f"{asked or f'--pool-tokens {budget}'}: the pool needs {need / 2**30:,.1f} GiB, "
             f"{lm.device.type} has {free / 2**30:,.1f} GiB free"
         )

@@ -17,7 +17,8 @@ from kvflash.eval.niah_report import table
 
 
 def parse_lengths(value: str) -> tuple[int, ...]:
-    """Comma list of token counts; `4K` means 4096."""
+    """Comma list of token counts; `4K` means 4096. One given twice is one length (the grid would
+    run its trials twice)."""
     out = []
     for part in value.split(","):
         p = part.strip().lower()
@@ -27,7 +28,7 @@ def parse_lengths(value: str) -> tuple[int, ...]:
             raise KVFlashError(
                 f"--lengths takes token counts such as 2048,4K, not {part.strip()!r}"
             ) from None
-    return tuple(out)
+    return tuple(dict.fromkeys(out))
 
 
 def parse_depths(value: str) -> tuple[float, ...]:
@@ -39,7 +40,7 @@ def parse_depths(value: str) -> tuple[float, ...]:
             raise KVFlashError("--depths takes a count of at least 2, or a comma list such as 0.5 or 0,0.5,1")
         return tuple(round(i / (n - 1), 4) for i in range(n))
     try:
-        return tuple(float(p) for p in v.split(","))
+        return tuple(dict.fromkeys(float(p) for p in v.split(",")))
     except ValueError:
         raise KVFlashError(
             f"--depths takes a count such as 11 or a list such as 0,0.5,1, not {value!r}"

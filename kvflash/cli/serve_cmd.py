@@ -35,7 +35,11 @@ def serve(
     no_store: bool = typer.Option(False, "--no-store", help="Keep no KV across requests on disk."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
     port: int = typer.Option(8000, "--port", min=1, max=65535, help="TCP port."),
-    name: str = typer.Option(None, "--served-model-name", help="Model id in requests (default: file stem)."),
+    name: str = typer.Option(
+        None,
+        "--served-model-name",
+        help="Model id in requests (default: the GGUF's name up to its quantisation, or the directory's).",
+    ),
     max_tokens: int = typer.Option(512, "--max-tokens", min=1, help="Answer length if a request sets none."),
     max_batch: int = typer.Option(
         32,
@@ -88,7 +92,7 @@ def serve(
     for stored, n in (snapshots.other_kv_counts() if snapshots else {}).items():
         warn(f"the store holds {n} snapshots of this model with {stored} KV; this server keeps "
              f"{eng.kv_dtype_name} KV (--kv-dtype) and restores none of them")  # fmt: skip
-    model_name = name or lm.path.name.split(".")[0]
+    model_name = name or served_name(lm.path)
     server = Server(
         eng,
         lm.tokenizer,
@@ -111,3 +115,14 @@ def serve(
         server.close()
         if st is not None:
             st.close()
+
+
+def served_name(path: Path) -> str:
+    """The model id a server answers to by default: an HF directory's name, a GGUF file's name up to
+    its quantisation (`SmolLM2-135M-Instruct.Q4_1.gguf` -> `SmolLM2-135M-Instruct`), whatever dots the
+    model's own name has (`Qwen2.5-7B-Instruct`)."""
+    if path.is_dir():
+        return path.name
+    stem = path.name.removesuffix(".gguf")
+    head, dot, tail = stem.rpartition(".")
+    return head if dot and tail and tail[0] in "QqFfBbIi" and any(ch.isdigit() for ch in tail) else stem

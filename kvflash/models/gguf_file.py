@@ -87,7 +87,7 @@ class GGUFFile:
         self.size = size
         try:
             self._parse()
-        except (struct.error, UnicodeDecodeError, IndexError) as e:
+        except (struct.error, UnicodeDecodeError, IndexError, OverflowError) as e:
             raise GGUFFormatError(f"truncated or damaged header ({type(e).__name__})") from e
 
     def _parse(self) -> None:
@@ -103,6 +103,8 @@ class GGUFFile:
         for _ in range(n_kv):
             key = self._string()
             (kind,) = self._unpack(_U32)
+            if key in self.fields:  # llama.cpp refuses these too: which one holds is not defined
+                raise GGUFFormatError(f"metadata key {key!r} twice")
             self.fields[key] = self._value(kind)
         infos = []
         for _ in range(n_tensors):
@@ -115,9 +117,13 @@ class GGUFFile:
             type_id, offset = struct.unpack_from("<IQ", buf, self._pos)
             self._pos += 12
             infos.append((name, tuple(int(d) for d in shape), type_id, offset))
-        align = int(self.fields.get("general.alignment", DEFAULT_ALIGNMENT))
-        if align < 1:
-            raise GGUFFormatError(f"alignment {align}")
+        align = self.fields.get("general.alignment", DEFAULT_ALIGNMENT)
+        if type(align) is not int or align < 8 or align % 8:
+            raise GGUFFormatError(f"alignment {align!r} (a multiple of 8)")
+        if len({n for n, *_ in infos}) < len(infos):
+            raise GGUFFormatError("a tensor name twice")
+        if misaligned := next((n for n, _, _, o in infos if o % align), None):
+            raise GGUFFormatError(f"tensor {misaligned!r} is not aligned to {align} bytes")
         data_start = -(-self._pos // align) * align
         self.tensors = [TensorInfo(n, s, t, data_start + o) for n, s, t, o in infos]
 
@@ -161,8 +167,8 @@ class GGUFFile:
             for _ in range(count):
                 (n,) = _U64.unpack_from(buf, pos)
                 pos += 8 + n
-            if pos > self.size:
-                raise GGUFFormatError("a string array runs past the end of the file")
+                if pos > self.size:
+                    raise GGUFFormatError("a string array runs past the end of the file")
             self._pos = pos
             return StringArray(buf, start, count)
-        return [self._value(item) for _ in range(count)]
+        raise GGUFFormatError(f"an array of value type {item}")  # arrays of arrays: none in GGUF

@@ -130,7 +130,10 @@ def load_gguf(
     """Config, weights under HF names and shapes (dequantised on `device` as `dtype`) and tokenizer
     metadata of one GGUF file."""
     model = GGUFModel(path)
-    weights = dict(model.weights(device, dtype, on_progress))
+    try:
+        weights = dict(model.weights(device, dtype, on_progress))
+    except ValueError as e:  # a tensor of no elements, or Q/K rows that do not split into heads
+        raise KVFlashError(f"{model.path.name}: unsupported GGUF contents ({_one_line(e)})") from e
     _check_complete(weights, model.config, model.path)
     return model.config, weights, model.meta()
 
@@ -146,6 +149,8 @@ def _one_line(e: Exception) -> str:
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Inverse of llama.cpp's `permute`: rows [h, d/2, 2] back to HF's [h, 2, d/2] per head."""
     head_dim = w.shape[0] // n_heads
+    if w.shape[0] != n_heads * head_dim or head_dim % 2:
+        raise ValueError(f"{w.shape[0]} Q/K rows do not split into {n_heads} heads of an even size")
     return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
 
 
@@ -171,12 +176,18 @@ def _config(model: GGUFModel, path: Path) -> ModelConfig:
 
     hidden = int(get("embedding_length"))
     n_heads = int(get("attention.head_count"))
+    n_layers = int(get("block_count"))
+    blocks = {n.split(".")[1] for n in tensors if n.startswith("blk.")}
+    if len(blocks) != n_layers or blocks != {str(i) for i in range(n_layers)}:  # before it sizes anything
+        raise ValueError(f"block_count {n_layers}, but the file has tensors of {len(blocks)} blocks")
+    if n_heads < 1:
+        raise ValueError(f"attention.head_count {n_heads}")
     cfg = ModelConfig(
         arch=arch,
         vocab_size=len(_get(fields, "tokenizer.ggml.tokens", path)),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
-        n_layers=int(get("block_count")),
+        n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=int(get("attention.head_count_kv", n_heads)),
         head_dim=int(get("attention.key_length", hidden // n_heads)),
@@ -194,9 +205,14 @@ def _config(model: GGUFModel, path: Path) -> ModelConfig:
 
 
 def _rope_scaling(get: Any, path: Path) -> RopeScaling:
-    kind = get("rope.scaling.type", "none")
+    """As llama.cpp reads it: a factor (`rope.scaling.factor`, or the older `rope.scale_linear`)
+    without a type is linear."""
+    factor = get("rope.scaling.factor", get("rope.scale_linear", None))
+    kind = get("rope.scaling.type", "none" if factor in (None, 1.0) else "linear")
     if kind == "linear":
-        return RopeScaling(kind="linear", factor=_f32(get("rope.scaling.factor")))
+        if factor is None:
+            raise ValueError("linear RoPE scaling without a factor")
+        return RopeScaling(kind="linear", factor=_f32(factor))
     if kind != "none":
         raise KVFlashError(f"{path.name}: unsupported RoPE scaling {kind!r} (supported: linear, llama3)")
     return RopeScaling()

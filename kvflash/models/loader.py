@@ -62,6 +62,12 @@ def build_model(
             f"weights do not fit a {cfg.arch} model: missing {sorted(missing)[:3]}, "
             f"unexpected {sorted(unexpected)[:3]}"
         )
+    want = model.state_dict()
+    if bad := next((k for k, v in weights.items() if v.shape != want[k].shape), None):
+        raise KVFlashError(
+            f"weights do not fit their {cfg.arch} config: {bad} is {list(weights[bad].shape)}, "
+            f"the config needs {list(want[bad].shape)}"
+        )
     model.load_state_dict(weights, strict=False, assign=True)
     if cfg.tie_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -72,8 +72,17 @@ class Tokenizer:
                 "load the model from an HF directory with tokenizer.json instead"
             )
         vocab = {tok: i for i, tok in enumerate(meta.tokens)}
+        if bad := next(
+            (i for i in (meta.bos_id, meta.eos_id) if i is not None and not 0 <= i < len(vocab)), None
+        ):
+            raise KVFlashError(f"GGUF tokenizer: special token id {bad} outside its {len(vocab)} tokens")
+        if not all(isinstance(m, str) and " " in m for m in meta.merges):
+            raise KVFlashError("GGUF tokenizer: merges are not pairs of tokens ('a b' strings)")
         merges = [tuple(m.split(" ", 1)) for m in meta.merges]
-        hf = HFTokenizer(models.BPE(vocab, merges, ignore_merges=meta.pre == "llama-bpe"))
+        try:
+            hf = HFTokenizer(models.BPE(vocab, merges, ignore_merges=meta.pre == "llama-bpe"))
+        except Exception as e:  # tokenizers raises a bare Exception (a merge of unknown tokens)
+            raise KVFlashError(f"GGUF tokenizer: {e}") from e
         _set_pretokenizer(hf, meta.pre)
         hf.decoder = decoders.ByteLevel()
         typed = list(zip(meta.tokens, meta.token_types, strict=True))
@@ -91,11 +100,14 @@ class Tokenizer:
             raise KVFlashError(f"cannot read {path / 'tokenizer.json'}: {e}") from e
         config_file = path / "tokenizer_config.json"
         try:
-            config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-        except (OSError, json.JSONDecodeError) as e:
-            raise KVFlashError(f"cannot read {config_file}: {e}") from e
-        template_file = path / "chat_template.jinja"
-        template = template_file.read_text() if template_file.is_file() else _config_template(config)
+            config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+            if not isinstance(config, dict):
+                raise ValueError(f"a JSON {type(config).__name__}, not an object")
+            template_file = path / "chat_template.jinja"
+            template = template_file.read_text(encoding="utf-8") if template_file.is_file() else None
+            template = template or _config_template(config)
+        except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise KVFlashError(f"cannot read {path}'s tokenizer config: {e}") from e
         bos_id = _config_token_id(hf, config.get("bos_token"))
         eos_id = _config_token_id(hf, config.get("eos_token"))
         # tokenizer.json's post-processor is the model's own statement of whether it wants a BOS.
@@ -150,8 +162,8 @@ class Tokenizer:
                 bos_token=self._bos_token,
                 eos_token=self._eos_token,
             )
-        except (jinja2.TemplateError, TypeError) as e:
-            raise KVFlashError(f"chat template failed: {e}") from e
+        except Exception as e:  # the template is the model file's code: whatever it raises is its fault
+            raise KVFlashError(f"chat template failed: {type(e).__name__}: {e}") from e
 
     @cached_property
     def _template(self) -> jinja2.Template:
@@ -226,8 +238,10 @@ def _config_template(config: dict[str, Any]) -> str | None:
     """tokenizer_config.json holds one template, or a list of named ones of which we take 'default'."""
     template = config.get("chat_template")
     if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template}
-        return named.get("default")
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if template is not None and not isinstance(template, str):
+        raise ValueError(f"chat_template is a {type(template).__name__}, not a template")
     return template
 
 

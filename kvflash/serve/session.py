@@ -126,10 +126,12 @@ class Session:
         self._doc_span = meta.get("doc_span")
 
     def reset(self) -> None:
-        """Forgets the conversation (the documents stay)."""
+        """Forgets the conversation (the documents stay): what it resumed from, and its last turn,
+        which `last-turn` pins would otherwise name in the next one."""
         self.close()
         self.messages, self.ids = [system_message(self.documents)], []
         self._ahead = self._docs_ahead = None
+        self._snapshot_id, self._resume_tail, self._last_turn = None, [], None
 
     def close(self) -> None:
         self.cache.close()
