@@ -46,7 +46,9 @@ def rebuild_index(path: Path, backend: LocalDirBackend) -> tuple[Path | None, in
     except BaseException:
         _remove_db(building)
         raise
-    aside = set_aside(path) if path.exists() else None
+    # the damaged index and its WAL files go, whichever a rebuild killed midway left: a WAL beside
+    # the new file would be replayed into it
+    aside = set_aside(path) if any(path.with_name(path.name + s).exists() for s in _DB_FILES) else None
     building.replace(path)
     return aside, n
 
