@@ -47,6 +47,9 @@ class Stream:
     """The server's TTFT less the request's wait for a sequence: its restore, prefill and first token."""
     server_ttft_s: float = 0.0
     """From the request reaching the server's scheduler (its prompt tokenised) to its first token."""
+    server_arrival: float = 0.0
+    server_finished: float = 0.0
+    """The server's clock (epoch seconds) when the request reached its scheduler and when it ended."""
 
     @property
     def ttft(self) -> float:
@@ -70,6 +73,7 @@ def stream(client, model: str, ask: Ask, shared: object = None) -> Stream:
         if stats := (chunk.model_extra or {}).get("kvflash"):
             s.server_prefill_s = stats["ttft_s"] - stats["queued_s"]
             s.server_ttft_s = stats["ttft_s"]
+            s.server_arrival, s.server_finished = stats["arrival_time"], stats["finished_time"]
     return s
 
 

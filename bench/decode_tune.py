@@ -35,6 +35,7 @@ from bench.kernel_speed import (
     MODELS,
     contiguous,
     graph_ms,
+    kv_gbytes,
     paged_pool,
     sdpa,
     to_fp8,
@@ -68,11 +69,11 @@ def default_setting(merge: str, head_dim: int, batch: int, rule: bool, kv_bytes:
 
 def shape_timer(model: str, context: int, batch: int, fp8: bool = False):
     """A function from a launch setting to (splits, GB/s of KV read), over one pool built for the
-    shape (fp8: e4m3 with its scale rows, counted in its own bytes), and SDPA's GB/s over the same
-    KV (fp8: its values in bf16) laid out contiguously."""
+    shape (fp8: e4m3 with its scale rows, its values counted in their own bytes), and SDPA's GB/s
+    over the same KV (fp8: its values in bf16) laid out contiguously."""
     d, hq, h_kv = MODELS[model]
     n, kv_bytes = context // CHUNK, 1 if fp8 else DTYPE.itemsize
-    gbytes = batch * n * (CHUNK + fp8) * h_kv * d * 2 * kv_bytes / 1e9
+    gbytes = kv_gbytes(model, context, batch, fp8)
     copies = -(-L2_DEFEAT_BYTES // int(gbytes * 1e9))
     pool, table = paged_pool(copies * batch, n, h_kv, d)
     if fp8:

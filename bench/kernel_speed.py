@@ -88,9 +88,9 @@ class Row:
     """The pool's KV dtype (decode)."""
 
     @property
-    def tokens_per_s(self) -> float:
-        """Sequences attended per second: one decode token each, one layer."""
-        return self.batch / self.ours_ms * 1e3
+    def tokens_per_s(self) -> float | None:
+        """Decode: sequences attended per second, one token each, one layer (None for prefill)."""
+        return self.batch / self.ours_ms * 1e3 if self.kind == "decode" else None
 
 
 READ_BLOCK = 4096
@@ -196,11 +196,19 @@ def contiguous(pool: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, t
     return kv[0], kv[1]
 
 
+def kv_gbytes(model: str, context: int, batch: int, fp8: bool) -> float:
+    """GB of K and V values a decode call reads: its tokens' keys and values in the pool's dtype. An
+    fp8 block's scale row is not counted (the kernel reads 4 of its bytes), so fp8 shares of copy
+    are of the values themselves."""
+    d, _, h_kv = MODELS[model]
+    return batch * context * h_kv * d * 2 * (1 if fp8 else DTYPE.itemsize) / 1e9
+
+
 def bench_decode(model: str, context: int, batch: int, copy_gbps: float, kv: str = "bf16") -> Row:
     d, hq, h_kv = MODELS[model]
     n = context // CHUNK
     fp8 = kv == "fp8"
-    gbytes = batch * n * (CHUNK + fp8) * h_kv * d * 2 * (1 if fp8 else DTYPE.itemsize) / 1e9
+    gbytes = kv_gbytes(model, context, batch, fp8)
     copies = -(-L2_DEFEAT_BYTES // int(gbytes * 1e9))
     pool, table = paged_pool(copies * batch, n, h_kv, d)
     if fp8:

@@ -59,9 +59,13 @@ def dense_flops(lm: LoadedModel, tokens: int) -> float:
     """Matrix FLOPs of a causal prefill of `tokens` with every key resident (logits of the last token
     only, as the engine computes them)."""
     cfg = lm.config
-    weights = sum(p.numel() for n, p in lm.model.named_parameters() if "embed_tokens" not in n)
+    per_token = sum(  # the logits' product runs for the last token alone
+        p.numel()
+        for n, p in lm.model.named_parameters()
+        if not n.endswith(("embed_tokens.weight", "lm_head.weight"))
+    )
     attention = 4 * cfg.n_heads * cfg.head_dim * cfg.n_layers * tokens * (tokens + 1) / 2
-    return 2 * weights * tokens + attention
+    return 2 * per_token * tokens + 2 * cfg.vocab_size * cfg.hidden_size + attention
 
 
 def prefill_s(eng: Engine, ids: list[int]) -> tuple[float, dict]:

@@ -70,6 +70,7 @@ def together(users: Users, asks: list[Ask]) -> tuple[dict, list[str]]:
         "cached_tokens": sum(s.cached_tokens for s in streams),
         "prompt_tokens": sum(s.prompt_tokens for s in streams),
         "server_prefill_sum_s": sum(s.server_prefill_s for s in streams),
+        "server_span_s": max(s.server_finished for s in streams) - min(s.server_arrival for s in streams),
     }
     return row, [s.text for s in streams]
 
@@ -142,8 +143,9 @@ WARM = Ask([{"role": "user", "content": "Hello."}], 2)
 
 def conversations(args, docs: list[str], max_batch: int) -> dict:
     """Turn 1 of every conversation together, then turn 2 of every one together, on a server with a
-    store of its own: a conversation whose sequence is no longer live (`--max-batch 1` keeps one)
-    restores its turn 2 from disk instead of prefilling it again."""
+    store of its own: a conversation whose sequence is no longer live (freed for room) restores its
+    turn 2 from disk instead of prefilling it again. `max_batch` bounds the requests that run
+    together, not the sequences kept live between turns."""
     store = tempfile.TemporaryDirectory()
     server = Served(args, None if args.no_store else Path(store.name) / "store", max_batch)
     convs = [
@@ -355,14 +357,16 @@ def report_servers(rows: list[dict]) -> None:
     which of turn 1's steps (their mean, and the share of it the scheduler waited for the device),
     and the server's CPU seconds (user / system) and minor page faults in each turn."""
     t = Table(title="the batched arm on successive servers")
-    for col in ("N", "server", "turn 1 wall s", "turn 1 TTFT p50 at the server", "turn 1 mixed step ms",
-                "turn 1 prefill step ms", "turn 1 CPU s user / system (faults)", "turn 2 TTFT p50",
-                "at the server", "turn 2 decode tok/s", "turn 2 CPU s"):  # fmt: skip
+    for col in ("N", "server", "turn 1 wall s", "turn 1 span at the server s",
+                "turn 1 TTFT p50 at the server", "turn 1 mixed step ms", "turn 1 prefill step ms",
+                "turn 1 CPU s user / system (faults)", "turn 2 TTFT p50", "at the server",
+                "turn 2 decode tok/s", "turn 2 CPU s"):  # fmt: skip
         t.add_column(col, justify="right")
     for r in rows:
         for i, arm in enumerate([r.get("batched", {}), *r.get("batched_later", [])], 1):
             a, b = arm.get("turn1", {}), arm.get("turn2", {})
-            t.add_row(str(r["n"]), str(i), _f(a.get("wall_s")), _f(a.get("server_ttft_p50_s")),
+            t.add_row(str(r["n"]), str(i), _f(a.get("wall_s")), _f(a.get("server_span_s")),
+                      _f(a.get("server_ttft_p50_s")),
                       step_cell(a, "mixed"), step_cell(a, "prefill"), use_cell(a),
                       _f(b.get("ttft_p50_s")), _f(b.get("server_ttft_p50_s")),
                       _f(b.get("decode_tok_s"), ".0f"), use_cell(b))  # fmt: skip
@@ -372,14 +376,17 @@ def report_servers(rows: list[dict]) -> None:
 def report_conversations(args, rows: list[dict]) -> None:
     doc = f"{args.doc_tokens:,}-token documents"
     t = Table(title=f"turn 1: N conversations, {doc}, {args.max_tokens} tokens each")
-    for col in ("N", "wall s", "TTFT p50", "TTFT max", "wall, one at a time", "prefills alone s", "HF e2e s",
+    for col in ("N", "wall s", "TTFT p50", "TTFT max", "wall, one at a time", "prefills alone s",
+                "wall / prefills alone", "span at the server s", "span / prefills alone", "HF e2e s",
                 "HF prefill s"):  # fmt: skip
         t.add_column(col, justify="right")
     for r in rows:
         b, one, hf = _part(r, "batched", "turn1"), _part(r, "one_at_a_time", "turn1"), r["hf"]
+        alone = one.get("server_prefill_sum_s")
         t.add_row(str(r["n"]), _f(b.get("wall_s")), _f(b.get("ttft_p50_s")), _f(b.get("ttft_max_s")),
-                  _f(one.get("wall_s")), _f(one.get("server_prefill_sum_s")), _f(hf.get("e2e_s")),
-                  _f(hf.get("prefill_s")))  # fmt: skip
+                  _f(one.get("wall_s")), _f(alone), _f(_ratio(b.get("wall_s"), alone)),
+                  _f(b.get("server_span_s")), _f(_ratio(b.get("server_span_s"), alone)),
+                  _f(hf.get("e2e_s")), _f(hf.get("prefill_s")))  # fmt: skip
     Console().print(t)
     t = Table(title=f"turn 2: the same conversations, one more question, {args.decode_tokens} tokens each")
     for col in ("N", "wall s", "TTFT p50", "at the server", "prefill steps / pieces", "tok/s",
@@ -397,6 +404,10 @@ def report_conversations(args, rows: list[dict]) -> None:
                   _f(one.get("tok_s"), ".0f"), _f(x_one), _f(ours, ".0f"), step_cell(b), _f(peer, ".0f"),
                   _f(x_hf, ".1f"))  # fmt: skip
     Console().print(t)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
 
 
 def report_shared(args, rows: list[dict]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
@@ -38,6 +39,11 @@ class TurnStats:
     pinned_chunks: int = 0
     """Chunks the turn's pins keep resident."""
     snapshot_id: str | None = None
+    arrival_time: float = field(default_factory=time.time)
+    """When the request reached the engine (its prompt tokenised), in seconds of the epoch."""
+    finished_time: float = 0.0
+    """When its answer ended, likewise: what a client on the same machine can set beside its own
+    clock, and the span of a server's turn over many requests (as vLLM's request metrics)."""
     _moved_before: dict[str, int] = field(default_factory=dict, repr=False)
     """A continued live sequence's traffic before this turn (`took`), which is not this turn's."""
     _evicted_before: int = field(default=0, repr=False)
@@ -54,6 +60,7 @@ class TurnStats:
         """The finished answer's count and timing (`Generation`), and the traffic and residency of
         its sequence."""
         self.ttft_s, self.decode_tok_s, self.generated_tokens = gen.ttft_s, gen.decode_tok_s, len(gen.out)
+        self.finished_time = time.time()
         self.bytes_moved = {tier: n - self._moved_before.get(tier, 0) for tier, n in kv.moved.items()}
         self.evicted_chunks = kv.pager.evicted - self._evicted_before
         self.resident_chunks = len(kv.resident())
