@@ -79,6 +79,10 @@ def test_last_turn_pins_the_previous_question_and_answer(lm) -> None:
         q1 = lm.tokenizer.encode_plain(Q1)
         text = lm.tokenizer.decode([t for i in pinned for t in kv.seq.tokens[i * c : (i + 1) * c]])
         assert second.pinned_chunks == len(pinned) >= 1 and lm.tokenizer.decode(q1) in text
+        _, third = sess.ask("And who?", 4)  # the second turn's span alone: the first's pins are gone
+        pinned = [ch.index for ch in sess.kv.seq.chunks if ch.pinned]
+        text = lm.tokenizer.decode([t for i in pinned for t in sess.kv.seq.tokens[i * c : (i + 1) * c]])
+        assert third.pinned_chunks == len(pinned) and lm.tokenizer.decode(q1) not in text and "when" in text
         sess.reset()  # a new conversation over the documents: no turn before its first one
         _, fresh = sess.ask(Q1, 4)
         assert fresh.pinned_chunks == 0

@@ -341,6 +341,39 @@ def test_a_request_whose_client_left_stops_at_the_next_prefill_piece(lm) -> None
     assert eng.pool.n_free == eng.pool.n_slots
 
 
+def test_a_request_ended_before_its_first_token_gives_back_the_sequence_it_continued(lm) -> None:
+    """Turn 2 continues turn 1's live sequence, and its client leaves while it prefills (32-token
+    pieces beside a decoding request). Turn 1's whole chunks stay live: turn 2 sent again continues
+    them instead of prefilling the conversation cold."""
+    eng = Engine(lm, EngineConfig(pool_tokens=512, residency=RES, prefill_step_tokens=32))
+    sched = Scheduler(eng, None, frozenset(), max_batch=2)
+    results, done, queued, gone = {}, threading.Semaphore(0), threading.Event(), threading.Event()
+
+    def short_token(tok: int) -> bool:
+        if not queued.is_set():  # hold the scheduler until turn 2 is queued
+            assert queued.wait(30)
+        elif not gone.is_set():
+            gone.set()  # turn 2 has its sequence and one piece by the next token
+        return False
+
+    try:
+        first = prompt(100, 1)
+        (out,) = run_jobs(sched, [first], 4)
+        held = (len(first) + len(out)) // 16
+        turn2 = first + out + prompt(160, 3)
+        sched.submit(Job(prompt(20, 9), 12, Sampling(), short_token, **outcome(0, results, done)))
+        sched.submit(Job(turn2, 4, Sampling(), lambda t: False, gone=gone, **outcome(1, results, done)))
+        queued.set()
+        assert done.acquire(timeout=60) and done.acquire(timeout=60)
+        assert isinstance(results[1], KVFlashError) and "went away" in str(results[1])
+        sched.submit(Job(turn2, 4, Sampling(), lambda t: False, **outcome(2, results, done)))
+        assert done.acquire(timeout=60)
+        _, stats = results[2]
+        assert stats.source == "memory" and stats.restored_tokens == held * 16
+    finally:
+        sched.close()
+
+
 @pytest.mark.parametrize("policy", ["qk", "full"])
 def test_max_context_tokens_is_what_one_sequence_holds(lm, policy: str) -> None:
     """A prompt of max_context_tokens prefills, and one longer by the budget cannot (pool and host

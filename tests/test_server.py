@@ -30,10 +30,10 @@ from kvflash.engine.host_tier import HostTierFull
 from kvflash.engine.pool import PoolFull
 from kvflash.engine.residency import chunks_of
 from kvflash.models.loader import load_model
-from kvflash.serve.protocol import ChatRequest, CompletionRequest
+from kvflash.serve.protocol import ChatRequest, CompletionRequest, Message
 from kvflash.serve.routes import create_app, failure
 from kvflash.serve.scheduler import SchedulerDown, TimedOut
-from kvflash.serve.server import Server, StopText
+from kvflash.serve.server import Server, StopText, conversation_label
 from kvflash.serve.snapshots import KVSnapshots
 from kvflash.storage import ChunkCorrupt, SnapshotStore
 
@@ -62,6 +62,7 @@ def serving(
     max_waiting: int = 256,
     host_bytes: int = EngineConfig.host_bytes,
     request_timeout: float | None = None,
+    sequence_tokens: int | None = None,
     **app,
 ) -> Iterator[tuple[str, Server]]:
     """A server on a free port of 127.0.0.1, in a thread of this process, over a new engine whose
@@ -71,7 +72,7 @@ def serving(
     st = SnapshotStore(store) if isinstance(store, Path) else store
     snapshots = KVSnapshots(st, engine.fingerprint) if st else None
     server = Server(engine, lm.tokenizer, MODEL, snapshots, max_tokens, max_batch, max_prompt_tokens,
-                    max_waiting, request_timeout=request_timeout)  # fmt: skip
+                    max_waiting, sequence_tokens, request_timeout)  # fmt: skip
     config = uvicorn.Config(create_app(server, **app), host="127.0.0.1", port=0, log_level="warning")
     uv = uvicorn.Server(config)
     thread = threading.Thread(target=uv.run, daemon=True)
@@ -225,12 +226,52 @@ def test_a_deferred_snapshot_whose_conversation_went_on_is_left_to_its_next_turn
             again = ask(url, convs[-1], timeout=30).usage
             assert again.prompt_tokens_details.cached_tokens > 0  # its live sequence went on
             # its newer answer replaced the older
-            assert until(lambda: [p for _, p in server._deferred.values()] == [again.prompt_tokens])
+            deferred = lambda: [d.prompt_tokens for d in server._deferred.values()]  # noqa: E731
+            assert until(lambda: deferred() == [again.prompt_tokens])
         finally:
             release.set()
         caught_up(server)
     with SnapshotStore(tmp_path / "store") as st:
         assert len(st.list_snapshots()) == MAX_UNSAVED + 1
+
+
+def test_a_deferred_snapshot_whose_sequence_another_conversation_took_is_not_saved_as_its_own(
+    lm, tmp_path, monkeypatch
+) -> None:
+    """Conversation A's answer is deferred (the writes are behind); B, over the same document past
+    the sequence budget, takes A's live sequence (cut back to the chunks they share) and is answered
+    and deferred too. Once the writes go on, A's label is not given B's KV: only B's snapshot holds
+    B's question."""
+    from kvflash.serve.server import MAX_UNSAVED
+
+    release = hold_writes(monkeypatch)
+    doc = " ".join([DOC] * 12)  # well past the 512-token budget: the sequences evict
+    qb = " ".join(f"Question {i}: what did the ferry carry across the bay in winter {i}?" for i in range(12))
+    a = [{"role": "system", "content": doc}, {"role": "user", "content": "Who built it?"}]
+    b = [{"role": "system", "content": doc}, {"role": "user", "content": qb}]
+    with serving(lm, tmp_path / "store", max_tokens=2, sequence_tokens=512) as (url, server):
+        try:
+            for i in range(MAX_UNSAVED):  # the saver's places taken
+                note = [{"role": "system", "content": f"Note {i}: " + DOC}, {"role": "user", "content": "?"}]
+                ask(url, note)
+            assert until(lambda: server.unsaved == MAX_UNSAVED)
+            ask(url, a)
+            assert until(lambda: len(server._deferred) == 1)
+            (deferred_a,) = server._deferred.values()
+            assert ask(url, b).usage.prompt_tokens_details.cached_tokens > 0
+            assert until(lambda: len(server._deferred) == 2)
+            assert all(d.kv is deferred_a.kv for d in server._deferred.values())  # B took A's sequence
+        finally:
+            release.set()
+        caught_up(server)
+        store, q = server.snapshots.store, lm.tokenizer.encode_plain(qb)[:64]  # sealed whatever the tail
+        holds_b = {}
+        for snap in store.list_snapshots():
+            blobs = store.read_chunks_parallel(store.get_snapshot(snap.id).chunk_hashes, snap.fingerprint)
+            ids = [t for blob in blobs for t in blob.tokens]
+            holds_b[snap.label] = any(ids[i : i + len(q)] == q for i in range(len(ids)))
+    label = {name: conversation_label([Message(**m) for m in conv]) for name, conv in (("a", a), ("b", b))}
+    assert holds_b[label["b"]] and not holds_b.get(label["a"]), holds_b
 
 
 def test_requests_in_flight_have_host_memory_pinned_for_all_their_snapshots(lm, tmp_path) -> None:

@@ -51,6 +51,9 @@ class Job:
     """Its answer ended at `timeout_s`."""
     need: Room | None = None
     """The slots it reserved when it was admitted."""
+    taken_chunks: int = 0
+    """Whole chunks of the live sequence it continued or shared, which earlier turns computed: what
+    it gives back if it ends before its first token."""
 
     def expired(self) -> bool:
         return self.timeout_s is not None and time.perf_counter() - self.t0 > self.timeout_s

@@ -375,16 +375,35 @@ class Scheduler:
 
     def _ended_early(self, job: Job) -> bool:
         """Fails a job whose client left or whose time is up, or every job when the server stops,
-        before it decodes."""
+        before it decodes. The sequence it continued goes back as it found it (`_give_back`)."""
         if job.expired():
-            self._fail(job, TimedOut(f"the request reached its time limit of {job.timeout_s:g} s before "
-                                     "its first token (kvflash serve --request-timeout)"))  # fmt: skip
-            return True
-        if not (job.gone.is_set() or self._cancel.is_set()):
+            why = (f"the request reached its time limit of {job.timeout_s:g} s before its first token "
+                   "(kvflash serve --request-timeout)")  # fmt: skip
+            end: KVFlashError = TimedOut(why)
+        elif job.gone.is_set() or self._cancel.is_set():
+            end = Cancelled("the server is stopping" if self._cancel.is_set() else "the client went away")
+        else:
             return False
-        why = "the server is stopping" if self._cancel.is_set() else "the client went away"
-        self._fail(job, Cancelled(why))
+        self._give_back(job)
+        self._fail(job, end)
         return True
+
+    def _give_back(self, job: Job) -> None:
+        """A request ended before its first token keeps live the whole chunks of the sequence it
+        continued or shared (what earlier turns computed; what it prefilled itself is cut off), for
+        its conversation's next turn; a sequence it began cold or restored from disk is freed by
+        `_fail` (the disk still holds what it restored)."""
+        kv, held = job.kv, job.taken_chunks
+        if kv is None or not held:
+            return
+        job.kv, job.prefill = None, None
+        try:
+            kv.unpin_all()
+            kv.truncate(held)
+            self.cache.keep(kv)
+        except Exception as e:
+            warnings.warn(f"the sequence of a request that ended early is freed: {e}", stacklevel=2)
+            self.cache.drop(kv)
 
     def _start(self, job: Job) -> bool:
         """Takes a sequence for the job and plans its prefill; False if that failed."""
@@ -396,6 +415,7 @@ class Scheduler:
             taken = self.cache.take(context, reuse=job.recoveries < RECOVERIES)
             job.stats.took(taken)
             job.kv = taken.kv
+            job.taken_chunks = job.kv.seq.n_sealed if taken.source in ("memory", "shared") else 0
             for lo, hi in job.pins:
                 job.kv.pin_range(lo, hi)
             job.stats.pinned_chunks = job.kv.n_pinned

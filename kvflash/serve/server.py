@@ -106,6 +106,22 @@ IDLE_TRIM_S = 1.0
 
 
 @dataclass(frozen=True)
+class Deferred:
+    """An answer whose snapshot waits for the saver: its live sequence, its prompt's length, and
+    what the sequence was then (its steps and whole chunks), so that a sequence another
+    conversation took meanwhile is not saved under this one's label."""
+
+    kv: PagedKV
+    prompt_tokens: int
+    step: int
+    sealed: int
+
+    def unchanged(self) -> bool:
+        """No step has run in the sequence and none of its whole chunks was cut (a park keeps them)."""
+        return self.kv.step == self.step and self.kv.seq.n_sealed >= self.sealed
+
+
+@dataclass(frozen=True)
 class Prompt:
     """A request's prompt ids, the most tokens its answer may take and the token ranges [lo, hi) it
     pins."""
@@ -154,9 +170,9 @@ class Server:
         """Staged snapshots not yet written (at most MAX_UNSAVED)."""
         self._staging = 0
         """Host slots the requests in flight will stage their snapshots in (`_promise_host`)."""
-        self._deferred: OrderedDict[str, tuple[PagedKV, int]] = OrderedDict()
-        """Label -> (live sequence, prompt tokens) of answers not staged while MAX_UNSAVED waited,
-        oldest first; a conversation's newer answer replaces its older one."""
+        self._deferred: OrderedDict[str, Deferred] = OrderedDict()
+        """Label -> answers not staged while MAX_UNSAVED waited, oldest first; a conversation's newer
+        answer replaces its older one."""
         self._counts = threading.Lock()
         self._closing = threading.Event()
         threading.Thread(target=self._trim_when_idle, daemon=True, name="kvflash-trim").start()
@@ -292,7 +308,7 @@ class Server:
             deferred = self.unsaved >= MAX_UNSAVED
             self._deferred.pop(label, None)  # this answer's snapshot supersedes an older deferred one
             if deferred:
-                self._deferred[label] = kv, prompt_tokens
+                self._deferred[label] = Deferred(kv, prompt_tokens, kv.step, kv.seq.n_sealed)
             else:
                 self.unsaved += 1
         if deferred:
@@ -405,18 +421,19 @@ class Server:
     def _catch_up(self) -> None:
         """Stages deferred snapshots, oldest first, while places are free (on the scheduler's
         thread, between steps: nothing else touches the sequences there). One whose sequence is no
-        longer idle is dropped: a next turn took it (and saves it itself) or it was freed."""
+        longer the answer's is dropped: taken by a next turn (which saves it itself) or by another
+        conversation that shares its chunks (a step ran in it, or it was cut), or freed."""
         while True:
             with self._counts:
                 if not self._deferred or self.unsaved >= MAX_UNSAVED:
                     return
-                label, (kv, prompt_tokens) = self._deferred.popitem(last=False)
+                label, d = self._deferred.popitem(last=False)
                 self.unsaved += 1
-            if not any(kv is idle for idle in self.scheduler.cache.idle):
+            if not (any(d.kv is idle for idle in self.scheduler.cache.idle) and d.unchanged()):
                 self.metrics.saves.labels("skipped").inc()
                 self._saved()
                 continue
-            self._stage_taken(kv, label, prompt_tokens)
+            self._stage_taken(d.kv, label, d.prompt_tokens)
 
     def _save(self, staged: StagedSnapshot, label: str, prompt_tokens: int) -> None:
         """Writes a staged snapshot under its conversation's label, replacing the older snapshot of

@@ -264,8 +264,10 @@ class Session:
         return text, stats
 
     def _pin(self, kv: PagedKV) -> int:
-        """Pins this session's spans in kv; the count of its pinned chunks. KVFlashError for a pin
-        that would break the floor or names no document."""
+        """Pins this session's spans in kv, in place of what an earlier turn pinned (a continued
+        sequence keeps its pins: `last-turn` would pin every turn so far); the count of its pinned
+        chunks. KVFlashError for a pin that would break the floor or names no document."""
+        kv.unpin_all()
         for pin in self.pins:
             if pin.kind == "system":
                 span = (0, self._doc_span[1]) if self._doc_span else None
