@@ -15,12 +15,15 @@ from kvflash import KVFlashError
 from kvflash.config import EngineConfig, ResidencyConfig
 from kvflash.engine.engine import Engine
 from kvflash.engine.generate import Generation, Sampler, Sampling, decode
+from kvflash.engine.pool import chunk_bytes
 from kvflash.engine.sequence import UNKNOWN
 from kvflash.models.loader import LoadedModel
 from kvflash.serve.admission import HeldCache
 from kvflash.serve.job import Job
 from kvflash.serve.scheduler import Scheduler
+from kvflash.serve.snapshots import KVSnapshots
 from kvflash.serve.turn import TurnStats, answer
+from kvflash.storage import SnapshotStore
 from tests.tiny import tiny_config, tiny_model
 
 CFG = tiny_config()
@@ -372,6 +375,35 @@ def test_a_request_ended_before_its_first_token_gives_back_the_sequence_it_conti
         assert stats.source == "memory" and stats.restored_tokens == held * 16
     finally:
         sched.close()
+
+
+def test_an_eager_restore_waits_for_the_host_slots_a_running_job_is_owed(lm, tmp_path) -> None:
+    """A 42-chunk prompt over a budget of 8 evicts into all 40 of the host tier's slots; a request
+    whose 6 stored chunks restore eagerly keeps a host copy of each, so it is admitted once those
+    slots are free, not beside it, where the evicting request found the tier full and failed."""
+    host = 40 * chunk_bytes(CFG, 16, torch.bfloat16)
+
+    def new_engine() -> Engine:
+        return Engine(lm, EngineConfig(pool_tokens=24 * 16, host_bytes=host, residency=RES))
+
+    doc = prompt(6 * 16, 2)
+    with SnapshotStore(tmp_path / "store", workers=2) as store:
+        snaps = KVSnapshots(store, new_engine().fingerprint)
+        eng = new_engine()
+        kv = eng.new_sequence()
+        eng.prefill(kv, doc)
+        snaps.save(kv, "doc")
+        kv.free()
+        sched = Scheduler(new_engine(), snaps, frozenset(), max_batch=4, sequence_tokens=8 * 16)
+        try:
+            results, done = {}, threading.Semaphore(0)
+            sched.submit(Job(prompt(42 * 16, 1), 4, Sampling(), lambda t: False, **outcome(0, results, done)))
+            sched.submit(Job(doc + prompt(5, 9), 4, Sampling(), lambda t: False, **outcome(1, results, done)))
+            assert done.acquire(timeout=120) and done.acquire(timeout=120)
+            assert not isinstance(results[0], BaseException), results[0]
+            assert results[1][1].source == "disk" and results[1][1].restored_tokens == 6 * 16
+        finally:
+            sched.close()
 
 
 @pytest.mark.parametrize("policy", ["qk", "full"])

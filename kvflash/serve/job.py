@@ -51,6 +51,9 @@ class Job:
     """Its answer ended at `timeout_s`."""
     need: Room | None = None
     """The slots it reserved when it was admitted."""
+    restore_chunks: int | None = None
+    """Host slots an eager restore of its stored prefix would fill (`PrefixCache.eager_restore_chunks`),
+    once admission has looked."""
     taken_chunks: int = 0
     """Whole chunks of the live sequence it continued or shared, which earlier turns computed: what
     it gives back if it ends before its first token."""

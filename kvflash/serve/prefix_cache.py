@@ -207,12 +207,10 @@ class PrefixCache:
         what the sequence shares (else None: the sequence stays as it is)."""
         kv = made.kv
         c = self.engine.cfg.residency.chunk_tokens
-        evicts = -(-len(ids) // c) > kv.budget
-        fp, hashes = self.snapshots.lookup(ids, c, approximate=evicts)
+        fp, hashes, lazy = self._stored(ids)
         if len(hashes) * c <= len(kv.seq):  # the shared prefix is as long
             return None
         kv.truncate(0)  # the store holds more than the pool shares: restore from it instead
-        lazy = len(hashes) > kv.budget if self.lazy is None else self.lazy
         t0 = time.perf_counter()
         r = self.snapshots.restore(kv, fp, hashes, lazy, made.leases, on_restore, ahead=ahead)
         taken = Taken(kv, "lazy" if lazy else "disk", r.tokens, 0, time.perf_counter() - t0)
@@ -222,6 +220,28 @@ class PrefixCache:
             self._record_hit(made)
             self._release(made)
         return taken
+
+    def _stored(self, ids: list[int]) -> tuple[str, list[str], bool]:
+        """The longest stored prefix of ids a new sequence (of `engine.new_sequence`'s budget) would
+        restore, its fingerprint and chain hashes, and whether lazily: approximate KV counts where
+        the sequence evicts anyway."""
+        c, slots = self.engine.cfg.residency.chunk_tokens, self.engine.pool.n_slots
+        budget = slots if self.budget_tokens is None else min(slots, -(-self.budget_tokens // c))
+        fp, hashes = self.snapshots.lookup(ids, c, approximate=-(-len(ids) // c) > budget)
+        return fp, hashes, len(hashes) > budget if self.lazy is None else self.lazy
+
+    def eager_restore_chunks(self, ids: list[int], shared_chunks: int) -> int:
+        """Host slots `take` would fill for ids by an eager restore (each restored chunk keeps its
+        host copy): the stored prefix's chunks where it is longer than the `shared_chunks` that
+        other live sequences lend and would be read eagerly, else 0. Admission reserves them. A store
+        that cannot answer now counts none: `take` then finds it so too, and prefills cold."""
+        if not self.snapshots:
+            return 0
+        try:
+            _, hashes, lazy = self._stored(ids)
+        except Exception:
+            return 0
+        return len(hashes) if len(hashes) > shared_chunks and not lazy else 0
 
     def _record_hit(self, made: Made) -> None:
         """Counts the hit; an index that cannot take it only warns (the answer does not need it)."""

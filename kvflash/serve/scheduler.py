@@ -315,6 +315,10 @@ class Scheduler:
         reuse = job.recoveries < RECOVERIES
         live = self.cache.continued(job.context) if reuse else None
         lent = self.cache.lendable(job.context) if reuse and live is None else ([], [])
+        if reuse and live is None:  # a restore from disk keeps a host copy of each chunk it reads
+            if job.restore_chunks is None:  # looked up once: the job may wait many rounds
+                job.restore_chunks = self.cache.eager_restore_chunks(job.context, len(lent[0]) + len(lent[1]))
+            job.need = Room(job.need.gpu, max(job.need.host, job.restore_chunks))
         held = self._held_by
         want, taken = owed(job.need, held(live), lent), Holdings()
         for j in busy:
