@@ -18,7 +18,7 @@ from kvflash.engine.generate import Generation, Sampler, Sampling, decode
 from kvflash.engine.pool import chunk_bytes
 from kvflash.engine.sequence import UNKNOWN
 from kvflash.models.loader import LoadedModel
-from kvflash.serve.admission import HeldCache
+from kvflash.serve.admission import Held, HeldCache, Holdings, Room
 from kvflash.serve.job import Job
 from kvflash.serve.scheduler import Scheduler
 from kvflash.serve.snapshots import KVSnapshots
@@ -782,3 +782,23 @@ def test_the_admission_memo_keeps_no_freed_sequence_alive(lm) -> None:
     del kv
     gc.collect()
     assert gone() is None
+
+
+def test_host_slots_a_staged_snapshot_holds_are_not_room_an_idle_sequence_gives_back(lm) -> None:
+    """Freeing an idle, parked sequence gives its host slots back, but not the ones a staged snapshot
+    also reads (`HostTier.hold`): admission counts only what freeing would free."""
+    eng = engine(lm)
+    kv = eng.new_sequence(256)
+    eng.prefill(kv, prompt(40, 1))
+    kv.park()  # two sealed chunks, each in a host slot now
+    idle = Holdings()
+    idle.add(Held.of(kv))
+    assert idle.beyond(host_refs=eng.host.refs) == Room(0, 2)
+    staged = kv.seq.chunks[0].host
+    eng.host.hold(staged)  # a snapshot's copy of the first chunk
+    idle = Holdings()
+    idle.add(Held.of(kv))
+    assert idle.beyond(host_refs=eng.host.refs) == Room(0, 1)
+    assert idle.beyond() == Room(0, 2)  # what the idle sequences hold, a shared slot once
+    eng.host.release(staged)
+    kv.free()

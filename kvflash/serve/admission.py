@@ -8,6 +8,8 @@ shared document's chunk) is counted once.
 from __future__ import annotations
 
 import weakref
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvflash.engine.host_tier import HostTier
@@ -88,13 +90,13 @@ class HeldCache:
 
 @dataclass
 class Holdings:
-    """The slots some sequences hold, a slot several of them read counted once: slots that more than
-    one sequence reads are kept in sets, the others just counted."""
+    """The slots some sequences hold, a slot several of them read counted once: slots that something
+    else reads too are kept with how many of these sequences read them, the others just counted."""
 
     sole: Room = Room(0, 0)
-    """Slots no other sequence reads."""
-    gpu: set[int] = field(default_factory=set)
-    host: set[int] = field(default_factory=set)
+    """Slots nothing else reads."""
+    gpu: Counter[int] = field(default_factory=Counter)
+    host: Counter[int] = field(default_factory=Counter)
 
     def add(self, held: Held | None) -> None:
         if held is not None:
@@ -102,12 +104,15 @@ class Holdings:
             self.gpu.update(held.shared_gpu)
             self.host.update(held.shared_host)
 
-    def beyond(self, *others: Holdings) -> Room:
-        """The slots held here and in none of `others`: what freeing these sequences frees."""
-        gpu, host = set(self.gpu), set(self.host)
+    def beyond(self, *others: Holdings, host_refs: Callable[[int], int] | None = None) -> Room:
+        """The slots held here and in none of `others`: what freeing these sequences frees. With
+        `host_refs` (a host slot's readers), a host slot read by more than these sequences (a
+        staged snapshot's copy) is not counted: freeing them would not free it."""
+        gpu = set(self.gpu)
+        host = {h for h, n in self.host.items() if host_refs is None or n >= host_refs(h)}
         for o in others:
-            gpu -= o.gpu
-            host -= o.host
+            gpu -= o.gpu.keys()
+            host -= o.host.keys()
         return self.sole + Room(len(gpu), len(host))
 
 

@@ -332,7 +332,7 @@ class Scheduler:
         for kv in self.cache.idle:
             if kv is not live:
                 (lenders if any(kv is k for k in kept) else idle).add(held(kv))
-        if busy and not (free + idle.beyond(taken, lenders)).covers(want):
+        if busy and not (free + idle.beyond(taken, lenders, host_refs=self.engine.host.refs)).covers(want):
             return False
         self.cache.reclaim(want.gpu, want.host, keep=kept)
         return True

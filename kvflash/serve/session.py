@@ -244,14 +244,16 @@ class Session:
                 self._answer(kv, ids, max_tokens, sampling, stats, t0, on_token, on_prefill)
             except ChunkError as e:  # a lazily restored chunk, damaged when read: go on cold
                 warnings.warn(f"snapshot unusable ({e}); prefilling cold", stacklevel=2)
-                self.cache.drop(kv)
+                dropped, kv = kv, None
+                self.cache.drop(dropped)
                 taken = self.cache.take(ids + out, reuse=False)
                 stats.took(taken)
                 kv = taken.kv
                 self._answer(kv, ids + out, max_tokens - len(out), sampling, stats, t0, on_token, on_prefill)
                 stats.generated_tokens = len(out)
         except BaseException:
-            self.cache.drop(kv)
+            if kv is not None:  # dropped once already where the cold take itself failed
+                self.cache.drop(kv)
             raise
         self.cache.keep(kv)
         text = self.tok.decode(out)
