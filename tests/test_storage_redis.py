@@ -377,6 +377,39 @@ def test_copies_waiting_for_a_down_redis_stay_within_their_byte_budget(redis_ser
             assert {s.id for s in st.local.list_snapshots()} == {first, second}
 
 
+def test_a_snapshot_whose_replacing_copy_was_dropped_stays_shared(tmp_path):
+    """A conversation's newer snapshot replaces its older one; while Redis is down the newer one's
+    copy is dropped for the write-back budget, and the older one is then not removed from Redis
+    either: the shared tier keeps the conversation's last snapshot it has."""
+    redis_server = RedisServer(tmp_path / "r", "--appendonly", "yes", "--appendfsync", "always").start()
+    shared = RedisStore(RedisConfig(redis_server.url, retry_s=0.2))
+    with TieredStore(SnapshotStore(tmp_path / "a"), shared, TierConfig(writeback_bytes=1)) as st:
+        old = st.put_snapshot("doc", FP, make_chain(toks(2)))
+        deadline = time.monotonic() + 10
+        while not redis_server.client().exists(f"kvflash:snap:{old}"):
+            assert time.monotonic() < deadline, "the first snapshot never reached Redis"
+            time.sleep(0.05)
+        redis_server.kill()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            other = st.put_snapshot("other", FP, make_chain(toks(2, start=700)))  # first in line for Redis
+            new = st.put_snapshot("doc", FP, make_chain(toks(3)), succeeds=[old])
+            st.rm(old)
+        assert any(f"snapshot {new} stays local" in str(w.message) for w in seen)
+        redis_server.start()
+        deadline = time.monotonic() + 10
+        with pytest.warns(UserWarning, match="reachable again"):
+            while not redis_server.client().exists(f"kvflash:snap:{other}") or st._jobs:
+                assert time.monotonic() < deadline, "the copies waiting for Redis never went"
+                time.sleep(0.05)
+    try:
+        with RedisStore(redis_server.url) as again:
+            ids = {s.id for s in again.list_snapshots()}
+        assert old in ids and new not in ids
+    finally:
+        redis_server.stop()
+
+
 def test_the_local_tier_keeps_to_its_budget_once_its_copies_are_in_redis(redis_server, tmp_path):
     chain = make_chain(toks(3))
     with TieredStore(

@@ -75,6 +75,8 @@ class TieredStore:
         self.where = f"{local.where} in front of {shared.where}"
         self.read_only = local.read_only
         self._jobs: deque[_Job] = deque()
+        self._spared: set[str] = set()
+        """Snapshots whose replacing copy was dropped for the write-back budget: kept shared."""
         self._pending = 0
         self._fetched: dict[str, int] = {}
         """Chunks read from the shared tier, to be copied here (their sizes)."""
@@ -244,8 +246,13 @@ class TieredStore:
         self.local.yield_saves_to(quiet, max_wait_s)
 
     def rm(self, snapshot_id: str) -> PruneReport:
-        """Removes it here now, and from the shared tier after the copies queued before it."""
-        self._queue(_Job("rm", [snapshot_id]))
+        """Removes it here now, and from the shared tier after the copies queued before it, unless
+        the copy of the snapshot that replaced it was dropped (the shared tier has nothing newer)."""
+        with self._cond:
+            spared = snapshot_id in self._spared
+            self._spared.discard(snapshot_id)
+        if not spared:
+            self._queue(_Job("rm", [snapshot_id]))
         try:
             return self.local.rm(snapshot_id)
         except SnapshotNotFound:
@@ -293,6 +300,10 @@ class TieredStore:
                     warnings.warn(
                         f"the shared store is behind: snapshot {old.ids[0]} stays local", stacklevel=3
                     )
+                    # the snapshots it replaced stay shared: the shared tier gets nothing newer
+                    self._spared.update(old.ids[1:])
+                    spared = self._spared
+                    self._jobs = deque(j for j in self._jobs if not (j.kind == "rm" and j.ids[0] in spared))
             self._cond.notify_all()
 
     def _run(self) -> None:
