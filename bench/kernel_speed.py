@@ -90,7 +90,7 @@ class Row:
     @property
     def tokens_per_s(self) -> float | None:
         """Decode: sequences attended per second, one token each, one layer (None for prefill)."""
-        return self.batch / self.ours_ms * 1e3 if self.kind == "decode" else None
+        return self.batch / self.ours_ms * 1e3 if self.kernel == "decode" else None
 
 
 READ_BLOCK = 4096
