@@ -130,10 +130,13 @@ class Engine:
         if leaving > 0:
             self.host.reserve(self.host.n_used + leaving)
 
-    def new_sequence(self, budget_tokens: int | None = None) -> PagedKV:
+    def sequence_budget(self, budget_tokens: int | None = None) -> int:
+        """The chunks a sequence of `budget_tokens` (None: the pool) holds in the pool."""
         c = self.cfg.residency.chunk_tokens
-        budget = self.pool.n_slots if budget_tokens is None else -(-budget_tokens // c)
-        budget = min(budget, self.pool.n_slots)
+        return min(self.pool.n_slots if budget_tokens is None else -(-budget_tokens // c), self.pool.n_slots)
+
+    def new_sequence(self, budget_tokens: int | None = None) -> PagedKV:
+        budget, c = self.sequence_budget(budget_tokens), self.cfg.residency.chunk_tokens
         # a step writes up to a chunk boundary: at most `step_tokens // c` chunks past its first
         step_chunks = max(1, self.step_tokens // c) + 1
         return PagedKV(self.pool, self.host, self.cfg.residency, budget, self.fingerprint, step_chunks)

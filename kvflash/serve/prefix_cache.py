@@ -225,8 +225,7 @@ class PrefixCache:
         """The longest stored prefix of ids a new sequence (of `engine.new_sequence`'s budget) would
         restore, its fingerprint and chain hashes, and whether lazily: approximate KV counts where
         the sequence evicts anyway."""
-        c, slots = self.engine.cfg.residency.chunk_tokens, self.engine.pool.n_slots
-        budget = slots if self.budget_tokens is None else min(slots, -(-self.budget_tokens // c))
+        c, budget = self.engine.cfg.residency.chunk_tokens, self.engine.sequence_budget(self.budget_tokens)
         fp, hashes = self.snapshots.lookup(ids, c, approximate=-(-len(ids) // c) > budget)
         return fp, hashes, len(hashes) > budget if self.lazy is None else self.lazy
 

@@ -115,7 +115,7 @@ class Scheduler:
         self.engine, self.stop_ids, self.max_batch = engine, stop_ids, max_batch
         res = engine.cfg.residency
         c = res.chunk_tokens
-        self.budget = min(engine.pool.n_slots, -(-(sequence_tokens or MAX_SEQUENCE_TOKENS) // c))
+        self.budget = engine.sequence_budget(sequence_tokens or MAX_SEQUENCE_TOKENS)
         """Every sequence's budget in chunks: the most pool slots one request holds."""
         if self.budget < res.floor_chunks():
             raise KVFlashError(
