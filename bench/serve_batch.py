@@ -52,7 +52,9 @@ from kvflash.serve.prompt import encode_messages
 
 
 def together(users: Users, asks: list[Ask]) -> tuple[dict, list[str]]:
-    """Every conversation's next turn at once: wall, TTFT, and the decode rate while all stream."""
+    """Every conversation's next turn at once: wall, TTFT, and the decode rate while all stream;
+    `server_window` is the turn on the server's epoch clock (the first arrival, the last finish), by
+    which a profile's samples (bench/stacks) are picked out."""
     t0 = now()
     streams = users.stream(asks)
     wall = now() - t0
@@ -71,6 +73,7 @@ def together(users: Users, asks: list[Ask]) -> tuple[dict, list[str]]:
         "prompt_tokens": sum(s.prompt_tokens for s in streams),
         "server_prefill_sum_s": sum(s.server_prefill_s for s in streams),
         "server_span_s": max(s.server_finished for s in streams) - min(s.server_arrival for s in streams),
+        "server_window": (min(s.server_arrival for s in streams), max(s.server_finished for s in streams)),
     }
     return row, [s.text for s in streams]
 
