@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import prometheus_client
+import torch
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -106,6 +107,32 @@ class ServerMetrics:
 
     def render(self) -> str:
         return prometheus_client.generate_latest(self.registry).decode()
+
+
+def device_readings(device: torch.device) -> Readings:
+    """The CUDA caching allocator's state on `device` (none elsewhere): memory it holds from the
+    driver, and how often it asked for more and had to free its cached blocks first (a retry frees
+    and synchronises the whole device: a step that retries is slow for no reason its shapes show)."""
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {
+        "device_memory_reserved_bytes": (
+            "gauge",
+            "Device memory the allocator holds for tensors (the pool's included).",
+            stats.get("reserved_bytes.all.current", 0),
+        ),
+        "device_mallocs_total": (
+            "counter",
+            "Device allocations the allocator made.",
+            stats.get("num_device_alloc", 0),
+        ),
+        "device_alloc_retries_total": (
+            "counter",
+            "Allocations that found the device full and freed the allocator's cached blocks to retry.",
+            stats.get("num_alloc_retries", 0),
+        ),
+    }
 
 
 class _Now:

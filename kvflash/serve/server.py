@@ -32,7 +32,7 @@ from kvflash.models.tokenizer import StreamDecoder, Tokenizer
 from kvflash.serve.admission import Held, Holdings
 from kvflash.serve.content_ids import ContentIds
 from kvflash.serve.job import Job
-from kvflash.serve.metrics import ServerMetrics
+from kvflash.serve.metrics import ServerMetrics, device_readings
 from kvflash.serve.pins import request_pins
 from kvflash.serve.prompt import encode_messages
 from kvflash.serve.protocol import ChatRequest, Completion, CompletionRequest, Message
@@ -398,7 +398,7 @@ class Server:
             "batched_tokens_total": ("counter", "Tokens those forwards decoded.", sched.batched),
             "prefill_steps_total": ("counter", "Forwards that ran prefill pieces.", sched.prefill_steps),
             "prefill_pieces_total": ("counter", "Prefill pieces those forwards ran.", sched.pieces),
-        }
+        } | device_readings(pool.kv.device)
 
     def _trim_when_idle(self) -> None:
         """Once the requests of a burst have all ended and their snapshots are written, hands the
