@@ -14,6 +14,7 @@ from kvflash.engine.generate import Generation, Sampler, Sampling, decode
 from kvflash.eval.haystack import build_haystack
 from kvflash.kvcache import ContiguousKV
 from kvflash.models.loader import load_model
+from kvflash.serve.metrics import device_readings
 from kvflash.serve.prompt import encode_messages
 
 pytestmark = [
@@ -429,3 +430,16 @@ def test_fp8_kv_at_full_budget_stays_near_bf16_kv(lm) -> None:
     gen = Generation(48, Sampler(Sampling(), lm.device), lm.tokenizer.eos_ids)
     out = decode(eng.decode_step(kv), logits, len(kv.seq), gen)
     assert value in lm.tokenizer.decode(out)
+
+
+def test_device_readings_count_what_the_allocator_asks_the_driver_for(lm) -> None:
+    """/metrics's allocator readings: an allocation the emptied cache cannot serve is one device
+    allocation more, and its bytes are reserved until the cache is emptied again."""
+    torch.cuda.empty_cache()
+    before = {name: value for name, (_, _, value) in device_readings(lm.device).items()}
+    x = torch.empty(96 << 20, dtype=torch.uint8, device=lm.device)
+    after = {name: value for name, (_, _, value) in device_readings(lm.device).items()}
+    assert after["device_mallocs_total"] == before["device_mallocs_total"] + 1
+    assert after["device_memory_reserved_bytes"] >= before["device_memory_reserved_bytes"] + x.numel()
+    assert after["device_alloc_retries_total"] == before["device_alloc_retries_total"]
+    assert device_readings(torch.device("cpu")) == {}
