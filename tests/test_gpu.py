@@ -443,3 +443,31 @@ def test_device_readings_count_what_the_allocator_asks_the_driver_for(lm) -> Non
     assert after["device_memory_reserved_bytes"] >= before["device_memory_reserved_bytes"] + x.numel()
     assert after["device_alloc_retries_total"] == before["device_alloc_retries_total"]
     assert device_readings(torch.device("cpu")) == {}
+
+
+def test_mixed_steps_of_any_batch_size_build_no_kernel_variant_after_the_warm_up(lm) -> None:
+    """The warm-ups a server runs (`warm_up`, `warm_batches`) build every kernel variant its steps
+    launch: mixed steps whose decode rows number 1 to 23 (most of them sizes no CUDA graph is captured
+    for, so they launch eagerly) beside a prefill piece build none (`kernels.variants`). Before the
+    batch's fields were aligned, rows not a multiple of four compiled the decode kernel again."""
+    budget = 2048
+    eng = Engine(lm, EngineConfig(pool_tokens=65536, residency=ResidencyConfig()))
+    eng.warm_batches(24, budget)
+    ids, _ = _prompt(lm, 600)
+    decoding = [eng.new_sequence(budget) for _ in range(23)]
+    for kv in decoding:
+        eng.prefill(kv, ids[:100])
+    torch.cuda.synchronize()
+    before = kernels.variants.built()
+    assert before > 0  # the warm-ups built variants: the count runs here
+    for n in range(1, 24):
+        filling = eng.new_sequence(budget)
+        plan = eng.plan_prefill(filling, ids[:300])
+        piece = plan.next(128)
+        eng.forward(decoding[:n], [1000 + n] * n, [piece])
+        plan.ran(piece)
+        filling.free()
+    torch.cuda.synchronize()
+    assert kernels.variants.built() == before
+    for kv in decoding:
+        kv.free()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 from kvflash import KVFlashError
 from kvflash.config import ResidencyConfig
 from kvflash.engine import scoring
-from kvflash.engine.decode_staging import StagingCache
+from kvflash.engine.decode_staging import DECODE_FIELDS, Staged, StagingCache
 from kvflash.engine.host_tier import HostTier
 from kvflash.engine.paged_kv import PagedKV
 from kvflash.engine.pool import ChunkPool
@@ -405,3 +406,18 @@ def test_freed_decode_buffers_go_to_the_next_sequence_of_their_budget_renumbered
         cache.give(s)
     again = [cache.take(8) for _ in range(3)]
     assert sum(any(s is t for t in three) for s in again) == 2  # two were kept, the third is new
+
+
+@pytest.mark.parametrize("rows", [1, 3, 6, 19, 32])
+def test_staged_rows_start_16_byte_aligned_whatever_the_batch(rows: int) -> None:
+    """A batch's decode fields (`Staged`, [F, rows]): every field's row starts on a 16-byte boundary
+    for every batch size (the kernels' pointer arguments then have one alignment, which Triton
+    compiles a variant for), and `send` writes the values into exactly those rows."""
+    staged = Staged((DECODE_FIELDS, rows), CPU)
+    assert staged.device.shape == (DECODE_FIELDS, rows)
+    assert all(staged.device[f].data_ptr() % 16 == 0 for f in range(DECODE_FIELDS))
+    values = np.arange(DECODE_FIELDS * rows, dtype=np.int32).reshape(DECODE_FIELDS, rows)
+    staged.send(values)
+    assert staged.device.tolist() == values.tolist()
+    staged.send(values + 1)
+    assert staged.device.tolist() == (values + 1).tolist()

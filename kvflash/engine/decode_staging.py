@@ -25,22 +25,34 @@ _table_writes = itertools.count()
 tables re-copies them only when one of these numbers changed."""
 
 
+ROW_ALIGN = 4
+"""int32s a `Staged` row is padded to: 16 bytes, so every row starts 16-byte aligned."""
+
+
 class Staged:
     """A small int32 device buffer written from pinned host memory in one asynchronous copy: a decode
-    step's inputs reach the device without the host waiting on it."""
+    step's inputs reach the device without the host waiting on it. Each row along the last dimension
+    starts on a 16-byte boundary whatever its length: Triton compiles a kernel once per alignment of
+    its pointer arguments, so a batch's fields at offsets that moved with the batch size made a mixed
+    step of, say, 19 decode rows compile a variant no warm-up had met, in the middle of serving."""
 
     def __init__(self, shape: tuple[int, ...], device: torch.device):
         cuda = device.type == "cuda"
-        self.device = torch.zeros(shape, dtype=torch.int32, device=device)
-        self._host = torch.zeros(shape, dtype=torch.int32, pin_memory=cuda)
+        *lead, n = shape
+        padded = (*lead, -(-n // ROW_ALIGN) * ROW_ALIGN)
+        self._device = torch.zeros(padded, dtype=torch.int32, device=device)
+        self._host = torch.zeros(padded, dtype=torch.int32, pin_memory=cuda)
+        self.device = self._device[..., :n]
+        """The buffer, `shape`: a view whose rows start 16-byte aligned."""
+        self._values = self._host.numpy()[..., :n]
         self._sent = torch.cuda.Event() if cuda else None
 
     def send(self, values) -> None:
         """values: anything numpy assigns to the buffer's shape (a [B, F] buffer takes B rows)."""
         if self._sent is not None and not self._sent.query():  # asking does not let go of the GIL
             self._sent.synchronize()  # the previous copy has read the host buffer
-        self._host.numpy()[:] = values
-        self.device.copy_(self._host, non_blocking=True)
+        self._values[:] = values
+        self._device.copy_(self._host, non_blocking=True)
         if self._sent is not None:
             self._sent.record()
 

@@ -9,7 +9,10 @@ imported only on first CUDA use, so CPU-only runs never pay for it.
 
 The kernels are not specialised on the counts and offsets that change from call to call (tokens of
 a step, slots listed, splits, a table's width): Triton would otherwise compile a kernel again for
-each new combination of their divisibility by 16, on the request path of a serving process.
+each new combination of their divisibility by 16, on the request path of a serving process. For the
+same reason the int32 fields a batch's decode rows read start 16-byte aligned whatever the batch size
+(`engine.decode_staging.Staged`): Triton specialises a pointer on its alignment. `variants.built`
+counts what is built all the same.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvflash.kernels import reference
+from kvflash.kernels import reference, variants
 from kvflash.kernels._common import chunk_tokens, pow2
 
 __all__ = [
@@ -37,6 +40,7 @@ __all__ = [
     "silu_mul",
     "start_cache_key",
     "uses_triton",
+    "variants",
     "warm",
     "write_tokens",
 ]
@@ -173,6 +177,7 @@ def warm(kv_pool: torch.Tensor, hq: int, dtype: torch.dtype) -> None:
     path of a turn. Nothing to do where the twins run."""
     if _pick("prefill_attention", kv_pool) is reference.prefill_attention:
         return
+    variants.install()
     for thread in _cache_key:  # the key it computes is the first thing a launch needs
         thread.join()
     importlib.import_module("kvflash.kernels.triton_prefill").warm_prefill(kv_pool, hq, dtype)

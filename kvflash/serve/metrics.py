@@ -12,6 +12,7 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from kvflash import kernels
 from kvflash.serve.turn import TurnStats
 
 if TYPE_CHECKING:
@@ -110,13 +111,20 @@ class ServerMetrics:
 
 
 def device_readings(device: torch.device) -> Readings:
-    """The CUDA caching allocator's state on `device` (none elsewhere): memory it holds from the
-    driver, and how often it asked for more and had to free its cached blocks first (a retry frees
-    and synchronises the whole device: a step that retries is slow for no reason its shapes show)."""
+    """On CUDA (none elsewhere): the kernel variants built, and the caching allocator's state: memory
+    it holds from the driver, and how often it asked for more and had to free its cached blocks first
+    (a retry frees and synchronises the whole device: a step that retries is slow for no reason its
+    shapes show)."""
     if device.type != "cuda":
         return {}
     stats = torch.cuda.memory_stats(device)
     return {
+        "kernel_variants_built_total": (
+            "counter",
+            "Triton kernel variants this process compiled or loaded since its warm-up began; one built "
+            "while serving stalled the step that needed it.",
+            kernels.variants.built(),
+        ),
         "device_memory_reserved_bytes": (
             "gauge",
             "Device memory the allocator holds for tensors (the pool's included).",
