@@ -885,6 +885,7 @@ INTERP_DECODE_FP8_STACKED = [  # kv-heads a program (`decode_heads`): all three,
     Decode(2, 3, 3, 64, 64, 5, torch.bfloat16, splits=2),
     Decode(3, 4, 2, 64, 64, 4, torch.float32, splits=1),
     Decode(1, 2, 8, 64, 64, 3, torch.bfloat16, seed=3),
+    Decode(32, 4, 4, 128, 64, 3, torch.bfloat16, splits=2, seed=4),  # head_dim 128: two, from batch 32
 ]
 INTERP_PREFILL_FP8 = [
     Prefill(37, 21, 2, 3, 64, 16, 2, torch.float32),
@@ -898,6 +899,7 @@ GPU_DECODE_FP8 = [
     Decode(33, 3, 3, 64, 64, 301, torch.bfloat16, seed=3),
     Decode(16, 3, 3, 64, 16, 1024, torch.bfloat16, seed=4),  # four chunks a tile
     Decode(3, 4, 4, 128, 32, 700, torch.bfloat16, seed=5),  # two chunks a tile, below batch 16
+    Decode(40, 8, 4, 128, 64, 700, torch.bfloat16, seed=6),  # two kv-heads a program
 ]
 GPU_PREFILL_FP8 = [
     Prefill(4096, 0, 8, 4, 128, 64, 0, torch.bfloat16),
@@ -918,10 +920,10 @@ def test_interp_decode_fp8(case: Decode, fused: bool) -> None:
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "two-kernel"])
 @pytest.mark.parametrize("case", INTERP_DECODE_FP8_STACKED, ids=str)
 def test_interp_decode_fp8_stacks_kv_heads(case: Decode, fused: bool) -> None:
-    """An fp8 program of head_dim 64 serves several kv-heads (their queries block-diagonal, each
-    output its own head's rows) as the twin attends each head alone."""
+    """An fp8 program serves several kv-heads (their queries block-diagonal, each output its own
+    head's rows) as the twin attends each head alone: head_dim 64, and 128 from batch 32."""
     td = triton_impl("triton_decode")
-    assert td.decode_heads(case.h_kv, case.group, case.d, case.c, 1, rotated=False) > 1
+    assert td.decode_heads(case.h_kv, case.group, case.d, case.c, 1, rotated=False, batch=case.batch) > 1
     check_decode_fp8(case, "cpu", fused)
 
 

@@ -79,6 +79,8 @@ programs stack kv-heads until their queries fill it (`decode_heads`)."""
 MAX_STACKED_ROWS = 256
 """Rows of stacked kv-heads one fp8 program's tiles hold at most (`decode_heads`): two 64-token tiles
 of 256 x 64 bytes (K and V^T) a stage."""
+STACK_FROM_BATCH = 32
+"""Sequences from which an fp8 program of head_dim 128 serves two kv-heads (`decode_heads`)."""
 
 E4M3_MAX = tl.constexpr(FP8_MAX)
 FP8_P_UP = tl.constexpr(256.0)
@@ -597,13 +599,18 @@ def decode_launch(head_dim: int, batch: int, kv_bytes: int = 2) -> Launch:
     split count tried) and takes 128-token tiles from batch 2; at batch 2-8 five stages deep in one
     wave of two programs per SM. An fp8 pool takes 64-token tiles (one chunk a block: its V^T tile
     is then one contiguous run a channel) and four warps, the warpgroup its e4m3 tensor-core dots
-    need (eight are far slower), two stages deep, merged in the split kernel from batch 16 over one
-    wave below batch 32 and two from it (three stages, and twice the waves, within a point or two).
-    Head_dim 64 at batch 16-31 takes 128-token tiles (two chunks), as its 64-token tile costs the
-    fixed work a tile has (the cross-warp max and sum, the weights' trip through shared memory) for
-    half of head_dim 128's bytes; at batch 64 they lose. Below batch 16 it keeps the bf16 rules'
-    waves and merge, untuned. A program that serves several kv-heads (`decode_heads`) walks one
-    chunk a block whatever the tile here."""
+    need (eight are far slower), merged in the split kernel from batch 16. Head_dim 64 goes two
+    stages deep over one wave below batch 32 and two from it (three stages, and twice the waves,
+    within a point or two), and at batch 16-31 takes 128-token tiles (two chunks), as its 64-token
+    tile costs the fixed work a tile has (the cross-warp max and sum, the weights' trip through
+    shared memory) for half of head_dim 128's bytes; at batch 64 they lose. Head_dim 128 splits over
+    three waves: a program of one kv-head, two stages deep, reads at 58-90 % of copy as the split
+    count moves with the batch and the waves (12 splits at batch 16 the best swept); from batch 32
+    a program of two kv-heads (`decode_heads`), four stages deep, holds 86-89 % at every split
+    count swept. Below batch 16 an fp8 pool keeps the bf16 rules' waves and merge, untuned. A program
+    that serves several kv-heads walks one chunk a block whatever the tile here."""
+    if kv_bytes == 1 and head_dim >= 128 and batch >= 16:
+        return Launch(BLOCK_TOKENS, 4 if batch >= STACK_FROM_BATCH else 2, 3, True)
     if kv_bytes == 1:
         block = 2 * BLOCK_TOKENS if head_dim < 128 and 16 <= batch < 32 else BLOCK_TOKENS
         return Launch(block, 2, (1 if batch < 32 else 2) if batch >= 16 else WAVES, batch >= 16)
@@ -622,16 +629,19 @@ def decode_launch(head_dim: int, batch: int, kv_bytes: int = 2) -> Launch:
     return Launch(2 * BLOCK_TOKENS, 2, WAVES, False)
 
 
-def decode_heads(h_kv: int, group: int, head_dim: int, chunk: int, kv_bytes: int, rotated: bool) -> int:
+def decode_heads(
+    h_kv: int, group: int, head_dim: int, chunk: int, kv_bytes: int, rotated: bool, batch: int = 1
+) -> int:
     """kv-heads one program serves. An fp8 pool's program of head_dim 64 and a small query group
     spends most of its issue slots on a tile's fixed work (the cross-warp maximum, the weights' trip
     through shared memory), the same for one query or sixteen: stacking several kv-heads' tiles along
     the dots' inner dimension (the queries block-diagonal, MAX_GROUP_ROWS of them at most, so one
-    [T, 16] softmax serves them all) spreads that work over their bytes. Unrotated chunks of
-    BLOCK_TOKENS only (one chunk a block, so each head's scales are a scalar, and a stage of two
-    stacked tiles stays at 32 KB); the heads a program takes divide the pool's, stacked at most
-    MAX_STACKED_ROWS deep."""
-    if kv_bytes != 1 or rotated or head_dim >= 128 or chunk != BLOCK_TOKENS:
+    [T, 16] softmax serves them all) spreads that work over their bytes. At head_dim 128 that work is
+    a smaller share, and stacking pays from STACK_FROM_BATCH sequences, where a program of one head
+    reads well only at some split counts (`decode_launch`). Unrotated chunks of BLOCK_TOKENS only
+    (one chunk a block, so each head's scales are a scalar); the heads a program takes divide the
+    pool's, stacked at most MAX_STACKED_ROWS deep."""
+    if kv_bytes != 1 or rotated or chunk != BLOCK_TOKENS or (head_dim >= 128 and batch < STACK_FROM_BATCH):
         return 1
     fits = (
         p
@@ -666,7 +676,7 @@ def decode_grid(
     sweeps them through here, as the launcher takes them)."""
     h_kv, c, d, kv_bytes = kv_pool.shape[3], chunk_tokens(kv_pool), kv_pool.shape[5], kv_pool.element_size()
     tuned = decode_launch(d, batch, kv_bytes)
-    heads = heads or decode_heads(h_kv, hq // h_kv, d, c, kv_bytes, rotated)
+    heads = heads or decode_heads(h_kv, hq // h_kv, d, c, kv_bytes, rotated, batch)
     assert h_kv % heads == 0 and (heads == 1 or (kv_bytes == 1 and not rotated and c == BLOCK_TOKENS))
     cpi = 1 if rotated or heads > 1 else max(1, (block_tokens or tuned.block_tokens) // c)
     tile_bytes = 2 * cpi * c * d * heads * kv_bytes
