@@ -1075,6 +1075,36 @@ def test_fp8_prefill_scoring_and_write_variants_compile_for_hopper(shape: str, c
     fp8_launches_compile_for_hopper(*FP8_SHAPES[shape], c, warm)
 
 
+@hopper
+@pytest.mark.parametrize(("shape", "kv"), [("d64", "bf16"), ("d128", "fp8")])
+def test_decode_rows_of_any_batch_launch_only_variants_the_warm_up_launched(shape: str, kv: str) -> None:
+    """A mixed step's decode rows launch the decode kernel eagerly, its valid lengths and listed
+    chunks read from rows of the batch's one staged int32 buffer (`Staged`): for every batch size to
+    40 the variant an H200 would run is one `warm_decode` launched, so none compiles in a turn. With
+    rows at offsets that moved with the batch size, 3, 5, 6, 7, 9, ... rows launched variants of
+    their own (a pointer not 16-byte aligned)."""
+    from kvflash.engine.decode_staging import DECODE_FIELDS, Staged
+    from kvflash.kernels.hopper import launches_as_on_hopper, variant_of
+
+    h_kv, group, d = FP8_SHAPES[shape]
+    width, most = 24, 40
+    pool = torch.zeros(2, 1, 2, h_kv, 64, d, dtype=torch.bfloat16)
+    pool = fp8_pool(pool) if kv == "fp8" else pool
+    td = triton_impl("triton_decode")
+    with launches_as_on_hopper() as launches:
+        td.warm_decode(pool, h_kv * group, torch.bfloat16, most, width)
+    warmed = {variant_of(launch) for launch in launches}
+    q = torch.zeros(most, h_kv * group, d, dtype=torch.bfloat16)
+    table = torch.zeros(most, width, dtype=torch.int32)
+    missed = []
+    for rows in range(1, most + 1):
+        fields = Staged((DECODE_FIELDS, rows), torch.device("cpu")).device
+        with launches_as_on_hopper() as launches:
+            td.paged_decode_attention(q[:rows], pool, 0, table[:rows], fields[4], fields[5], 0.125)
+        missed += [rows for launch in launches if variant_of(launch) not in warmed]
+    assert not missed
+
+
 # -- the twins against plain SDPA, and dispatch ---------------------------------------------------
 
 

@@ -53,11 +53,24 @@ def launches_as_on_hopper() -> Iterator[list[Launch]]:
 def compile_for_hopper(launch: Launch):
     """One recorded launch compiled for sm_90, specialised as the launch itself would be, with
     floating-point fusion on, as Triton has compiled by default through 3.9 (the GPU machine's 3.6)."""
+    fn, backend, kw, (bound, specialization, options) = _bind(launch)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kw, bound, specialization, options)
+    source = ASTSource(fn, signature, constexprs, attrs)
+    return triton.compile(source, target=HOPPER, options=options.__dict__)
+
+
+def variant_of(launch: Launch) -> str:
+    """The kernel variant a recorded launch runs on an H200: the kernel, what the JIT specialises
+    each argument on (its type, a pointer's alignment, an integer's divisibility by 16 or being 1,
+    constexpr values) and the launch options. A launch whose variant no earlier launch had compiles
+    (or loads from the cache) first."""
+    fn, _, _, (_, specialization, options) = _bind(launch)
+    return repr((fn.fn.__qualname__, specialization, options))
+
+
+def _bind(launch: Launch):
     fn, args, kw = launch
     kw = {"enable_fp_fusion": True, **kw}
     backend = make_backend(HOPPER)
     bind = create_function_from_signature(fn.signature, fn.params, backend)
-    bound, specialization, options = bind(*args, **kw)
-    options, signature, constexprs, attrs = fn._pack_args(backend, kw, bound, specialization, options)
-    source = ASTSource(fn, signature, constexprs, attrs)
-    return triton.compile(source, target=HOPPER, options=options.__dict__)
+    return fn, backend, kw, bind(*args, **kw)
