@@ -117,23 +117,29 @@ def process_use(server: Served) -> tuple[float, ...]:
     """The server process's user and system CPU seconds and minor page faults so far, all threads
     (Linux's /proc/PID/stat): a turn that faults in memory the machine never used before (a
     virtual machine's memory is backed on first touch) spends it as system time. Then its device
-    allocations, allocation retries and kernel variants built (/metrics; 0 on the CPU)."""
+    allocations, allocation retries and kernel variants built (/metrics; 0 on the CPU) and its host
+    tier's bytes allocated."""
     fields = Path(f"/proc/{server.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
     tick = os.sysconf("SC_CLK_TCK")
     device = samples(
-        server, "device_mallocs_total", "device_alloc_retries_total", "kernel_variants_built_total"
+        server,
+        "device_mallocs_total",
+        "device_alloc_retries_total",
+        "kernel_variants_built_total",
+        "host_tier_bytes_allocated",
     )
     return int(fields[11]) / tick, int(fields[12]) / tick, int(fields[7]), *device
 
 
 def use_figures(before: tuple[float, ...], after: tuple[float, ...]) -> dict:
     """A turn's share of the server's CPU (user and system seconds, minor page faults), of its
-    device allocator (allocations made, and retried after freeing its cache) and the kernel variants
-    it built (each a compile, or a load from Triton's cache, in the middle of the turn)."""
-    user, system, faults, mallocs, retries, built = (a - b for a, b in zip(after, before, strict=True))
+    device allocator (allocations made, and retried after freeing its cache), the kernel variants
+    it built (each a compile, or a load from Triton's cache, in the middle of the turn) and the host
+    memory its host tier allocated (pinned on CUDA: its pages touched and registered)."""
+    user, system, faults, mallocs, retries, built, host = (a - b for a, b in zip(after, before, strict=True))
     return {"server_user_s": user, "server_system_s": system, "server_minor_faults": int(faults),
             "device_mallocs": int(mallocs), "device_alloc_retries": int(retries),
-            "kernel_variants_built": int(built)}  # fmt: skip
+            "kernel_variants_built": int(built), "host_tier_grown_bytes": int(host)}  # fmt: skip
 
 
 def prefill_steps(server: Served, since: tuple[int, int] = (0, 0)) -> tuple[int, int]:
