@@ -58,6 +58,7 @@ def together(users: Users, asks: list[Ask]) -> tuple[dict, list[str]]:
     t0 = now()
     streams = users.stream(asks)
     wall = now() - t0
+    window = (min(s.server_arrival for s in streams), max(s.server_finished for s in streams))
     ttfts = sorted(s.ttft for s in streams)
     lo, hi = max(s.times[0] for s in streams), min(s.times[-1] for s in streams)
     inside = sum(lo < t <= hi for s in streams for t in s.times)
@@ -72,8 +73,8 @@ def together(users: Users, asks: list[Ask]) -> tuple[dict, list[str]]:
         "cached_tokens": sum(s.cached_tokens for s in streams),
         "prompt_tokens": sum(s.prompt_tokens for s in streams),
         "server_prefill_sum_s": sum(s.server_prefill_s for s in streams),
-        "server_span_s": max(s.server_finished for s in streams) - min(s.server_arrival for s in streams),
-        "server_window": (min(s.server_arrival for s in streams), max(s.server_finished for s in streams)),
+        "server_span_s": window[1] - window[0],
+        "server_window": window,
     }
     return row, [s.text for s in streams]
 
@@ -113,33 +114,32 @@ def step_figures(before: dict[str, tuple[float, ...]], after: dict[str, tuple[fl
     return row
 
 
-def process_use(server: Served) -> tuple[float, ...]:
+USE_METRICS = {
+    "device_mallocs": "device_mallocs_total",
+    "device_alloc_retries": "device_alloc_retries_total",
+    "kernel_variants_built": "kernel_variants_built_total",
+    "host_tier_grown_bytes": "host_tier_bytes_allocated",
+}
+"""A turn's figures read from the server's /metrics (0 where it has none, as on the CPU), by the
+series they are the difference of: device allocations, allocations retried after the allocator
+freed its cache, kernel variants built (each a compile, or a load from Triton's cache, in the middle
+of the turn) and the host tier's memory (pinned on CUDA: its pages touched and registered)."""
+
+
+def process_use(server: Served) -> dict[str, float]:
     """The server process's user and system CPU seconds and minor page faults so far, all threads
     (Linux's /proc/PID/stat): a turn that faults in memory the machine never used before (a
-    virtual machine's memory is backed on first touch) spends it as system time. Then its device
-    allocations, allocation retries and kernel variants built (/metrics; 0 on the CPU) and its host
-    tier's bytes allocated."""
+    virtual machine's memory is backed on first touch) spends it as system time; then USE_METRICS."""
     fields = Path(f"/proc/{server.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
     tick = os.sysconf("SC_CLK_TCK")
-    device = samples(
-        server,
-        "device_mallocs_total",
-        "device_alloc_retries_total",
-        "kernel_variants_built_total",
-        "host_tier_bytes_allocated",
-    )
-    return int(fields[11]) / tick, int(fields[12]) / tick, int(fields[7]), *device
+    use = {"server_user_s": int(fields[11]) / tick, "server_system_s": int(fields[12]) / tick,
+           "server_minor_faults": int(fields[7])}  # fmt: skip
+    return use | dict(zip(USE_METRICS, samples(server, *USE_METRICS.values()), strict=True))
 
 
-def use_figures(before: tuple[float, ...], after: tuple[float, ...]) -> dict:
-    """A turn's share of the server's CPU (user and system seconds, minor page faults), of its
-    device allocator (allocations made, and retried after freeing its cache), the kernel variants
-    it built (each a compile, or a load from Triton's cache, in the middle of the turn) and the host
-    memory its host tier allocated (pinned on CUDA: its pages touched and registered)."""
-    user, system, faults, mallocs, retries, built, host = (a - b for a, b in zip(after, before, strict=True))
-    return {"server_user_s": user, "server_system_s": system, "server_minor_faults": int(faults),
-            "device_mallocs": int(mallocs), "device_alloc_retries": int(retries),
-            "kernel_variants_built": int(built), "host_tier_grown_bytes": int(host)}  # fmt: skip
+def use_figures(before: dict[str, float], after: dict[str, float]) -> dict:
+    """A turn's share of what `process_use` counts: seconds as they are, counts and bytes whole."""
+    return {k: after[k] - before[k] if k.endswith("_s") else int(after[k] - before[k]) for k in after}
 
 
 def prefill_steps(server: Served, since: tuple[int, int] = (0, 0)) -> tuple[int, int]:
