@@ -330,7 +330,8 @@ class Grid:
         trial redone)."""
         if not self.results.exists():
             return []
-        lines = self.results.read_text().splitlines()
+        text = self.results.read_text()
+        lines = text.splitlines()
         rows = []
         for line in lines:
             try:
@@ -339,7 +340,7 @@ class Grid:
                 continue
             if isinstance(row, dict) and all(isinstance(row.get(k), int | float) for k in ROW_FIELDS):
                 rows.append(row)
-        if len(rows) != len(lines) or not self.results.read_text().endswith("\n"):
+        if len(rows) != len(lines) or not text.endswith("\n"):
             self.results.write_text("".join(json.dumps(r) + "\n" for r in rows))
         return rows
 
