@@ -296,6 +296,39 @@ def test_requests_in_flight_have_host_memory_pinned_for_all_their_snapshots(lm, 
         assert server._staging == 0
 
 
+def test_a_burst_while_the_last_bursts_snapshots_wait_for_the_disk_grows_no_second_staging_room(
+    lm, tmp_path, monkeypatch
+) -> None:
+    """MAX_UNSAVED conversations over distinct documents stage their snapshots and their writes are
+    held; their next turns come while those still wait. No more than MAX_UNSAVED snapshots are
+    staged at once, so the room the first turns grew the host tier for is all the second turns
+    will stage into: the tier does not grow again (pinning, page by page, memory no snapshot uses)."""
+    from kvflash.serve.server import MAX_UNSAVED
+
+    release = hold_writes(monkeypatch)
+    docs = [f"Ledger {i}. " + DOC * 12 for i in range(MAX_UNSAVED)]
+    convs = [[{"role": "system", "content": d}, {"role": "user", "content": "Who built it?"}] for d in docs]
+    with serving(lm, tmp_path / "store", max_tokens=2) as (url, server):
+        host = server.scheduler.engine.host
+        try:
+            with ThreadPoolExecutor(len(convs)) as pool:
+                answers = list(pool.map(lambda c: ask(url, c).choices[0].message.content, convs))
+            assert until(lambda: server.unsaved == MAX_UNSAVED and not server._staging)
+            assert until(lambda: not host._growing)
+            grown = host.n_allocated
+            for conv, answer in zip(convs, answers, strict=True):
+                conv += [{"role": "assistant", "content": answer}, {"role": "user", "content": "And when?"}]
+            with ThreadPoolExecutor(len(convs)) as pool:
+                again = list(pool.map(lambda c: ask(url, c).usage, convs))
+            assert all(u.prompt_tokens_details.cached_tokens > 0 for u in again)
+            assert until(lambda: not server._staging and not host._growing)
+            assert host.n_allocated == grown, (grown, host.n_allocated, [u.prompt_tokens for u in again])
+        finally:
+            release.set()
+        caught_up(server)
+        assert server._staged_slots == 0
+
+
 def test_streamed_deltas_make_the_whole_answer(lm) -> None:
     with serving(lm, None, max_tokens=24) as (url, _):
         whole = ask(url, TURN1)

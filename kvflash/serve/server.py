@@ -170,6 +170,9 @@ class Server:
         """Staged snapshots not yet written (at most MAX_UNSAVED)."""
         self._staging = 0
         """Host slots the requests in flight will stage their snapshots in (`_promise_host`)."""
+        self._staged_slots = 0
+        """Host slots the staged snapshots not yet written copied their chunks into
+        (`StagedSnapshot.taken`): staging room that their writes give back."""
         self._deferred: OrderedDict[str, Deferred] = OrderedDict()
         """Label -> answers not staged while MAX_UNSAVED waited, oldest first; a conversation's newer
         answer replaces its older one."""
@@ -324,27 +327,33 @@ class Server:
             self.metrics.saves.labels("failed").inc()
             self._saved()
             raise
+        with self._counts:
+            self._staged_slots += staged.taken
         try:
             self._saver.submit(self._save, staged, label, prompt_tokens)
         except BaseException:  # the saver has stopped: the staged copy's host slots come back
-            self._saved()
             staged.release()
+            self._saved(staged)
             raise
 
     def _promise_host(self, chunks: int) -> None:
         """Counts the host slots that requests in flight will stage their snapshots in (`chunks`
         more, or fewer once one has staged) and has the host tier pin memory for them ahead, up to
-        MAX_UNSAVED snapshots of this size (no more are staged at once): pinning for each request's
-        own chunks alone would leave concurrent requests staging into a tier without free slots,
-        whose chunks are then copied on the scheduler's thread."""
+        MAX_UNSAVED snapshots of this size: pinning for each request's own chunks alone would leave
+        concurrent requests staging into a tier without free slots, whose chunks are then copied on
+        the scheduler's thread. No more than MAX_UNSAVED are staged at once, so the slots of those
+        staged and not yet written are part of that room, not beside it: the next burst of requests
+        stages as their writes give them back, and a tier grown for two rooms would pin a second
+        one (touching every page beside the burst's first tokens) that is never used."""
         if not chunks:
             return
         with self._counts:
             self._staging += chunks
             want = min(self._staging, MAX_UNSAVED * chunks)
+            staged = self._staged_slots
         if chunks > 0:
             host = self.scheduler.engine.host
-            host.reserve(host.n_used + want)
+            host.reserve(host.n_used - staged + want)
 
     def readings(self) -> dict[str, tuple[str, str, float]]:
         """The engine's and the scheduler's state for /metrics: name -> (type, help, value)."""
@@ -411,9 +420,11 @@ class Server:
                 heap.trim()
                 trimmed_at = steps
 
-    def _saved(self) -> None:
+    def _saved(self, staged: StagedSnapshot | None = None) -> None:
+        """A staged snapshot (or a place taken for one) is written, failed or dropped."""
         with self._counts:
             self.unsaved -= 1
+            self._staged_slots -= staged.taken if staged is not None else 0
             behind = bool(self._deferred)
         if behind and not self._closing.is_set():
             self.scheduler.call(self._catch_up)
@@ -446,7 +457,7 @@ class Server:
             self.metrics.saves.labels("failed").inc()
             warnings.warn(f"could not save the snapshot: {e}", stacklevel=2)
         finally:
-            self._saved()
+            self._saved(staged)
 
 
 class ContextTooLong(KVFlashError):

@@ -81,6 +81,9 @@ class StagedSnapshot:
     host: HostTier | None = None
     held: list[int] = field(default_factory=list)
     copied: torch.cuda.Event | None = None
+    taken: int = 0
+    """Host slots taken from the tier's free ones to copy chunks into (of `held`): the room a
+    server's staging uses, which comes back when the snapshot is written."""
 
     def ready(self) -> None:
         """Waits for the copies in flight (on the thread that writes the snapshot)."""
@@ -357,6 +360,7 @@ def _host_copies(kv: PagedKV, indices: range, staged: StagedSnapshot) -> dict[in
     resident = [i for i in indices if i not in out and kv.seq.chunks[i].gpu is not None]
     slots, staged.copied = host.copy_out([kv.seq.chunks[i].gpu for i in resident])
     staged.held += slots
+    staged.taken = len(slots)
     for i, h in zip(resident, slots, strict=False):
         out[i] = h
         if (key := kv.seq.chunks[i].key) is not None:
