@@ -3,12 +3,15 @@
 The default heuristics in kvflash/kernels/triton_decode.py come from this sweep
 (docs/BENCHMARKS.md). Each setting is timed as bench/kernel_speed.py times decode (CUDA graph replay
 over enough distinct KV to defeat L2) and reported as a share of the device copy bandwidth measured
-in the same run. A setting is (merge, block tokens, warps, stages, waves, kv-heads): merge `fused`
-has the last split to finish merge the partials in the same launch, `2k` runs a second combine
-kernel; waves sets the split count through `decode_splits`; kv-heads is what one program serves
-(`decode_heads`, or a count: `--heads rule 1 2` times an fp8 pool's stacked heads against one and
-two a program). Each shape also times both merges at their own defaults, and the JSON is rewritten after
-every shape, so a run cut short keeps what it measured.
+in the same run. A setting is (merge, block tokens, warps, stages, waves, kv-heads, registers):
+merge `fused` has the last split to finish merge the partials in the same launch, `2k` runs a
+second combine kernel; waves sets the split count through `decode_splits`; kv-heads is what one
+program serves (`decode_heads`, or a count: `--heads rule 1 2` times an fp8 pool's stacked heads
+against one and two a program); registers caps a thread's (`--max-registers rule 168`: as many
+as the compiler takes against 168, which lets a program of 198 share its SM with two more;
+bench/kernel_sass.py counts programs an SM without a GPU). Each shape also times both merges at
+their own defaults, and the JSON is rewritten after every shape, so a run cut short keeps what it
+measured.
 
     python -m bench.decode_tune --out out/decode_tune.json
     # fused against two-kernel at the rule's tiles, batch 1-16, 8K-256K:
@@ -49,9 +52,9 @@ SHAPES = [("SmolLM2", ctx, b) for ctx in (65536, 262144) for b in (1, 4)] + [
 """The default shapes: long context at small batch, where the launch settings matter."""
 MERGES = {"fused": True, "2k": False}
 
-Setting = tuple[str, int | None, int, int | None, float, int | None]
-"""(merge, block tokens, warps, stages, waves, kv-heads a program); block and stages None: the rule's
-(`decode_launch`), kv-heads None: `decode_heads`'."""
+Setting = tuple[str, int | None, int, int | None, float, int | None, int | None]
+"""(merge, block tokens, warps, stages, waves, kv-heads a program, registers a thread at most);
+block, stages and registers None: the rule's (`decode_launch`), kv-heads None: `decode_heads`'."""
 
 
 def default_setting(merge: str, head_dim: int, batch: int, rule: bool, kv_bytes: int = 2) -> Setting:
@@ -63,6 +66,7 @@ def default_setting(merge: str, head_dim: int, batch: int, rule: bool, kv_bytes:
         launch.warps,
         None if rule else launch.stages,
         launch.waves,
+        None,
         None,
     )
 
@@ -84,13 +88,13 @@ def shape_timer(model: str, context: int, batch: int, fp8: bool = False):
     timed: dict[tuple, float] = {}
 
     def rate(setting: Setting) -> tuple[int, float]:
-        merge, block, warps, stages, waves, heads = setting
+        merge, block, warps, stages, waves, heads, regs = setting
         launch = decode_launch(d, batch, kv_bytes)
         block, stages = block or launch.block_tokens, stages or launch.stages
         heads, _, splits = decode_grid(pool, batch, hq, n, False, q.device, block, heads, waves)
         kw = dict(
             fused=MERGES[merge], n_splits=splits, block_tokens=block, num_warps=warps, num_stages=stages,
-            heads=heads,
+            heads=heads, max_registers=regs or launch.max_registers,
         )  # fmt: skip
         key = tuple(kw.values())
         if key not in timed:  # several waves can give the same split count
@@ -113,9 +117,9 @@ def shape_timer(model: str, context: int, batch: int, fp8: bool = False):
 
 
 def show(setting: Setting) -> str:
-    """block/warps/stages/waves/kv-heads, `-` where the rule decides."""
-    _, block, warps, stages, waves, heads = setting
-    return f"{block or '-'}/{warps}/{stages or '-'}/{waves:g}/{heads or '-'}"
+    """block/warps/stages/waves/kv-heads/registers, `-` where the rule decides."""
+    _, block, warps, stages, waves, heads, regs = setting
+    return f"{block or '-'}/{warps}/{stages or '-'}/{waves:g}/{heads or '-'}/{regs or '-'}"
 
 
 def main() -> None:
@@ -135,6 +139,10 @@ def main() -> None:
         "--heads", nargs="+", default=["rule"],
         help="kv-heads a program: `rule` (decode_heads') or a count that divides the model's (fp8 only)",
     )  # fmt: skip
+    ap.add_argument(
+        "--max-registers", nargs="+", default=["rule"],
+        help="registers a thread at most (maxnreg): `rule` (decode_launch's) or a count",
+    )  # fmt: skip
     args = ap.parse_args()
     if args.contexts or args.batches:
         shapes = list(itertools.product(args.models, args.contexts or CONTEXTS, args.batches or [1, 4]))
@@ -142,7 +150,8 @@ def main() -> None:
         shapes = [s for s in SHAPES if s[0] in args.models]
     blocks, stages = ([None], [None]) if args.rule else (args.blocks, args.stages)
     heads = [None if h == "rule" else int(h) for h in args.heads]
-    sweep = list(itertools.product(args.merge, blocks, args.warps, stages, args.waves, heads))
+    regs = [None if r == "rule" else int(r) for r in args.max_registers]
+    sweep = list(itertools.product(args.merge, blocks, args.warps, stages, args.waves, heads, regs))
     copy = copy_bandwidth()
     rows = []
     kv_bytes = 1 if args.fp8 else DTYPE.itemsize
@@ -168,7 +177,7 @@ def main() -> None:
     for m in args.merge:
         t.add_column(f"{m} default")
         t.add_column(f"{m} best")
-        t.add_column(f"{m} at block/warps/stages/waves/kv-heads (splits)")
+        t.add_column(f"{m} at block/warps/stages/waves/kv-heads/registers (splits)")
     for model, ctx, b in shapes:
         mine = {r["setting"]: r for r in rows if (r["model"], r["context"], r["batch"]) == (model, ctx, b)}
         cells = [model, str(ctx), str(b), f"{mine.pop('sdpa')['gbps'] / copy:.1%}"]

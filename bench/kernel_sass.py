@@ -75,6 +75,10 @@ class Loop:
     registers: int
     shared_bytes: int
     """Shared memory the kernel allocates."""
+    programs_per_sm: int
+    """Programs an SM holds at once, as its registers and shared memory allow (`resident`)."""
+    spills: int
+    """Local-memory loads and stores in the loop (registers spilled), per warp and tile."""
     instructions: int
     """In the loop, per warp and tile."""
     instructions_per_kib: float
@@ -92,9 +96,12 @@ def _pool(model: str, kv: str) -> torch.Tensor:
     return torch.zeros(2, 2, 2, h_kv, CHUNK + fp8, d, dtype=FP8 if fp8 else torch.bfloat16)
 
 
-def decode_loop(model: str, kv: str, warps: int, stages: int, stack: bool) -> tuple[Loop, list[str]]:
+def decode_loop(
+    model: str, kv: str, warps: int, stages: int, stack: bool, max_registers: int | None = None
+) -> tuple[Loop, list[str]]:
     """The decode launcher's own launch at this shape, 64-token tiles, these warps and stages;
-    `stack` lets the program serve the kv-heads `decode_heads` gives it (else one)."""
+    `stack` lets the program serve the kv-heads `decode_heads` gives it (else one);
+    `max_registers` caps the registers a thread (the launch's maxnreg)."""
     d, group, h_kv = SHAPES[model]
     q = torch.zeros(BATCH, h_kv * group, d, dtype=torch.bfloat16)
     table = torch.zeros(BATCH, CONTEXT // CHUNK, dtype=torch.int32)
@@ -102,7 +109,7 @@ def decode_loop(model: str, kv: str, warps: int, stages: int, stack: bool) -> tu
     with launches_as_on_hopper() as launches:
         triton_decode.paged_decode_attention(
             q, _pool(model, kv), 1, table, listed, listed, d**-0.5, fused=True, block_tokens=CHUNK,
-            num_warps=warps, num_stages=stages, heads=None if stack else 1,
+            num_warps=warps, num_stages=stages, heads=None if stack else 1, max_registers=max_registers,
         )  # fmt: skip
     return measure("decode", model, kv, launches[0])
 
@@ -134,10 +141,25 @@ def measure(kernel_name: str, model: str, kv: str, launch: Launch) -> tuple[Loop
     loop = _loop(sass.stdout)
     tile_kv = 2 * CHUNK * d * heads * (1 if kv == "fp8" else 2)
     traffic = _shared_traffic(loop, warps)
-    regs = re.search(r"REG:(\d+)", usage.stdout)
-    return Loop(kernel_name, model, kv, warps, stages, heads, int(regs.group(1)) if regs else -1,
-                kernel.metadata.shared, len(loop), len(loop) * 1024 / tile_kv, _families(loop), traffic,
-                sum(traffic.values()) / tile_kv), loop  # fmt: skip
+    regs = int(m.group(1)) if (m := re.search(r"REG:(\d+)", usage.stdout)) else -1
+    spills = sum(_opcode(ln).startswith(("LDL", "STL")) for ln in loop)
+    return Loop(kernel_name, model, kv, warps, stages, heads, regs, kernel.metadata.shared,
+                resident(regs, kernel.metadata.shared, warps), spills, len(loop), len(loop) * 1024 / tile_kv,
+                _families(loop), traffic, sum(traffic.values()) / tile_kv), loop  # fmt: skip
+
+
+SM_REGISTERS = 65536
+SM_SHARED = 233472
+"""An sm_90 SM's register file (32-bit registers) and shared memory (228 KiB, of which each resident
+program also takes 1 KiB for the system)."""
+
+
+def resident(registers: int, shared: int, warps: int) -> int:
+    """Programs of this kernel an sm_90 SM holds at once: registers are allocated a warp at a time
+    in units of 256, at most 32 programs and 64 warps an SM."""
+    per_warp = -(-registers * 32 // 256) * 256
+    by_regs = SM_REGISTERS // (per_warp * warps) if registers > 0 else 32
+    return min(by_regs, SM_SHARED // (shared + 1024), 32, 64 // warps)
 
 
 _ADDR = re.compile(r"\s+/\*([0-9a-f]{4,})\*/")
@@ -213,6 +235,10 @@ def main() -> None:
         "--stack", nargs="+", choices=["rule", "one"], default=["rule"],
         help="kv-heads a program: the launcher's (decode_heads), or one",
     )  # fmt: skip
+    ap.add_argument(
+        "--max-registers", type=int, nargs="+", default=[0],
+        help="decode: cap the registers a thread (maxnreg) at each of these (0: uncapped)",
+    )  # fmt: skip
     ap.add_argument("--dump", action="store_true", help="also write each loop's SASS")
     ap.add_argument("--out", default="out/kernel_sass")
     args = ap.parse_args()
@@ -226,21 +252,25 @@ def main() -> None:
                     for stack in [s for s in ("rule", "one") if s in args.stack]:
                         if stack == "one" and "rule" in args.stack and measured[-1][0].heads == 1:
                             continue  # the rule's row serves one kv-head already
-                        measured.append(decode_loop(model, kv, warps, args.stages, stack == "rule"))
+                        for regs in args.max_registers:
+                            loop = decode_loop(model, kv, warps, args.stages, stack == "rule", regs or None)
+                            measured.append(loop)
             if "prefill" in args.kernels:
                 measured.append(prefill_loop(model, kv))
     rows = [loop for loop, _ in measured]
     if args.dump:
         for r, sass in measured:
-            (out / f"{r.kernel}-{r.model}-{r.kv}-{r.warps}w-{r.heads}h.sass").write_text("\n".join(sass))
+            name = f"{r.kernel}-{r.model}-{r.kv}-{r.warps}w-{r.heads}h-{r.registers}r.sass"
+            (out / name).write_text("\n".join(sass))
     table = Table(title=f"main loops per 64-token tile, sm_90, Triton {triton.__version__}")
-    for col in ("kernel", "model", "KV", "warps", "kv-heads", "regs", "instructions a warp", "a KV KiB",
-                "shared bytes a tile", "a KV byte"):  # fmt: skip
+    for col in ("kernel", "model", "KV", "warps", "kv-heads", "regs", "programs an SM", "spills a tile",
+                "instructions a warp", "a KV KiB", "shared bytes a tile", "a KV byte"):  # fmt: skip
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(r.kernel, r.model, r.kv, str(r.warps), str(r.heads), str(r.registers),
-                      str(r.instructions), f"{r.instructions_per_kib:.0f}",
-                      f"{sum(r.shared_traffic.values()):,}", f"{r.traffic_per_kv_byte:.1f}")  # fmt: skip
+                      str(r.programs_per_sm), str(r.spills), str(r.instructions),
+                      f"{r.instructions_per_kib:.0f}", f"{sum(r.shared_traffic.values()):,}",
+                      f"{r.traffic_per_kv_byte:.1f}")  # fmt: skip
     Console().print(table)
     meta = {"triton": triton.__version__, "target": "sm_90", "decode_stages": args.stages}
     write_json(out / "kernel_sass.json", {"meta": meta, "rows": [asdict(r) for r in rows]})
@@ -258,7 +288,9 @@ def plot(rows: list[Loop], path: Path) -> None:
                  * r.traffic_per_kv_byte for r in rows]  # fmt: skip
         ax.bar(range(len(rows)), share, bottom=bottom, label=kind)
         bottom = [b + s for b, s in zip(bottom, share, strict=True)]
-    ax.set_xticks(range(len(rows)), [f"{r.kernel} {r.model}\n{r.kv} {r.warps}w {r.heads}h" for r in rows])
+    ax.set_xticks(
+        range(len(rows)), [f"{r.kernel} {r.model}\n{r.kv} {r.warps}w {r.heads}h {r.registers}r" for r in rows]
+    )
     ax.set_ylabel("shared-memory bytes a KV byte")
     ax.legend(fontsize=8)
     fig.tight_layout()

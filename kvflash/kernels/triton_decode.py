@@ -583,6 +583,9 @@ class Launch(NamedTuple):
     """The last program of each (sequence, kv-head) merges the splits, instead of a second kernel."""
     warps: int = 4
     """Warps a program."""
+    max_registers: int | None = None
+    """Registers a thread may take at most (ptxas' maxnreg), None: as many as the compiler wants.
+    Registers set how many programs an SM holds at once, and so the bytes it keeps in flight."""
 
 
 def decode_launch(head_dim: int, batch: int, kv_bytes: int = 2) -> Launch:
@@ -750,13 +753,15 @@ def paged_decode_attention(
     num_stages: int | None = None,
     pdl: bool | None = None,
     heads: int | None = None,
+    max_registers: int | None = None,
     rot: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as reference.paged_decode_attention. The keywords override `decode_launch` and
     `decode_splits` (bench/decode_tune.py sweeps them all); `fused` merges the splits in the split
     kernel (the last arrival of each (sequence, kv-head)) instead of a second kernel; `pdl` launches
     both kernels as programmatic dependent launches (`use_pdl`); `heads` is the kv-heads a program
-    serves (`decode_heads`). With `rot` [B, W, 2, D/2] fp32 the kernel walks one chunk a block,
+    serves (`decode_heads`); `max_registers` caps the split kernel's registers a thread
+    (`Launch.max_registers`). With `rot` [B, W, 2, D/2] fp32 the kernel walks one chunk a block,
     turning the query by each chunk's rotation."""
     b, hq, d = q.shape
     h_kv, c = kv_pool.shape[3], chunk_tokens(kv_pool)
@@ -829,6 +834,7 @@ def paged_decode_attention(
         HD=next_pow2(heads) * d,
         num_warps=num_warps or tuned.warps,
         num_stages=num_stages or tuned.stages,
+        maxnreg=max_registers or tuned.max_registers,
         launch_pdl=pdl,
     )
     if direct or fused:
