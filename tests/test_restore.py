@@ -264,11 +264,13 @@ DEVICES = [
 def test_a_staged_snapshot_keeps_what_it_copied_while_its_pool_slots_are_reused(
     store, device, monkeypatch
 ) -> None:
-    """A snapshot's resident chunks are staged into free host-tier slots (on CUDA without waiting for
-    the copies): the sequence freed and its pool slots overwritten right after staging, the snapshot
-    still writes the chunks' KV as staged; a chunk that already has a host copy is held, not copied;
-    and every host slot comes back once it is written. (The tiny model's heads are below the Triton
-    kernels' smallest dot, so its attention runs the twins; the copies are what is tested.)"""
+    """A snapshot's resident chunks and their summaries are staged into free host-tier slots and
+    host memory (on CUDA without waiting for the copies: staging returns while work queued before
+    it still runs): the sequence freed and its pool slots and summaries overwritten right after
+    staging, the snapshot still writes the chunks' KV and summaries as staged; a chunk that already
+    has a host copy is held, not copied; and every host slot comes back once it is written. (The
+    tiny model's heads are below the Triton kernels' smallest dot, so its attention runs the twins;
+    the copies are what is tested.)"""
     monkeypatch.setenv("KVFLASH_KERNELS", "torch")
     dev = torch.device(device)
     lm = LoadedModel(tiny_model(CFG).to(dev), None, CFG, Path("tiny"), torch.float32, dev)
@@ -281,18 +283,27 @@ def test_a_staged_snapshot_keeps_what_it_copied_while_its_pool_slots_are_reused(
     want = [kv.chunk_kv(i).cpu().clone() for i in range(n)]
     parked = kv.seq.chunks[0]
     parked.host = eng.host.page_out(parked.gpu)  # the first chunk has a host copy already
+    want_summaries = kv.seq.summaries[:n].cpu().clone()
     snaps = KVSnapshots(store, FP)
+    if device == "cuda":
+        torch.cuda._sleep(1 << 30)  # a second or so of device work queued ahead of the copies
     staged = snaps.stage(kv)
     assert parked.host in staged.held and len(staged.held) == n and eng.host.n_used == used + n
     key = kv.seq.chunks[1].key
     assert key is not None and eng.host.find(key) in staged.held  # a new host copy serves others too
-    assert (staged.copied is not None) == (device == "cuda")
+    assert len(staged.copied) == (2 if device == "cuda" else 0)  # the KV's and the summaries'
+    assert not any(done.query() for done in staged.copied)  # staging did not wait for them
     slots = torch.tensor([ch.gpu for ch in kv.seq.chunks[:n]], device=dev)
+    with torch.inference_mode():
+        kv.seq.summaries.fill_(float("nan"))  # queued after the copies, on the same stream
     kv.free()
-    eng.pool.kv.index_fill_(0, slots, float("nan"))  # queued after the copies, on the same stream
+    eng.pool.kv.index_fill_(0, slots, float("nan"))
     sid = snaps.put(staged, "doc")
     assert eng.host.n_used == used and not staged.held
     hashes = store.get_snapshot(sid).chunk_hashes
     got = store.read_chunks_parallel(hashes, FP, tuple(want[0].shape), want[0].dtype)
     for blob, kv_want in zip(got, want, strict=True):
         assert torch.equal(blob.kv, kv_want)
+    rows = torch.empty_like(want_summaries)
+    store.read_summaries(hashes, FP, rows)
+    assert torch.equal(rows, want_summaries)

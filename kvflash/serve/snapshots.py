@@ -73,22 +73,22 @@ class StoredSummaries:
 class StagedSnapshot:
     """A sealed prefix ready to write: its fingerprint and, in chain order, the hash of each chunk the
     store holds or a blob of each it lacks. A blob's KV is its own copy, or a host-tier slot the
-    snapshot holds a reference to until it is written (host copies are never rewritten), whose copy
-    may still be in flight until `copied` is done."""
+    snapshot holds a reference to until it is written (host copies are never rewritten); on CUDA
+    the copies, and the summaries', may still be in flight until the events of `copied` are done."""
 
     fp: str
     items: list[ChunkBlob | str]
     host: HostTier | None = None
     held: list[int] = field(default_factory=list)
-    copied: torch.cuda.Event | None = None
+    copied: list[torch.cuda.Event] = field(default_factory=list)
     taken: int = 0
     """Host slots taken from the tier's free ones to copy chunks into (of `held`): the room a
     server's staging uses, which comes back when the snapshot is written."""
 
     def ready(self) -> None:
         """Waits for the copies in flight (on the thread that writes the snapshot)."""
-        if self.copied is not None:
-            self.copied.synchronize()
+        for done in self.copied:
+            done.synchronize()
 
     def release(self) -> None:
         """Gives the held host slots back once the blobs are written or dropped (idempotent)."""
@@ -143,7 +143,10 @@ class KVSnapshots:
 
     def stage(self, kv: PagedKV) -> StagedSnapshot:
         """The sealed prefix's chain, with a copy of the KV of every chunk the store lacks: `put`
-        may then run while the sequence goes on (and its slots are reused)."""
+        may then run while the sequence goes on (and its slots are reused). On CUDA the copies of
+        resident chunks and of the summaries are queued behind the device's work, not waited for:
+        a server stages on its scheduler's thread, which would otherwise drain the device for
+        each answer that ends (the step launched ahead of its tokens' read-back included)."""
         n = kv.seq.n_sealed
         fp = self.approx_fp if kv.approximate else self.fp
         hashes = kv.chain_hashes(fp, n)
@@ -151,8 +154,8 @@ class KVSnapshots:
         items: list[ChunkBlob | str] = list(hashes[:stored])
         if stored == n:
             return StagedSnapshot(fp, items)
-        summaries = kv.seq.summaries[stored:n].to("cpu", copy=True)
         staged = StagedSnapshot(fp, items)
+        summaries = _host_copy(kv.seq.summaries[stored:n], staged)
         try:
             held = _host_copies(kv, range(stored, n), staged)
             copies = _resident_copies(kv, [i for i in range(stored, n) if i not in held])
@@ -358,8 +361,9 @@ def _host_copies(kv: PagedKV, indices: range, staged: StagedSnapshot) -> dict[in
             continue
         staged.held.append(out[i])
     resident = [i for i in indices if i not in out and kv.seq.chunks[i].gpu is not None]
-    slots, staged.copied = host.copy_out([kv.seq.chunks[i].gpu for i in resident])
+    slots, done = host.copy_out([kv.seq.chunks[i].gpu for i in resident])
     staged.held += slots
+    staged.copied += [done] if done is not None else []
     staged.taken = len(slots)
     for i, h in zip(resident, slots, strict=False):
         out[i] = h
@@ -367,6 +371,19 @@ def _host_copies(kv: PagedKV, indices: range, staged: StagedSnapshot) -> dict[in
             host.publish(key, h)
     if len(slots) < len(resident):  # room for the next snapshot, allocated in the background
         host.reserve(host.n_used + len(resident) - len(slots))
+    return out
+
+
+def _host_copy(src: torch.Tensor, staged: StagedSnapshot) -> torch.Tensor:
+    """A host copy of a device tensor that the caller does not wait for: on CUDA, into pinned memory
+    behind the stream's work, with an event in `staged.copied` for the writer to wait on."""
+    if src.device.type != "cuda":
+        return src.to("cpu", copy=True)
+    out = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+    out.copy_(src, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(src.device))
+    staged.copied.append(done)
     return out
 
 
