@@ -143,10 +143,11 @@ class KVSnapshots:
 
     def stage(self, kv: PagedKV) -> StagedSnapshot:
         """The sealed prefix's chain, with a copy of the KV of every chunk the store lacks: `put`
-        may then run while the sequence goes on (and its slots are reused). On CUDA the copies of
-        resident chunks and of the summaries are queued behind the device's work, not waited for:
-        a server stages on its scheduler's thread, which would otherwise drain the device for
-        each answer that ends (the step launched ahead of its tokens' read-back included)."""
+        may then run while the sequence goes on (and its slots are reused). On CUDA the summaries'
+        copy, and the copies of resident chunks into free host-tier slots, are queued behind the
+        device's work, not waited for: a server stages on its scheduler's thread, which would
+        otherwise drain the device for each answer that ends (the step launched ahead of its
+        tokens' read-back included). Chunks the tier has no free slot for are copied at once."""
         n = kv.seq.n_sealed
         fp = self.approx_fp if kv.approximate else self.fp
         hashes = kv.chain_hashes(fp, n)
