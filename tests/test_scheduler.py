@@ -144,6 +144,27 @@ def test_the_scheduler_answers_each_request_as_it_is_answered_alone(lm) -> None:
     assert sched.engine.pool.n_free == sched.engine.pool.n_slots  # close freed every sequence
 
 
+def test_a_prefill_step_reads_its_pieces_first_tokens_where_it_counts_its_wait(lm) -> None:
+    """A step of prefill pieces reads back its pieces' greedy first tokens at once, with its decode
+    tokens, inside what it reports as its wait for the device (`StepTime.waited`): each request
+    that ends its prompt there is handed its first token as read, not left to read its own row."""
+    sched = Scheduler(engine(lm), None, frozenset(), max_batch=4, sequence_tokens=128)
+    handed: list[int | None] = []
+    filled = sched._filled
+
+    def spy(job, piece, logits, argmax=None) -> None:
+        if piece.final:
+            handed.append(argmax)
+        filled(job, piece, logits, argmax)
+
+    sched._filled = spy
+    try:
+        run_jobs(sched, [prompt(30, 1), prompt(40, 2), prompt(70, 3)], 2)
+    finally:
+        sched.close()
+    assert len(handed) == 3 and all(isinstance(t, int) for t in handed)
+
+
 def test_running_requests_decode_between_the_pieces_of_a_long_prefill(lm) -> None:
     """A request decoding when a long prompt arrives finishes before that prompt's first token: the
     long prefill goes one 32-token piece per round (8 of them), the short answer one token a round."""

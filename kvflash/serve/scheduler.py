@@ -77,9 +77,9 @@ class StepTime:
     seconds: float
     """From the step's planning to its tokens handed on: what one step costs the running answers."""
     waited: float
-    """Of it, the thread's wait for the device to give back decode tokens (of this step or, ahead,
-    the one before): in a decode step the host's share is the rest. A piece's first token is read
-    where the piece is handled, uncounted."""
+    """Of it, the thread's wait for the device to give back the step's tokens (the decode tokens of
+    this step or, ahead, the one before; the greedy first tokens of its pieces): the host's share
+    is the rest."""
 
 
 class SchedulerDown(KVFlashError):
@@ -486,11 +486,12 @@ class Scheduler:
             return kind
         t0 = time.perf_counter()
         argmax = decoded.argmax(-1).tolist() if running else []  # greedy jobs' tokens in one read
+        firsts = filled.argmax(-1).tolist() if planned else []  # and the pieces' greedy first tokens
         self._waited += time.perf_counter() - t0
         rows = zip(running, decoded if running else [], argmax, strict=True)
         self._running = [j for j, row, top in rows if self._choose(j, row, top)]
-        for (job, piece), row in zip(planned, filled, strict=True):
-            self._filled(job, piece, row)
+        for (job, piece), row, top in zip(planned, filled, firsts, strict=True):
+            self._filled(job, piece, row, top)
         return kind
 
     def _plan_pieces(self) -> list[tuple[Job, Piece]]:
@@ -590,9 +591,10 @@ class Scheduler:
             return
         self._filled(job, piece, row)
 
-    def _filled(self, job: Job, piece: Piece, logits: torch.Tensor) -> None:
-        """A piece of the job's prefill ran; after its last the job samples its first token and
-        decodes from the next step on (unless its answer ended there, or it failed)."""
+    def _filled(self, job: Job, piece: Piece, logits: torch.Tensor, argmax: int | None = None) -> None:
+        """A piece of the job's prefill ran; after its last the job samples its first token (a
+        greedy job takes `argmax`, read back with the step's others) and decodes from the next step
+        on (unless its answer ended there, or it failed)."""
         job.prefill.ran(piece)
         if not piece.final:
             return
@@ -604,7 +606,7 @@ class Scheduler:
                 self._failed(job, e)
                 return
             job.gen = Generation(job.max_tokens, sampler, self.stop_ids, job.on_token, job.min_tokens, job.t0)
-        going = self._advance(job, logits)  # held as filling meanwhile: a loop that dies answers it
+        going = self._advance(job, logits, argmax)  # held as filling meanwhile: a loop that dies answers it
         self._filling.remove(job)
         if going:
             self._running.append(job)
