@@ -323,6 +323,36 @@ def test_a_mixed_step_computes_what_its_parts_compute_alone(lm, monkeypatch) -> 
     assert cos.min() > 0.995 and agree >= 0.9, (cos.tolist(), agree)
 
 
+def test_pieces_mixed_steps_and_decode_steps_that_seal_chunks_never_wait_for_the_device(lm) -> None:
+    """The host plans and launches a step while the steps before it still run: a mixed step (decode
+    rows beside two pieces), a lone piece and batched decode steps through a chunk boundary (each
+    sequence seals a chunk) run under torch's sync debug mode, which raises at any wait for the
+    stream (`torch.tensor(values, device=cuda)` was one: a copy that ends in a stream sync)."""
+    eng = Engine(lm, EngineConfig(pool_tokens=16384, residency=ResidencyConfig()))
+    decoding = [eng.new_sequence(4096) for _ in range(2)]
+    for kv, n in zip(decoding, (600, 1500), strict=True):
+        eng.prefill(kv, _prompt(lm, n)[0])
+    plans = [eng.plan_prefill(eng.new_sequence(4096), _prompt(lm, n)[0]) for n in (300, 1200)]
+    tokens = [1000, 2000]
+    eng.decode_batch(decoding, tokens)  # the batch's graphs captured before (a capture waits)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pieces = [p.next(128) for p in plans]
+        eng.forward(decoding, tokens, pieces)
+        for p, piece in zip(plans, pieces, strict=True):
+            p.ran(piece)
+        piece = plans[1].next(128)
+        eng.forward([], [], [piece])
+        plans[1].ran(piece)
+        sealed = [kv.seq.n_sealed for kv in decoding]
+        for _ in range(eng.cfg.residency.chunk_tokens + 1):
+            eng.decode_batch(decoding, tokens)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(kv.seq.n_sealed > n for kv, n in zip(decoding, sealed, strict=True))
+
+
 def test_a_parked_conversation_continues_from_the_host_tier_on_cuda(lm) -> None:
     """Chats kept live, then a long prompt that needs the pool: the older chats are parked in the
     host tier with their summaries cut to a row per chunk (on the device), a chat shorter than a

@@ -18,6 +18,7 @@ from kvflash import kernels
 from kvflash.engine.decode_staging import DECODE_FIELDS, Staged
 from kvflash.engine.paged_kv import PagedKV
 from kvflash.engine.sequence import UNKNOWN
+from kvflash.engine.to_device import on_device
 
 PAD_FIELDS = (0, 0, None, 0, 1, 1)
 """A pad row's decode inputs: token 0 at position 0, written to the pool's pad slot, which it lists
@@ -110,8 +111,8 @@ class BatchKV:
             return self._ins.device[0], self._ins.device[1]
         dev = self.seqs[0].device
         tokens, positions = self._host_inputs
-        ids = self._fed if self._fed is not None else torch.tensor(tokens, device=dev)
-        return ids, torch.tensor(positions, device=dev)
+        ids = self._fed if self._fed is not None else on_device(tokens, torch.long, dev)
+        return ids, on_device(positions, torch.long, dev)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if not self.joint:

@@ -21,6 +21,7 @@ from kvflash.engine.host_tier import HostTier
 from kvflash.engine.paged_kv import PagedKV
 from kvflash.engine.pool import ChunkPool, slots_for
 from kvflash.engine.step import MixedKV, Piece, Prefill
+from kvflash.engine.to_device import on_device
 from kvflash.models.loader import LoadedModel
 
 WARM_PIECES = (24, 48, 100)
@@ -198,14 +199,25 @@ class Engine:
         ids, positions = self._inputs(piece)
         with torch.inference_mode():
             for _ in range(piece.kv.cfg.scout_rounds):
-                piece.kv.begin(ids, positions, scout=True)
+                piece.kv.begin_ids(piece.ids, piece.start, scout=True)
                 self.lm.model.compute(ids, positions, piece.kv)
                 piece.kv.end()
+
+    @torch.inference_mode()
+    def _alone(self, piece: Piece) -> torch.Tensor:
+        """A lone piece's step, its logits after its last id [1, V]. Its ids are known on the host,
+        so its sequence plans the step from them (`begin_ids`) instead of reading the device's
+        copy back, which would wait for every step launched before it."""
+        ids, positions = self._inputs(piece)
+        piece.kv.begin_ids(piece.ids, piece.start)
+        logits = self.lm.model.compute(ids, positions, piece.kv)
+        piece.kv.end()
+        return logits
 
     def _inputs(self, piece: Piece) -> tuple[torch.Tensor, torch.Tensor]:
         """A lone piece's ids and positions [T] on the device."""
         dev = self.lm.device
-        return torch.tensor(piece.ids, device=dev), torch.arange(
+        return on_device(piece.ids, torch.long, dev), torch.arange(
             piece.start, piece.start + len(piece.ids), device=dev
         )
 
@@ -220,7 +232,7 @@ class Engine:
         if not pieces:
             return self.decode_batch(seqs, tokens), self._no_logits
         if not seqs and len(pieces) == 1:
-            return None, self.lm.model(*self._inputs(pieces[0]), pieces[0].kv)
+            return None, self._alone(pieces[0])
         with torch.inference_mode():
             mixed = MixedKV(self._batch(seqs) if seqs else None, pieces)
             ids, positions, rows = mixed.begin(tokens)

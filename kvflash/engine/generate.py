@@ -10,6 +10,7 @@ from math import inf
 
 import torch
 
+from kvflash.engine.to_device import on_device
 from kvflash.kvcache import KVCache
 from kvflash.models.llama import LlamaForCausalLM
 
@@ -60,7 +61,7 @@ def eager_step(model: LlamaForCausalLM, kv: KVCache) -> Step:
     device = model.lm_head.weight.device
 
     def step(token: int, position: int) -> torch.Tensor:
-        ids, pos = torch.tensor([token], device=device), torch.tensor([position], device=device)
+        ids, pos = on_device([token], torch.long, device), on_device([position], torch.long, device)
         return model(ids, pos, kv)[0]
 
     return step
@@ -104,7 +105,7 @@ class Generation:
         greedy = argmax is not None and self.sampler.greedy
         if self.holds_stops and not (greedy and argmax not in self.stop_ids):
             assert logits is not None, "a stop id chosen before min_tokens needs the logits"
-            stops = torch.tensor(sorted(self.stop_ids), dtype=torch.long, device=logits.device)
+            stops = on_device(sorted(self.stop_ids), torch.long, logits.device)
             logits, greedy = logits.index_fill(-1, stops, -inf), False
         tok = argmax if greedy else self.sampler(logits)
         return None if tok in self.stop_ids else tok

@@ -23,6 +23,7 @@ from kvflash.engine.residency import Selector, pin_chunks
 from kvflash.engine.scoring import ChunkScorer
 from kvflash.engine.sequence import UNKNOWN, Chunk, Sequence
 from kvflash.engine.step_plan import Listing, StepPlan
+from kvflash.engine.to_device import on_device
 from kvflash.kvcache import sdpa
 from kvflash.storage import ROOT_HASH, chain_hashes
 
@@ -162,9 +163,9 @@ class PagedKV:
         queries and writes nothing the sequence keeps (`end`)."""
         self._begin(input_ids.tolist(), int(positions[0]), positions.numel(), scout=scout)
 
-    def begin_ids(self, ids: list[int], start: int) -> None:
-        """`begin` for ids known on the host (a mixed step's piece): reads nothing back."""
-        self._begin(ids, start, len(ids))
+    def begin_ids(self, ids: list[int], start: int, scout: bool = False) -> None:
+        """`begin` for ids known on the host (a prefill piece): reads nothing back."""
+        self._begin(ids, start, len(ids), scout=scout)
 
     def begin_decode(self, token: int, position: int, send: bool = True) -> None:
         """`begin` for one token known on the host: reads nothing back from the device. Without `send`
@@ -201,8 +202,8 @@ class PagedKV:
             ch.last_use = self.step
         self.selector.selected()
         dev, i32, c = self.device, torch.int32, self.cfg.chunk_tokens
-        slots = torch.tensor([self.seq.chunks[i].gpu for i in order], device=dev, dtype=i32)
-        index = torch.tensor(order, device=dev, dtype=i32)
+        slots = on_device([self.seq.chunks[i].gpu for i in order], i32, dev)
+        index = on_device(order, i32, dev)
         rot = self.positions.listed(order, first, [ch.score for ch in wanted])
         key_pos = None
         if self.staging is not None:
@@ -223,7 +224,7 @@ class PagedKV:
             w_slot, w_off = self.staging.write
         else:
             pos = torch.arange(start, end, device=dev)
-            w_slot = torch.tensor([chunks[p // c].gpu for p in range(start, end)], device=dev, dtype=i32)
+            w_slot = on_device([chunks[p // c].gpu for p in range(start, end)], i32, dev)
             w_off = (pos % c).to(i32)
             if not self.uses_triton:
                 mask = listing.key_pos[None, :] <= pos[:, None]
@@ -306,7 +307,7 @@ class PagedKV:
         return self.scorer.estimated(qs, self.seq.summaries[:n], plan.cand_rot)
 
     def _seal(self, chunks: list[Chunk]) -> None:
-        slots = torch.tensor([ch.gpu for ch in chunks], device=self.device, dtype=torch.int32)
+        slots = on_device([ch.gpu for ch in chunks], torch.int32, self.device)
         summaries = kernels.chunk_summaries(self.pool.kv, slots, self.cfg.summary_blocks)
         for ch, summary in zip(chunks, summaries, strict=True):
             self.seq.set_summary(ch.index, summary)

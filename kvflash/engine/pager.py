@@ -17,6 +17,7 @@ from kvflash import kernels
 from kvflash.engine.host_tier import BLOCK_SLOTS, HostTier
 from kvflash.engine.pool import ChunkPool, summary_shape
 from kvflash.engine.sequence import Chunk
+from kvflash.engine.to_device import on_device
 
 Fetch = Callable[[list[str], list[torch.Tensor]], None]
 """Reads stored chunks (by chain hash) into host-tier slot views, in parallel."""
@@ -133,7 +134,7 @@ class Pager:
         out = torch.empty((len(chunks), *summary_shape(self.pool.cfg, blocks)), device=dev)
         on_gpu = [i for i, ch in enumerate(chunks) if ch.gpu is not None]
         if on_gpu:
-            slots = torch.tensor([chunks[i].gpu for i in on_gpu], device=dev, dtype=i32)
+            slots = on_device([chunks[i].gpu for i in on_gpu], i32, dev)
             out[on_gpu] = kernels.chunk_summaries(self.pool.kv, slots, blocks)
         on_host = [i for i, ch in enumerate(chunks) if ch.gpu is None]
         self.host.fence()  # a page-out still copying is read after it lands

@@ -17,6 +17,7 @@ import torch
 
 from kvflash import kernels
 from kvflash.config import ModelConfig, ResidencyConfig
+from kvflash.engine.to_device import on_device
 from kvflash.models.rope import inv_frequencies
 
 
@@ -40,7 +41,7 @@ class CachePositions:
         shift = [(gap_q - (i - place[i])) * c for i in order]
         if not any(shift):
             return None
-        return self._rotation(torch.tensor(shift, device=self._inv_freq.device))
+        return self._rotation(on_device(shift, torch.long, self._inv_freq.device))
 
     def layout(self, order: list[int], first: int, scores: list[float]) -> list[int]:
         """The listed chunks in the order they sit in the cache. `document`: as listed. `score`: the

@@ -20,6 +20,7 @@ from kvflash.engine.host_tier import BLOCK_SLOTS, HostTier
 from kvflash.engine.pool import ChunkPool
 from kvflash.engine.positions import rotate
 from kvflash.engine.sequence import Chunk
+from kvflash.engine.to_device import on_device
 
 SCORE_BYTES = 64 << 20
 """Logits memory one batch of chunk scoring (exact, or the summaries' estimate) may take."""
@@ -81,15 +82,15 @@ class ChunkScorer:
         gpu_batch = max(1, len(on_gpu)) if self.uses_triton else twin
         for lo in range(0, len(on_gpu), gpu_batch):
             part = on_gpu[lo : lo + gpu_batch]
-            slots = torch.tensor([ch.gpu for ch in part], device=dev, dtype=i32)
-            idx = torch.tensor([ch.index for ch in part], device=dev)
+            slots = on_device([ch.gpu for ch in part], i32, dev)
+            idx = on_device([ch.index for ch in part], torch.long, dev)
             lse[..., idx] = kernels.chunk_lse(qs, self.pool.kv, slots, _rows(rot, idx))
         for b, part in _by_block(on_host, BLOCK_SLOTS if self.uses_triton else twin):
-            slots = torch.tensor([ch.host % BLOCK_SLOTS for ch in part], device=dev, dtype=i32)
-            idx = torch.tensor([ch.index for ch in part], device=dev)
+            slots = on_device([ch.host % BLOCK_SLOTS for ch in part], i32, dev)
+            idx = on_device([ch.index for ch in part], torch.long, dev)
             lse[..., idx] = self._host_lse(qs, self.host.block(b), slots, _rows(rot, idx))
         if rest:
-            summ = summaries[torch.tensor(rest, device=dev)]
+            summ = summaries[on_device(rest, torch.long, dev)]
             for lo, hi, part in self._estimates(qs, summ, _rows(rot, rest)):
                 lse[lo:hi, ..., rest] = part
         return mass(lse).mean(0)

@@ -19,6 +19,7 @@ import torch
 from kvflash import kernels
 from kvflash.engine.batch_kv import BatchKV
 from kvflash.engine.paged_kv import PagedKV
+from kvflash.engine.to_device import on_device
 
 
 @dataclass
@@ -103,7 +104,7 @@ class PieceBatch:
             pieces,
             torch.cat([pl.write_slot for pl in plans]),
             torch.cat([pl.write_offset for pl in plans]),
-            torch.tensor(table, dtype=torch.int32).to(dev, non_blocking=True),
+            on_device(table, torch.int32, dev),
             torch.cat([pl.listing.slots for pl in plans]),
             torch.cat([pl.listing.order for pl in plans]),
             max(len(pl.ids) for pl in plans),
@@ -151,8 +152,8 @@ class MixedKV:
             rows.append(lo - 1)
         if (together := PieceBatch.of(self.pieces)) is not None:
             self._parts[len(self._parts) - len(self.pieces) :] = [(together, first, lo)]
-        host = torch.tensor([ids, pos], dtype=torch.long).to(dev, non_blocking=True)
-        rows_d = torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=True)
+        host = on_device([ids, pos], torch.long, dev)
+        rows_d = on_device(rows, torch.long, dev)
         if self.batch is None:
             return host[0], host[1], rows_d
         b_ids, b_pos = self.batch.inputs()
