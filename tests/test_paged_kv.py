@@ -96,6 +96,27 @@ def test_prefill_steps_score_only_where_the_next_step_could_evict(monkeypatch) -
     assert kv.approximate  # the step to 12 chunks evicted, with the scores of the step to 10
 
 
+def test_a_sequence_cut_back_to_chunks_computed_before_it_evicted_holds_exact_kv_again() -> None:
+    """Steps of two chunks over a budget of 10: the step to 12 chunks evicts, so the KV from chunk 10
+    on is approximate. Cut back to 11 chunks it still is; cut back to 8 it is exact again, and the
+    chunk its next step seals is named (shared with other sequences, saved as exact KV)."""
+    cfg = tiny_config()
+    model = tiny_model(cfg)
+    rc = ResidencyConfig(chunk_tokens=16, tail_chunks=2)
+    pool = ChunkPool(cfg, 24, rc.chunk_tokens, torch.float32, CPU)
+    kv = PagedKV(pool, HostTier(pool, 1 << 26), rc, 10, fingerprint="tiny", step_chunks=2)
+    for start in range(0, 12 * 16, 32):
+        model(torch.randint(0, cfg.vocab_size, (32,)), torch.arange(start, start + 32), kv)
+    assert kv.approximate and kv.exact_chunks == 10
+    assert [ch.key is not None for ch in kv.seq.chunks] == [True] * 10 + [False] * 2
+    kv.truncate(11)
+    assert kv.approximate
+    kv.truncate(8)
+    assert not kv.approximate
+    model(torch.randint(0, cfg.vocab_size, (16,)), torch.arange(128, 144), kv)
+    assert not kv.approximate and kv.seq.chunks[8].key is not None
+
+
 @pytest.mark.parametrize("policy", ["qk", "lru", "sink"])
 def test_budget_below_context_keeps_pool_memory_constant(policy: str) -> None:
     cfg = tiny_config()

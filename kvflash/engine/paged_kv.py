@@ -68,9 +68,10 @@ class PagedKV:
         named chunks are shared with every sequence whose prompt begins the same (`share`)."""
         self._unnamed: list[Chunk] = []
         """Chunks sealed by a step whose token is still on the device, named at `settle`."""
-        self.approximate = False
-        """Some step ran without every earlier chunk resident: this KV is not what the dense cache
-        computes, and is stored apart from exact KV (snapshots.APPROX_SUFFIX)."""
+        self.exact_chunks: int | None = None
+        """None while every step ran with every earlier chunk resident; else the leading whole
+        chunks computed before the first step that did not (0 for approximate KV restored): a cut
+        back to them (`truncate`) holds exact KV again."""
         self.selector = Selector(cfg, budget_chunks, step_chunks)
         self.step = 0
         self.uses_triton = kernels.uses_triton(
@@ -148,6 +149,12 @@ class PagedKV:
     def resident(self) -> list[Chunk]:
         return [c for c in self.seq.chunks if c.gpu is not None]
 
+    @property
+    def approximate(self) -> bool:
+        """Some step ran without every earlier chunk resident: this KV is not what the dense cache
+        computes, and is stored apart from exact KV (snapshots.APPROX_SUFFIX)."""
+        return self.exact_chunks is not None
+
     def load_to_host(self, chunks: list[Chunk]) -> None:
         """Brings disk-only chunks into the host tier in one parallel read (selection and prefetch)."""
         self.pager.load_to_host(chunks)
@@ -196,8 +203,8 @@ class PagedKV:
         except BaseException:
             self.listing, self.selector.dirty = None, True
             raise
-        if not scout and len(want) <= last:  # want lies in 0..last and holds first..last
-            self.approximate = True
+        if not scout and len(want) <= last and self.exact_chunks is None:  # want lies in 0..last
+            self.exact_chunks = first  # and holds first..last: this step's chunks, from `first`
         for ch in wanted:
             ch.last_use = self.step
         self.selector.selected()
@@ -363,7 +370,7 @@ class PagedKV:
                 ch.disk = h
             else:
                 ch.host = host_slots[i]
-        self.approximate = approximate
+        self.exact_chunks = 0 if approximate else None
         self.chain = (fp, list(hashes))
         if fetch is not None:
             self.pager.fetch = fetch
@@ -405,7 +412,9 @@ class PagedKV:
         """Keeps the first n_chunks chunks (sealed) and drops every later token, giving back the
         dropped chunks' slots: a prompt that shares only that prefix with this sequence reuses it.
         A kept chunk's KV depends only on the tokens before it, so it is what a prefill of the prompt
-        would compute (under the same residency); the next step selects again."""
+        would compute (under the same residency); the next step selects again. Kept chunks all
+        computed before the sequence first evicted (`exact_chunks`) hold exact KV again: its
+        snapshots are exact KV and its next chunks are named (shared) again."""
         assert n_chunks <= self.seq.n_sealed, "only whole sealed chunks can be kept"
         with self.pager.lock:  # a prefetch in flight finishes its batch first
             dropped = self.seq.chunks[n_chunks:]
@@ -415,6 +424,8 @@ class PagedKV:
             del self.seq.chunks[n_chunks:]
             del self.seq.tokens[n_chunks * self.cfg.chunk_tokens :]
             del self.chain[1][n_chunks:]
+            if self.exact_chunks is not None and n_chunks <= self.exact_chunks:
+                self.exact_chunks = None  # what is left was computed with every chunk before it
         self.selector.reset()
 
     def park(self) -> None:
