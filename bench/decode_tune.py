@@ -94,7 +94,7 @@ def shape_timer(model: str, context: int, batch: int, fp8: bool = False):
         heads, _, splits = decode_grid(pool, batch, hq, n, False, q.device, block, heads, waves)
         kw = dict(
             fused=MERGES[merge], n_splits=splits, block_tokens=block, num_warps=warps, num_stages=stages,
-            heads=heads, max_registers=regs or launch.max_registers,
+            heads=heads, max_registers=regs,
         )  # fmt: skip
         key = tuple(kw.values())
         if key not in timed:  # several waves can give the same split count

@@ -196,20 +196,16 @@ class Engine:
 
     def _scout(self, piece: Piece) -> None:
         """Runs a prompt's last piece as scouts: their queries score the chunks (nothing is written)."""
-        ids, positions = self._inputs(piece)
-        with torch.inference_mode():
-            for _ in range(piece.kv.cfg.scout_rounds):
-                piece.kv.begin_ids(piece.ids, piece.start, scout=True)
-                self.lm.model.compute(ids, positions, piece.kv)
-                piece.kv.end()
+        for _ in range(piece.kv.cfg.scout_rounds):
+            self._alone(piece, scout=True)
 
     @torch.inference_mode()
-    def _alone(self, piece: Piece) -> torch.Tensor:
-        """A lone piece's step, its logits after its last id [1, V]. Its ids are known on the host,
-        so its sequence plans the step from them (`begin_ids`) instead of reading the device's
-        copy back, which would wait for every step launched before it."""
+    def _alone(self, piece: Piece, scout: bool = False) -> torch.Tensor:
+        """A lone piece's step (or a scout of it), its logits after its last id [1, V]. Its ids are
+        known on the host, so its sequence plans the step from them (`begin_ids`) instead of reading
+        the device's copy back, which would wait for every step launched before it."""
         ids, positions = self._inputs(piece)
-        piece.kv.begin_ids(piece.ids, piece.start)
+        piece.kv.begin_ids(piece.ids, piece.start, scout)
         logits = self.lm.model.compute(ids, positions, piece.kv)
         piece.kv.end()
         return logits

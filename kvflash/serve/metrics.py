@@ -78,8 +78,7 @@ class ServerMetrics:
         self.step_wait = Histogram(
             "kvflash_step_wait_seconds", "Of each step's time, the scheduler's wait for the device to "
             "give back the step's tokens (decode tokens, pieces' first tokens); the rest is the host's.",
-            ["kind"], registry=r,
-            buckets=STEP_BUCKETS,
+            ["kind"], registry=r, buckets=STEP_BUCKETS,
         )  # fmt: skip
         r.register(_Now(readings))
 
