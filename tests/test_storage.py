@@ -469,6 +469,27 @@ def test_prune_is_lru_first_and_skips_pins_and_leases(store) -> None:
     assert store.du().stored_bytes == 0 and list(store.backend.list_hashes()) == []
 
 
+def test_chunks_no_snapshot_names_go_first_and_only_as_the_budget_needs(store, tmp_path) -> None:
+    """A tier's read-through chunks (indexed without a snapshot) spare its next restore a read
+    from the shared tier: a prune under budget keeps them, over it takes the least recently used
+    of them before any snapshot; a prune with no budget or cutoff collects them all."""
+    sid = store.put_snapshot("kept", FP, make_chain(toks(2)))
+    loose = make_chain(toks(3, start=500))
+    with SnapshotStore(tmp_path / "other") as other:
+        other.put_snapshot("x", FP, loose)
+        store.copy_in((b.chain_hash, other.chunk_file(b.chain_hash)) for b in loose)
+    conn = store.index.db.conn
+    for age, b in zip((300, 100, 200), loose, strict=True):
+        conn.execute("UPDATE chunks SET last_used = last_used - ? WHERE hash = ?", (age, b.chain_hash))
+    total, per = store.du().stored_bytes, store.index.chunk_rows([loose[0].chain_hash])[loose[0].chain_hash]
+    assert store.prune(max_bytes=total).chunks == 0
+    report = store.prune(max_bytes=total - 2 * per.stored_bytes)
+    assert report.snapshots == [] and report.chunks == 2
+    assert set(store.index.chunk_rows([b.chain_hash for b in loose])) == {loose[1].chain_hash}
+    assert store.prune(older_than=150).chunks == 0  # the one left was used 100 s ago
+    assert store.prune().chunks == 1 and [s.id for s in store.list_snapshots()] == [sid]
+
+
 def test_prune_by_age(store) -> None:
     old, new = (store.put_snapshot(n, FP, make_chain(toks(1, start=s))) for n, s in (("old", 0), ("new", 50)))
     _age(store, old, 8 * 86400)

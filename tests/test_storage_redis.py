@@ -423,6 +423,65 @@ def test_the_local_tier_keeps_to_its_budget_once_its_copies_are_in_redis(redis_s
         assert same_kv(shared.read_chunks_parallel(hashes_of(chain), FP), chain)
 
 
+def test_chunks_read_through_outlive_the_local_tiers_prunes_under_its_budget(redis_server, tmp_path):
+    """They spare the next restore here a read from Redis; the prune after each copy took them all."""
+    chain, other = make_chain(toks(4)), make_chain(toks(3, start=500))
+    with TieredStore(SnapshotStore(tmp_path / "a"), RedisStore(redis_server.url)) as a:
+        a.put_snapshot("doc", FP, chain)
+    cfg = TierConfig(readthrough_quiet_s=0, cache_bytes=1 << 30)
+    with TieredStore(SnapshotStore(tmp_path / "b"), RedisStore(redis_server.url), cfg) as b:
+        assert same_kv(b.read_chunks_parallel(hashes_of(chain), FP), chain)
+        deadline = time.monotonic() + 10
+        while b.local.find_longest_prefix(FP, hashes_of(chain)) < 4:
+            assert time.monotonic() < deadline, "read-through never reached the local tier"
+            time.sleep(0.05)
+        b.put_snapshot("other", FP, other)  # closing waits for its copy, and the prune after it
+    with SnapshotStore(tmp_path / "b") as local:
+        assert local.find_longest_prefix(FP, hashes_of(chain)) == 4
+
+
+def test_snapshots_waiting_for_their_copy_stay_local_whatever_the_budget(redis_server, tmp_path):
+    """Pruned here before their copy, they would reach neither tier."""
+    chains = [make_chain(toks(3, start=100 * i)) for i in range(3)]
+    shared = RedisStore(RedisConfig(redis_server.url, retry_s=0.2))
+    with TieredStore(SnapshotStore(tmp_path / "a"), shared, TierConfig(cache_bytes=0)) as st:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            redis_server.kill()
+            ids = [st.put_snapshot(f"doc{i}", FP, c) for i, c in enumerate(chains)]
+            redis_server.start()
+            deadline = time.monotonic() + 10
+            while not all(redis_server.client().exists(f"kvflash:snap:{sid}") for sid in ids):
+                assert time.monotonic() < deadline, "the copies never reached Redis once it was back"
+                time.sleep(0.05)
+    with RedisStore(redis_server.url) as shared:
+        assert sorted(s.id for s in shared.list_snapshots()) == sorted(ids)
+
+
+def test_a_save_beside_the_local_prune_keeps_the_chunks_it_brought_from_redis(
+    redis_server, tmp_path, monkeypatch
+):
+    """A save's chunks that only Redis held are copied here first, unnamed by any snapshot until the
+    save commits: a prune in between (the tier's, after a copy) must wait for the commit."""
+    chain = make_chain(toks(4))
+    with TieredStore(SnapshotStore(tmp_path / "a"), RedisStore(redis_server.url)) as a:
+        a.put_snapshot("doc", FP, chain)
+    budget = TierConfig(cache_bytes=0)
+    with TieredStore(SnapshotStore(tmp_path / "b"), RedisStore(redis_server.url), budget) as b:
+        put = b.local.put_snapshot
+
+        def put_beside_a_prune(*args, **kwargs):
+            pruner = threading.Thread(target=b._fit_cache)
+            pruner.start()
+            pruner.join(0.5)  # the prune runs now unless it waits for this save
+            return put(*args, **kwargs)
+
+        monkeypatch.setattr(b.local, "put_snapshot", put_beside_a_prune)
+        grown = b.put_snapshot("grown", FP, [*hashes_of(chain), *make_chain(toks(5))[4:]])
+    with RedisStore(redis_server.url) as shared:
+        assert grown in [s.id for s in shared.list_snapshots()]
+
+
 def round_trips(admin) -> tuple[int, int]:
     """(GETs run, read events on client sockets: a request or a pipeline each), by Redis's own
     INFO since the last CONFIG RESETSTAT."""

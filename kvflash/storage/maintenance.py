@@ -9,7 +9,7 @@ ordering rules).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -102,13 +102,19 @@ class Maintenance:
         return self._remove(partial(_plan_rm, snapshot_id=snapshot_id), dry_run=False)
 
     def prune(
-        self, max_bytes: int | None = None, older_than: float | None = None, dry_run: bool = False
+        self,
+        max_bytes: int | None = None,
+        older_than: float | None = None,
+        dry_run: bool = False,
+        keep: Collection[str] = (),
     ) -> PruneReport:
         """Least recently used snapshots first, until stored bytes fit max_bytes; also every snapshot
-        unused for older_than seconds. Pinned snapshots and leased chunks stay. Always collects
-        unreferenced chunks, orphan files and temp files of interrupted saves."""
+        unused for older_than seconds. Pinned snapshots, the snapshots of `keep` and leased chunks
+        stay. Chunks no snapshot names go first, under the same budget and cutoff (all of them with
+        neither); orphan files and temp files of interrupted saves always go."""
         cutoff = time.time() - older_than if older_than is not None else None
-        return self._remove(partial(_plan_prune, max_bytes=max_bytes, cutoff=cutoff), dry_run)
+        policy = partial(_plan_prune, max_bytes=max_bytes, cutoff=cutoff, keep=frozenset(keep))
+        return self._remove(policy, dry_run)
 
     def _remove(self, decide: Callable[[PruneInput], PruneDecision], dry_run: bool) -> PruneReport:
         if self.read_only and not dry_run:
@@ -286,17 +292,26 @@ def _references(inp: PruneInput) -> dict[str, int]:
     return refs
 
 
-def _plan_prune(inp: PruneInput, max_bytes: int | None, cutoff: float | None) -> PruneDecision:
+def _plan_prune(
+    inp: PruneInput, max_bytes: int | None, cutoff: float | None, keep: frozenset[str]
+) -> PruneDecision:
+    """Unreferenced chunks first, least recently used first: no snapshot here names them (chunks
+    read through from a shared tier, or left by a removal while a restore leased them), so they
+    are the cheapest to lose; but the read-through ones spare the next restore a shared-tier read,
+    so a budget or a cutoff takes only those it must. A prune with neither takes them all."""
     out = PruneDecision()
     refs = _references(inp)
     total = sum(r.stored_bytes for r in inp.chunks.values())
-    for h, n in refs.items():
-        if n == 0 and h not in inp.leased and h in inp.chunks:
-            out.chunks.append(h)
-            total -= inp.chunks[h].stored_bytes
+    loose = [inp.chunks[h] for h, n in refs.items() if n == 0 and h not in inp.leased and h in inp.chunks]
+    for row in sorted(loose, key=lambda r: r.last_used):
+        too_old = cutoff is not None and row.last_used < cutoff
+        too_big = max_bytes is not None and total > max_bytes
+        if too_old or too_big or (max_bytes is None and cutoff is None):
+            out.chunks.append(row.hash)
+            total -= row.stored_bytes
     for s in sorted(inp.snapshots, key=lambda s: (s.last_used, s.created)):
         members = inp.members.get(s.id, [])
-        if s.pinned or any(h in inp.leased for h in members):
+        if s.pinned or s.id in keep or any(h in inp.leased for h in members):
             continue
         too_old = cutoff is not None and s.last_used < cutoff
         too_big = max_bytes is not None and total > max_bytes

@@ -33,7 +33,7 @@ import sqlite3
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -294,9 +294,13 @@ class SnapshotStore:
         return self.maintenance.rm(snapshot_id)
 
     def prune(
-        self, max_bytes: int | None = None, older_than: float | None = None, dry_run: bool = False
+        self,
+        max_bytes: int | None = None,
+        older_than: float | None = None,
+        dry_run: bool = False,
+        keep: Collection[str] = (),
     ) -> PruneReport:
-        return self.maintenance.prune(max_bytes, older_than, dry_run)
+        return self.maintenance.prune(max_bytes, older_than, dry_run, keep)
 
     def verify(self, snapshot_id: str | None = None) -> VerifyReport:
         return self.maintenance.verify(snapshot_id)

@@ -85,6 +85,10 @@ class TieredStore:
         """Restores reading chunks now."""
         self._last_read = 0.0
         self._cond = threading.Condition()
+        self._placing = threading.Lock()
+        """Held by a save from bringing its chunks here to queueing its copy, and by the local
+        tier's prune: between the two, the prune would see chunks that no snapshot names yet, or a
+        snapshot that no copy job names yet."""
         self._closing = False
         shared.reader.fetched = self._keep
         self._worker = threading.Thread(target=self._run, name="kvflash-tiers", daemon=True)
@@ -236,9 +240,10 @@ class TieredStore:
         """Saves to the local tier and queues the copy to the shared one. A chunk given by hash that
         only the shared tier holds is brought here first (from the read-through queue, else Redis)."""
         items = list(chunks)
-        self._bring_here([x for x in items if isinstance(x, str)])
-        sid = self.local.put_snapshot(label, fingerprint, items, meta, succeeds, known)
-        self._queue(_Job("copy", [sid, *succeeds], self.local.get_snapshot(sid).stored_bytes))
+        with self._placing:
+            self._bring_here([x for x in items if isinstance(x, str)])
+            sid = self.local.put_snapshot(label, fingerprint, items, meta, succeeds, known)
+            self._queue(_Job("copy", [sid, *succeeds], self.local.get_snapshot(sid).stored_bytes))
         return sid
 
     def yield_saves_to(self, quiet: threading.Event, max_wait_s: float) -> None:
@@ -336,6 +341,8 @@ class TieredStore:
                 if self._jobs and self._jobs[0] is job:
                     self._jobs.popleft()
                     self._pending -= job.nbytes
+            if job.kind == "copy" and self.cfg.cache_bytes is not None:
+                self._fit_cache()
 
     def _quiet_left(self) -> float:
         return self._last_read + self.cfg.readthrough_quiet_s - time.monotonic()
@@ -389,8 +396,17 @@ class TieredStore:
                 pass  # none intact here: its restores from the shared tier read per chunk
         files = ((h, self.local.chunk_file(h)) for h in missing)
         self.shared.copy_in(files, snap, succeeds, summaries)
-        if self.cfg.cache_bytes is not None:
-            self.local.prune(max_bytes=self.cfg.cache_bytes)
+
+    def _fit_cache(self) -> None:
+        """The local tier pruned to its budget once a copy is done, sparing the snapshots whose
+        copies are still queued: removed here first, they would reach neither tier."""
+        with self._placing:
+            with self._cond:
+                queued = [j.ids[0] for j in self._jobs if j.kind == "copy"]
+            try:
+                self.local.prune(max_bytes=self.cfg.cache_bytes, keep=queued)
+            except Exception as e:  # on this thread nobody else would hear of it
+                warnings.warn(f"could not prune {self.local.where} to its budget: {e}", stacklevel=2)
 
 
 SERVER_SAVE_THREADS = 2
