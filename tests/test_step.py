@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvflash.engine.paged_kv import PagedKV
+from kvflash.engine.step import PieceBatch
 from kvflash.models.loader import LoadedModel
 from kvflash.serve.scheduler import Scheduler
 from tests.test_scheduler import CFG, engine, prompt, run_jobs
@@ -56,6 +58,53 @@ def test_decode_tokens_and_prefill_pieces_in_one_forward_compute_what_they_compu
         assert [len(kv.seq) for kv in filling] == [9, 33, 70]
         runs.append(out)
     for a, b in zip(*runs, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+def test_pieces_attending_in_one_launch_score_the_chunks_as_each_does_alone(lm, monkeypatch) -> None:
+    """Three prefills over budgets of a few chunks, a step's pieces attending in one launch a layer
+    (`PieceBatch`: on the GPU the Triton kernels', here their torch twins'): each piece whose step
+    scores the chunks keeps its own rows' queries, so every step's logits and each sequence's
+    scores equal those of its own forward."""
+    monkeypatch.setattr(
+        PagedKV,
+        "joins_batched_prefill",
+        property(lambda kv: len(kv.plan.ids) > 1 and kv.plan.listing.rot is None),
+    )
+    scoring = []
+    of = PieceBatch.of.__func__
+
+    def counted(cls, pieces):
+        if (batch := of(cls, pieces)) is not None:
+            scoring.append(len(batch.scoring))
+        return batch
+
+    monkeypatch.setattr(PieceBatch, "of", classmethod(counted))
+    runs = []
+    for together in (False, True):
+        eng = engine(lm, 1024)
+        seqs = [eng.new_sequence(b) for b in (128, 160, 512)]
+        plans = [
+            eng.plan_prefill(kv, prompt(n, 3 + i))
+            for i, (kv, n) in enumerate(zip(seqs, (200, 260, 150), strict=True))
+        ]
+        logits, scores = [], []
+        while plans:
+            pieces = [p.next(32) for p in plans]
+            if together:
+                logits.append(eng.forward([], [], pieces)[1])
+            else:
+                logits.append(torch.cat([eng.forward([], [], [p])[1] for p in pieces]))
+            scores += [kv.selector.scores for kv in seqs if kv.selector.scores is not None]
+            for p, piece in zip(list(plans), pieces, strict=True):
+                p.ran(piece)
+                if piece.final:
+                    plans.remove(p)
+        runs.append((logits, scores))
+    assert sum(scoring) >= 3, scoring  # steps in one launch whose pieces scored
+    (logits_alone, scores_alone), (logits_together, scores_together) = runs
+    assert len(scores_alone) == len(scores_together)
+    for a, b in zip(logits_alone + scores_alone, logits_together + scores_together, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
 
 

@@ -87,6 +87,8 @@ class PieceBatch:
     slots: torch.Tensor
     order: torch.Tensor
     max_t: int
+    scoring: list[tuple[PagedKV, int, int]]
+    """The pieces whose step scores the chunks, with their rows: only they keep queries."""
 
     @classmethod
     def of(cls, pieces: list[Piece]) -> PieceBatch | None:
@@ -99,6 +101,11 @@ class PieceBatch:
             rows.append(rows[-1] + len(plan.ids))
             listed.append(listed[-1] + plan.listing.n)
         table = [[rows[i], len(pl.ids), pl.start, listed[i], pl.listing.n] for i, pl in enumerate(plans)]
+        scoring = [
+            (p.kv, rows[i], rows[i + 1])
+            for i, p in enumerate(pieces)
+            if p.kv.plan.queries is not None and p.kv.plan.n_cand
+        ]
         dev = pieces[0].kv.device
         return cls(
             pieces,
@@ -108,16 +115,16 @@ class PieceBatch:
             torch.cat([pl.listing.slots for pl in plans]),
             torch.cat([pl.listing.order for pl in plans]),
             max(len(pl.ids) for pl in plans),
+            scoring,
         )
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         pool = self.pieces[0].kv.pool.kv
         kernels.write_tokens(pool, layer, self.write_slot, self.write_offset, k, v)
-        # the scoring queries in fp32 in one conversion for every piece (each keeps a view of its rows)
-        rows, lo = q.float() if any(p.kv.plan.queries is not None for p in self.pieces) else q, 0
-        for p in self.pieces:
-            p.kv.keep_queries(rows[lo : lo + len(p.ids)])
-            lo += len(p.ids)
+        if self.scoring:  # their queries in fp32 in one conversion (each keeps a view of its rows)
+            rows = q.float()
+            for kv, lo, hi in self.scoring:
+                kv.keep_queries(rows[lo:hi])
         scale = q.shape[-1] ** -0.5
         return kernels.prefill_attention_batched(
             q, pool, layer, self.table, self.slots, self.order, self.max_t, scale
