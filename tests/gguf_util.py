@@ -150,13 +150,14 @@ def write_tiny_gguf(
     seed: int = 0,
     raw_type_of: dict[str, str] | None = None,
     fields: Callable[[gguf.GGUFWriter], None] | None = None,
+    add_bos: bool | None = False,
 ) -> dict[str, torch.Tensor]:
     """Writes the GGUF; returns the HF-layout fp32 weights `load_gguf` should give back.
 
     storage: one of STORAGES for the 2-D weights (1-D ones stay fp32, as llama.cpp keeps them); the
     returned weights are the oracle's dequantisation of what was stored, so a correct loader matches
     them exactly. raw_type_of names GGUF tensors stored instead as random bytes of another GGML type.
-    `fields` adds metadata of its own to the writer.
+    `fields` adds metadata of its own to the writer; add_bos None writes no add-BOS flag.
     """
     if storage not in STORAGES:
         raise ValueError(f"unknown storage {storage!r}; choose one of {STORAGES}")
@@ -181,7 +182,8 @@ def write_tiny_gguf(
     writer.add_token_merges(MERGES)
     writer.add_bos_token_id(TOKENS.index("<|im_start|>"))
     writer.add_eos_token_id(TOKENS.index("<|im_end|>"))
-    writer.add_add_bos_token(False)
+    if add_bos is not None:
+        writer.add_add_bos_token(add_bos)
     if spec.chat_template is not None:
         writer.add_chat_template(spec.chat_template)
     if fields is not None:

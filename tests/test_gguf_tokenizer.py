@@ -353,6 +353,19 @@ def test_unsupported_pretokenizer(tmp_path) -> None:
         Tokenizer.from_gguf(load_gguf(path)[2])
 
 
+@pytest.mark.parametrize(
+    ("pre", "flag", "bos"),
+    [("llama-bpe", None, True), ("llama-bpe", False, False), ("smollm", None, False), ("qwen2", True, True)],
+)
+def test_a_prompt_starts_with_bos_where_llama_cpp_starts_it_with_one(tmp_path, pre, flag, bos) -> None:
+    """The file's add-BOS flag where it has one; without it, BOS for the Llama 3 pre-tokenizer (as
+    llama.cpp reads Llama 3 GGUFs, which carry no flag), none for the others."""
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(path, TinySpec(n_layers=1, pre=pre), add_bos=flag)
+    tok = Tokenizer.from_gguf(load_gguf(path)[2])
+    assert (tok.encode("hi")[:1] == [tok.bos_id]) is bos
+
+
 # --- fetching the default model -----------------------------------------------------------------
 
 

@@ -42,6 +42,10 @@ _LAYER_NAMES = {
 }
 _REQUIRED_LAYER_PARTS = [v for k, v in _LAYER_NAMES.items() if k not in ("attn_q_norm", "attn_k_norm")]
 _ROPE_FREQS = "rope_freqs.weight"
+BOS_BY_DEFAULT = frozenset({"llama-bpe"})
+"""Pre-tokenizers whose prompts start with BOS when the file has no `tokenizer.ggml.add_bos_token`:
+llama.cpp's default for its Llama 3 group (Llama 3 GGUFs carry no flag); other byte-level BPE
+models start without."""
 _UNSET: Any = object()
 
 
@@ -273,7 +277,9 @@ def _meta(fields: dict[str, Any], path: Path) -> GGUFMeta:
         pre=fields.get("tokenizer.ggml.pre"),
         bos_id=_opt_int(fields.get("tokenizer.ggml.bos_token_id")),
         eos_id=_opt_int(fields.get("tokenizer.ggml.eos_token_id")),
-        add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
+        add_bos=bool(
+            fields.get("tokenizer.ggml.add_bos_token", fields.get("tokenizer.ggml.pre") in BOS_BY_DEFAULT)
+        ),
         chat_template=fields.get("tokenizer.chat_template"),
     )
 
