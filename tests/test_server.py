@@ -31,9 +31,9 @@ from kvflash.engine.pool import PoolFull
 from kvflash.engine.residency import chunks_of
 from kvflash.models.loader import load_model
 from kvflash.serve.protocol import ChatRequest, CompletionRequest, Message
-from kvflash.serve.routes import create_app, failure
-from kvflash.serve.scheduler import SchedulerDown, TimedOut
-from kvflash.serve.server import Server, StopText, conversation_label
+from kvflash.serve.routes import create_app
+from kvflash.serve.scheduler import Cancelled, SchedulerDown, TimedOut
+from kvflash.serve.server import Server, StopText, conversation_label, ending
 from kvflash.serve.snapshots import KVSnapshots
 from kvflash.storage import ChunkCorrupt, SnapshotStore
 
@@ -616,16 +616,19 @@ def test_an_answer_that_would_not_fit_after_its_prompt_is_refused_up_front(lm) -
 
 def test_what_ends_a_request_in_the_engine_is_the_servers_to_answer_for() -> None:
     """A request's own faults are refused before the engine (400); what ends one there is a stopped
-    scheduler or KV memory others hold (503, retry), its time limit (504) or a failure (500)."""
+    scheduler or KV memory others hold (503, retry), its time limit (504) or a failure (500), and
+    /metrics counts each as what it answered."""
     for e, want in (
-        (SchedulerDown("stopped"), (503, "server_error")),
-        (HostTierFull("full"), (503, "server_error")),
-        (PoolFull("full"), (503, "server_error")),
-        (TimedOut("late"), (504, "timeout_error")),
-        (ChunkCorrupt("ab" * 32, "bad"), (500, "server_error")),
-        (KVFlashError("a step needs more chunks than the budget"), (500, "server_error")),
+        (SchedulerDown("stopped"), (503, "server_error", "down")),
+        (HostTierFull("full"), (503, "server_error", "full")),
+        (PoolFull("full"), (503, "server_error", "full")),
+        (TimedOut("late"), (504, "timeout_error", "timeout")),
+        (Cancelled("gone"), (500, "server_error", "cancelled")),
+        (ChunkCorrupt("ab" * 32, "bad"), (500, "server_error", "error")),
+        (KVFlashError("a step needs more chunks than the budget"), (500, "server_error", "error")),
     ):
-        assert failure(e) == want, e
+        end = ending(e)
+        assert (end.status, end.kind, end.outcome) == want, e
 
 
 def test_a_prompt_over_the_limit_is_refused_up_front(lm) -> None:

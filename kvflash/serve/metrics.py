@@ -41,8 +41,9 @@ class ServerMetrics:
         r = self.registry
         self.requests = Counter(
             "kvflash_requests", "Requests ended, by finish reason (stop, length), cancelled (the client "
-            "left), timeout, error (the engine failed it), down (the scheduler had stopped), refused "
-            "(a bad request) or busy (the waiting queue was full).", ["outcome"], registry=r,
+            "left), timeout, error (the engine failed it), full (KV memory other requests held: 503), "
+            "down (the scheduler had stopped), refused (a bad request) or busy (the waiting queue was "
+            "full).", ["outcome"], registry=r,
         )  # fmt: skip
         self.tokens = Counter(
             "kvflash_tokens", "Prompt tokens by where their KV came from (cold: prefilled; memory: the "
@@ -102,7 +103,7 @@ class ServerMetrics:
         self.ttft.observe(stats.ttft_s)
 
     def failed(self, outcome: str = "error") -> None:
-        """A request that did not end in an answer: ended in the engine ("error", "cancelled",
+        """A request that did not end in an answer: ended in the engine ("error", "full", "cancelled",
         "timeout", "down") or refused before it ("refused", "busy", "down")."""
         self.requests.labels(outcome).inc()
 

@@ -24,12 +24,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.types import Message as Message_
 
 from kvflash import KVFlashError
-from kvflash.engine.host_tier import HostTierFull
-from kvflash.engine.pool import PoolFull
 from kvflash.serve.outbox import outbox_of
 from kvflash.serve.protocol import CHAT, TEXT, ChatRequest, Completion, CompletionRequest, ErrorBody, Shape
-from kvflash.serve.scheduler import SchedulerDown, TimedOut
-from kvflash.serve.server import Busy, ContextTooLong, Prompt, Server
+from kvflash.serve.scheduler import SchedulerDown
+from kvflash.serve.server import Busy, ContextTooLong, Prompt, Server, ending
 
 RETRY_AFTER_S = 1
 """What a refused client is told to wait (Retry-After): about one answer's time."""
@@ -199,24 +197,14 @@ async def _answer(server: Server, req: ChatRequest | CompletionRequest, request:
         gone.set()  # a handler cancelled (the server stopping) ends its request too
         watch.cancel()
     if isinstance(done, KVFlashError):
-        status, kind = failure(done)
-        retry = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
-        return error(status, str(done), kind, headers=retry)
+        end = ending(done)
+        retry = {"Retry-After": str(RETRY_AFTER_S)} if end.status == 503 else None
+        return error(end.status, str(done), end.kind, headers=retry)
     if isinstance(done, BaseException):
         raise done
     choice = shape.choice(done.text, done.finish_reason)
     body = {**head, "object": shape.whole, "choices": [choice], "usage": done.usage()}
     return {**body, "kvflash": done.stats.to_dict()}
-
-
-def failure(e: KVFlashError) -> tuple[int, str]:
-    """The status and error type of a request the engine ended with `e`. What the request itself
-    gets wrong is refused before it reaches the engine (400), so what ends it there is the server's:
-    a stopped scheduler or KV memory that other requests hold now (503, worth a retry), its time
-    limit (504), anything else (500)."""
-    if isinstance(e, SchedulerDown | PoolFull | HostTierFull):
-        return 503, "server_error"
-    return (504, "timeout_error") if isinstance(e, TimedOut) else (500, "server_error")
 
 
 async def _watch_disconnect(request: Request, gone: threading.Event) -> None:
@@ -259,7 +247,7 @@ async def _stream(
             if piece is None:
                 piece = await items.get()
         if isinstance(piece, BaseException):  # headers are sent: the error goes in the stream
-            kind = failure(piece)[1] if isinstance(piece, KVFlashError) else "server_error"
+            kind = ending(piece).kind
             yield _event({"error": {"message": str(piece), "type": kind, "param": None, "code": None}})
             return
         done = piece

@@ -26,7 +26,9 @@ from dataclasses import dataclass
 from kvflash import KVFlashError, heap
 from kvflash.engine.engine import Engine
 from kvflash.engine.generate import Sampling
+from kvflash.engine.host_tier import HostTierFull
 from kvflash.engine.paged_kv import PagedKV
+from kvflash.engine.pool import PoolFull
 from kvflash.engine.residency import check_pins, chunks_of
 from kvflash.models.tokenizer import StreamDecoder, Tokenizer
 from kvflash.serve.admission import Held, Holdings
@@ -264,7 +266,7 @@ class Server:
         def relay(item: str | Completion | BaseException) -> None:
             if isinstance(item, BaseException):
                 settle()
-                self.metrics.failed(outcome_of(item))
+                self.metrics.failed(ending(item).outcome)
             emit(item)
 
         last = 0.0
@@ -464,13 +466,30 @@ class ContextTooLong(KVFlashError):
     """A prompt, or a prompt and the answer it asks for, longer than this server takes."""
 
 
-def outcome_of(e: BaseException) -> str:
-    """The `kvflash_requests` outcome of a request the engine ended with this error."""
+@dataclass(frozen=True)
+class Ending:
+    """How a request that the engine ended with an error is answered and counted."""
+
+    status: int
+    kind: str
+    """The OpenAI error type."""
+    outcome: str
+    """Its `kvflash_requests` outcome."""
+
+
+def ending(e: BaseException) -> Ending:
+    """What a request itself gets wrong is refused before it reaches the engine (400), so what ends
+    it there is the server's: a stopped scheduler or KV memory that other requests hold now (503,
+    worth a retry), its time limit (504), anything else (500; a cancelled request's client is gone)."""
     if isinstance(e, Cancelled):
-        return "cancelled"
+        return Ending(500, "server_error", "cancelled")
     if isinstance(e, TimedOut):
-        return "timeout"
-    return "down" if isinstance(e, SchedulerDown) else "error"
+        return Ending(504, "timeout_error", "timeout")
+    if isinstance(e, SchedulerDown):
+        return Ending(503, "server_error", "down")
+    if isinstance(e, PoolFull | HostTierFull):
+        return Ending(503, "server_error", "full")
+    return Ending(500, "server_error", "error")
 
 
 class Busy(KVFlashError):
