@@ -482,6 +482,33 @@ def test_a_save_beside_the_local_prune_keeps_the_chunks_it_brought_from_redis(
         assert grown in [s.id for s in shared.list_snapshots()]
 
 
+def test_a_restore_leasing_chunks_in_redis_reads_them_there_after_they_reach_the_local_tier(
+    redis_server, tmp_path, monkeypatch
+):
+    """A lazy restore holds its lease while its sequence lives and reads chunks as they are
+    selected: read through meanwhile, the local copies are under no lease, and a prune here may take
+    them between a read's choice of tier and its files, so its reads stay in the tier it leased."""
+    chain = make_chain(toks(4))
+    with TieredStore(SnapshotStore(tmp_path / "a"), RedisStore(redis_server.url)) as a:
+        a.put_snapshot("doc", FP, chain)
+    cfg = TierConfig(readthrough_quiet_s=0)
+    with TieredStore(SnapshotStore(tmp_path / "b"), RedisStore(redis_server.url), cfg) as b:
+        with b.lease(hashes_of(chain)):
+            assert same_kv(b.read_chunks_parallel(hashes_of(chain)[:2], FP), chain[:2])
+            deadline = time.monotonic() + 10
+            while b.local.find_longest_prefix(FP, hashes_of(chain)) < 2:
+                assert time.monotonic() < deadline, "read-through never reached the local tier"
+                time.sleep(0.05)
+            local_read = b.local.read_chunks_parallel
+
+            def read_after_a_prune(*args, **kwargs):
+                b.local.prune(max_bytes=0)
+                return local_read(*args, **kwargs)
+
+            monkeypatch.setattr(b.local, "read_chunks_parallel", read_after_a_prune)
+            assert same_kv(b.read_chunks_parallel(hashes_of(chain), FP), chain)
+
+
 def round_trips(admin) -> tuple[int, int]:
     """(GETs run, read events on client sockets: a request or a pipeline each), by Redis's own
     INFO since the last CONFIG RESETSTAT."""

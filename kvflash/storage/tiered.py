@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -83,6 +83,9 @@ class TieredStore:
         self._fetched_bytes = 0
         self._reading = 0
         """Restores reading chunks now."""
+        self._leased_shared: Counter[str] = Counter()
+        """Chunks leased in the shared tier by restores here: their reads stay there while the lease
+        lasts, though a read-through copy may reach the local tier meanwhile (no lease holds it)."""
         self._last_read = 0.0
         self._cond = threading.Condition()
         self._placing = threading.Lock()
@@ -139,8 +142,11 @@ class TieredStore:
         return {h for h, r in self.local.index.chunk_rows(hashes).items() if not r.damaged}
 
     def _by_tier(self, hashes: Sequence[str], read: Callable[[SnapshotStore, list[int]], list[T]]) -> list[T]:
-        """read(tier, positions) for the positions each tier serves, merged back in order."""
+        """read(tier, positions) for the positions each tier serves, merged back in order: the local
+        tier those it holds, but a chunk leased in the shared tier is read there (`lease`)."""
         here = self._here(hashes)
+        with self._cond:
+            here -= {h for h in here if self._leased_shared[h]}
         local = [i for i, h in enumerate(hashes) if h in here]
         shared = [i for i, h in enumerate(hashes) if h not in here]
         got: dict[int, T] = {}
@@ -197,14 +203,24 @@ class TieredStore:
 
     @contextmanager
     def lease(self, hashes: Sequence[str]) -> Iterator[None]:
-        """Each tier leases the chunks it serves: a prune on any server spares them."""
+        """Each tier leases the chunks it serves: a prune on any server spares them. A chunk leased
+        in the shared tier is read there until the lease ends, even once read through to the local
+        tier, where no lease holds it."""
         here = self._here(hashes)
         with ExitStack() as stack:
             if local := [h for h in hashes if h in here]:
                 stack.enter_context(self.local.lease(local))
             if shared := [h for h in hashes if h not in here]:
                 stack.enter_context(self.shared.lease(shared))
+                with self._cond:
+                    self._leased_shared.update(shared)
+                stack.callback(self._unlease_shared, shared)
             yield
+
+    def _unlease_shared(self, hashes: list[str]) -> None:
+        with self._cond:
+            self._leased_shared.subtract(hashes)
+            self._leased_shared = +self._leased_shared  # drops the counts at zero
 
     def record_hit(self, hashes: Sequence[str]) -> None:
         self.local.record_hit(hashes)
