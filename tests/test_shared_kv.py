@@ -4,8 +4,11 @@ no reader's eviction, drop or cancellation changes what another reads or leaks a
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import pytest
@@ -391,3 +394,55 @@ def test_on_cuda_a_shared_document_reads_the_same_batched_and_after_its_lender_l
         gen = Generation(24, Sampler(Sampling(), lm.device))
         assert decode(eng.decode_step(kv), logits, len(kv.seq), gen) == calm
         kv.free()
+
+
+def shared_twice(
+    eng: Engine, doc: list[int], quiet: Callable[[], AbstractContextManager]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two sequences take doc's chunks from a sequence that prefilled it: the first while it holds
+    them in the pool, the second once it is parked in the host tier; each `share` runs under
+    quiet(). The summaries of the lender and of the two takers."""
+    lender = eng.new_sequence()
+    eng.prefill(lender, doc)
+    n = lender.seq.n_sealed
+    keys = lender.chain_hashes(lender.fingerprint, n)
+    out = [lender.seq.summaries[:n].clone()]
+    for parked in (False, True):
+        if parked:
+            lender.park()
+        kv = eng.new_sequence()
+        with quiet():
+            assert kv.share(doc, keys) == n * eng.cfg.residency.chunk_tokens
+        assert all((ch.gpu is None) == parked for ch in kv.seq.chunks[:n])
+        out.append(kv.seq.summaries[:n].clone())
+        kv.free()  # else its references keep the chunks in the pool
+    return out[0], out[1], out[2]
+
+
+def test_a_shared_chunks_summaries_are_its_lenders_from_the_pool_and_from_the_host_tier(lm) -> None:
+    """A sequence that shares chunks computes their summaries again from the keys, in place in the
+    pool or from host copies staged to the device: the same either way, and the lender's."""
+    lender, from_pool, from_host = shared_twice(engine(lm), ids(6 * C + 5, 9), contextlib.nullcontext)
+    assert torch.equal(from_pool, lender) and torch.equal(from_host, lender)
+
+
+@pytest.mark.gpu
+def test_on_cuda_sharing_a_documents_chunks_waits_for_no_step_before_it(smollm_cuda) -> None:
+    """A request that shares a document's chunks (`share`) queues their summaries behind the steps
+    already launched: torch's sync debug mode raises at any wait for the stream (a list index into
+    a device tensor, and a blocking copy of each host copy, were two). Pool and host copies give
+    the same summaries."""
+
+    @contextlib.contextmanager
+    def no_waits() -> Iterator[None]:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    doc = haystack_prompts(smollm_cuda, 3000)[0]
+    lender, from_pool, from_host = shared_twice(cuda_engine(smollm_cuda), doc, no_waits)
+    assert torch.equal(from_pool, from_host)
+    torch.testing.assert_close(from_pool, lender, rtol=1e-3, atol=1e-3)

@@ -129,20 +129,29 @@ class Pager:
 
     def summaries(self, chunks: list[Chunk], blocks: int) -> torch.Tensor:
         """[n, *summary_shape] of sealed chunks from their keys: in place in the pool, host copies
-        staged to the pool's device a block at a time."""
+        staged to the pool's device a block at a time. Queued behind the steps running, never
+        waiting for them: rows are placed by device indices (a list index is a blocking copy) and
+        host copies are read without a wait (the sequence's references keep their slots)."""
         dev, i32 = self.pool.kv.device, torch.int32
         out = torch.empty((len(chunks), *summary_shape(self.pool.cfg, blocks)), device=dev)
         on_gpu = [i for i, ch in enumerate(chunks) if ch.gpu is not None]
         if on_gpu:
             slots = on_device([chunks[i].gpu for i in on_gpu], i32, dev)
-            out[on_gpu] = kernels.chunk_summaries(self.pool.kv, slots, blocks)
+            out.index_copy_(
+                0, on_device(on_gpu, torch.long, dev), kernels.chunk_summaries(self.pool.kv, slots, blocks)
+            )
         on_host = [i for i, ch in enumerate(chunks) if ch.gpu is None]
         self.host.fence()  # a page-out still copying is read after it lands
         for lo in range(0, len(on_host), BLOCK_SLOTS):
             part = on_host[lo : lo + BLOCK_SLOTS]
-            staged = torch.stack([self.host.view(chunks[i].host).to(dev) for i in part])
+            views = [self.host.view(chunks[i].host) for i in part]
+            staged = torch.empty((len(part), *views[0].shape), dtype=views[0].dtype, device=dev)
+            for row, view in zip(staged, views, strict=True):
+                row.copy_(view, non_blocking=True)
             rows = torch.arange(len(part), device=dev, dtype=i32)
-            out[part] = kernels.chunk_summaries(staged, rows, blocks)
+            out.index_copy_(
+                0, on_device(part, torch.long, dev), kernels.chunk_summaries(staged, rows, blocks)
+            )
         return out
 
     def release(self, chunks: list[Chunk]) -> None:

@@ -299,7 +299,7 @@ class KVSnapshots:
                     )
                     if on_progress:
                         on_progress(min(lo + batch, len(hashes)), len(hashes))
-            rows = summaries.rows.to(kv.device)
+            rows = summaries.rows.to(kv.device, non_blocking=True)  # staged from pageable memory: no wait
         except BaseException:
             for h in slots:
                 kv.host.release(h)
