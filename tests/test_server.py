@@ -455,6 +455,39 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(lm) -> None:
         assert ask(url, TURN1).choices[0].message.content
 
 
+NOT_DONE = [  # (route, a field asking for what kvflash does not do)
+    ("chat/completions", {"logprobs": True}),
+    ("chat/completions", {"top_logprobs": 2}),
+    ("chat/completions", {"tools": [{"type": "function", "function": {"name": "lookup"}}]}),
+    ("chat/completions", {"tool_choice": "required"}),
+    ("chat/completions", {"response_format": {"type": "json_object"}}),
+    ("completions", {"logprobs": 1}),
+    ("completions", {"echo": True}),
+    ("completions", {"best_of": 2}),
+    ("completions", {"suffix": "The end."}),
+]
+
+
+def test_a_field_asking_for_what_kvflash_does_not_do_is_refused_by_name(lm) -> None:
+    """An answer without the log probabilities, tool calls or JSON it was asked for would look like
+    one that has them to a client that does not check; the same fields asking for nothing are
+    taken (as clients send them)."""
+    with serving(lm, None, max_tokens=2) as (url, _):
+        for route, field in NOT_DONE:
+            what = {"messages": TURN1} if route.startswith("chat") else {"prompt": DOC}
+            r = httpx.post(f"{url}/v1/{route}", json={"model": MODEL, **what, **field}, timeout=30)
+            assert r.status_code == 400, (field, r.text)
+            err = r.json()["error"]
+            assert [err["param"]] == list(field) and "kvflash" in err["message"], err
+        answer = client(url).chat.completions.create(
+            model=MODEL, messages=TURN1, max_tokens=2, logprobs=False, tools=[], tool_choice="none",
+            response_format={"type": "text"},
+        )  # fmt: skip
+        assert answer.choices[0].message.content
+        text = client(url).completions.create(model=MODEL, prompt=DOC, max_tokens=2, echo=False, best_of=1)
+        assert text.choices[0].text
+
+
 def test_a_bad_field_is_named_as_the_request_spells_it(lm) -> None:
     with serving(lm, None, max_tokens=2) as (url, _):
         for content, kind, param, words in NAMED:

@@ -30,6 +30,24 @@ MAX_STOP_CHARS = 256
 StopString = Annotated[Text, Field(max_length=MAX_STOP_CHARS)]
 
 
+def _only(why: str, *off: object) -> AfterValidator:
+    """A field of OpenAI's that kvflash does not honour: taken null or at a value that asks for
+    nothing of it (`off`), else refused with `why`, so that a client never gets an answer that
+    silently lacks what it asked for."""
+
+    def check(value: object) -> object:
+        if value is not None and not any(value == o and type(value) is type(o) for o in off):
+            raise ValueError(why)
+        return value
+
+    return AfterValidator(check)
+
+
+NO_LOGPROBS = "kvflash does not return log probabilities"
+NO_TOOLS = "kvflash does not call tools or functions"
+TEXT_ONLY = 'kvflash answers in plain text only (response_format {"type": "text"})'
+
+
 class Strict(BaseModel):
     """A request body's part: a field of another JSON type is refused, not converted (`"stream":
     "yes"`, `"max_tokens": "5"` or `5.0` are 400s, as the schema they are declared in says); an
@@ -107,6 +125,13 @@ class ChatRequest(Sampled):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     kvflash: Extras = Field(default_factory=Extras)
+    logprobs: Annotated[object, _only(NO_LOGPROBS, False)] = None
+    top_logprobs: Annotated[object, _only(NO_LOGPROBS, 0)] = None
+    tools: Annotated[object, _only(NO_TOOLS, [])] = None
+    tool_choice: Annotated[object, _only(NO_TOOLS, "none", "auto")] = None
+    functions: Annotated[object, _only(NO_TOOLS, [])] = None
+    function_call: Annotated[object, _only(NO_TOOLS, "none", "auto")] = None
+    response_format: Annotated[object, _only(TEXT_ONLY, {"type": "text"})] = None
 
     def asked_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -121,6 +146,10 @@ class CompletionRequest(Sampled):
 
     prompt: Text = Field(min_length=1)
     max_tokens: int | None = Field(COMPLETION_TOKENS, ge=1)
+    logprobs: Annotated[object, _only(NO_LOGPROBS)] = None
+    echo: Annotated[object, _only("kvflash does not echo the prompt", False)] = None
+    best_of: Annotated[object, _only("kvflash gives one answer a request (best_of 1)", 1)] = None
+    suffix: Annotated[object, _only("kvflash does not insert text (no suffix)", "")] = None
 
     def asked_tokens(self) -> int:
         return self.max_tokens or COMPLETION_TOKENS
