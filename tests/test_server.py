@@ -408,7 +408,7 @@ def body(**fields) -> bytes:
 IMAGE = [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]
 SURROGATE = [{"role": "user", "content": "\ud800"}]  # json.dumps writes it as the escape \ud800
 BAD = [
-    (body(seed=2**64), 400, "seed"),
+    (body(seed=1.5), 400, "seed"),
     (body(stop=[f"s{i}" for i in range(1000)]), 400, "stop"),
     (body(stop="x" * 10_000), 400, "stop"),
     (body(messages=SURROGATE), 400, "messages.0.content"),
@@ -425,7 +425,7 @@ BAD = [
     (body(model="gpt-9"), 404, "model"),
     (body(stream="yes"), 400, "stream"),
     (body(max_tokens="5"), 400, "max_tokens"),
-    (body(max_tokens=5.0), 400, "max_tokens"),
+    (body(max_tokens=5.5), 400, "max_tokens"),
     (body(temperature=float("nan")), 400, "temperature"),
 ]
 
@@ -453,6 +453,8 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(lm) -> None:
         assert httpx.get(f"{url}/v1/nothing").json()["error"]["message"] == "Not Found"
         assert [m.id for m in client(url).models.list()] == [MODEL]
         assert ask(url, TURN1).choices[0].message.content
+        whole = post(url, messages=TURN1, max_tokens=2.0, seed=7.0)
+        assert whole.status_code == 200, whole.text  # JSON Schema's integers: 2.0 is one
 
 
 NOT_DONE = [  # (route, a field asking for what kvflash does not do)
@@ -625,6 +627,20 @@ def test_a_tiny_temperature_or_top_p_samples_as_greedy_decoding(lm) -> None:
             r = post(url, messages=TURN1, seed=1, **fields)
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["message"]["content"] == greedy
+
+
+def test_a_seed_is_any_integer_taken_modulo_2_to_the_64(lm) -> None:
+    """Seeds 2**64 apart sample one answer; other seeds others."""
+    with serving(lm, None, max_tokens=8) as (url, _):
+
+        def sampled(seed: int) -> str:
+            r = post(url, messages=TURN1, temperature=1.0, seed=seed)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["message"]["content"]
+
+        same = {sampled(seed) for seed in (5, 5 + 2**64, 5 - 2**64, 5 + 2**200)}
+        others = {sampled(seed) for seed in (6, 7, 8)}
+    assert len(same) == 1 and others - same, (same, others)
 
 
 def test_an_answer_that_would_not_fit_after_its_prompt_is_refused_up_front(lm) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 if TYPE_CHECKING:
     from kvflash.serve.turn import TurnStats
@@ -50,10 +50,17 @@ TEXT_ONLY = 'kvflash answers in plain text only (response_format {"type": "text"
 
 class Strict(BaseModel):
     """A request body's part: a field of another JSON type is refused, not converted (`"stream":
-    "yes"`, `"max_tokens": "5"` or `5.0` are 400s, as the schema they are declared in says); an
-    integer where a number is asked for is a number."""
+    "yes"`, `"max_tokens": "5"` or `5.5` are 400s, as the schema they are declared in says); an
+    integer where a number is asked for is a number, and a whole number (`5.0`) an integer."""
 
     model_config = ConfigDict(strict=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _whole(cls, value: object) -> object:
+        """JSON Schema's integer is any number whose fractional part is zero: 5.0 is one (as the
+        schema generated from these models says), 5.5 is not."""
+        return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 class TextPart(Strict):
@@ -82,13 +89,18 @@ class Sampled(Strict):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
+    seed: int | None = None
+    """Any integer: the sampler's generator takes it modulo 2**64 (`sampling_seed`). Bounds at
+    ±2**63 would be where JSON readers that compare in doubles and this one disagree."""
     min_tokens: int = Field(0, ge=0, lt=2**31)
     """vLLM's extension: the end-of-sequence ids are not sampled before this many tokens."""
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOPS)] | None = None
     n: Literal[1] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+
+    def sampling_seed(self) -> int | None:
+        return None if self.seed is None else self.seed % 2**64
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -293,7 +293,7 @@ class Server:
                 finally:
                     settle()
 
-        sampling = Sampling(req.temperature, req.top_p, req.seed)
+        sampling = Sampling(req.temperature, req.top_p, req.sampling_seed())
         job = Job(ids, max_tokens, sampling, on_token, on_done, relay, gone, min_tokens=req.min_tokens,
                   pins=prompt.pins, timeout_s=self.request_timeout)  # fmt: skip
         self._promise_host(chunks)  # host memory to stage the answer's snapshot in, pinned meanwhile
