@@ -295,8 +295,9 @@ def test_a_staged_snapshot_keeps_what_it_copied_while_its_pool_slots_are_reused(
     assert not any(done.query() for done in staged.copied)  # staging did not wait for them
     slots = torch.tensor([ch.gpu for ch in kv.seq.chunks[:n]], device=dev)
     with torch.inference_mode():
-        kv.seq.summaries.fill_(float("nan"))  # queued after the copies, on the same stream
+        kv.seq.summaries.fill_(float("nan"))  # queued after the summaries' copy, on the same stream
     kv.free()
+    eng.host.fence()  # as the pager does before a freed slot is written: after the tier's copies
     eng.pool.kv.index_fill_(0, slots, float("nan"))
     sid = snaps.put(staged, "doc")
     assert eng.host.n_used == used and not staged.held

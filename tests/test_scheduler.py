@@ -20,7 +20,7 @@ from kvflash.engine.sequence import UNKNOWN
 from kvflash.models.loader import LoadedModel
 from kvflash.serve.admission import Held, HeldCache, Holdings, Room
 from kvflash.serve.job import Job
-from kvflash.serve.scheduler import Scheduler
+from kvflash.serve.scheduler import Scheduler, StepTime
 from kvflash.serve.snapshots import KVSnapshots
 from kvflash.serve.turn import TurnStats, answer
 from kvflash.storage import SnapshotStore
@@ -149,20 +149,24 @@ def test_a_prefill_step_reads_its_pieces_first_tokens_where_it_counts_its_wait(l
     tokens, inside what it reports as its wait for the device (`StepTime.waited`): each request
     that ends its prompt there is handed its first token as read, not left to read its own row."""
     sched = Scheduler(engine(lm), None, frozenset(), max_batch=4, sequence_tokens=128)
-    handed: list[int | None] = []
+    handed: list[tuple[int | None, int]] = []
     filled = sched._filled
 
     def spy(job, piece, logits, argmax=None) -> None:
         if piece.final:
-            handed.append(argmax)
+            handed.append((argmax, int(logits.argmax())))
         filled(job, piece, logits, argmax)
 
+    steps: list[StepTime] = []
+    sched.on_step = steps.append
     sched._filled = spy
     try:
         run_jobs(sched, [prompt(30, 1), prompt(40, 2), prompt(70, 3)], 2)
     finally:
         sched.close()
-    assert len(handed) == 3 and all(isinstance(t, int) for t in handed)
+    assert len(handed) == 3 and all(read == own for read, own in handed), handed  # each its own row's
+    filling = [s for s in steps if s.kind == "prefill"]
+    assert filling and all(0 < s.waited <= s.seconds for s in filling), filling
 
 
 def test_running_requests_decode_between_the_pieces_of_a_long_prefill(lm) -> None:

@@ -509,6 +509,48 @@ def test_a_restore_leasing_chunks_in_redis_reads_them_there_after_they_reach_the
             assert same_kv(b.read_chunks_parallel(hashes_of(chain), FP), chain)
 
 
+def test_a_restore_leasing_chunks_in_redis_reads_their_local_copies_while_redis_is_down(
+    redis_server, tmp_path
+):
+    """Reads stay in the tier a lease holds, unless that tier cannot answer: then the local copies
+    read through meanwhile serve (unleased here, but there)."""
+    chain = make_chain(toks(3))
+    with TieredStore(SnapshotStore(tmp_path / "a"), RedisStore(redis_server.url)) as a:
+        a.put_snapshot("doc", FP, chain)
+    shared = RedisStore(RedisConfig(redis_server.url, retry_s=0.2))
+    with TieredStore(SnapshotStore(tmp_path / "b"), shared, TierConfig(readthrough_quiet_s=0)) as b:
+        with b.lease(hashes_of(chain)):
+            assert same_kv(b.read_chunks_parallel(hashes_of(chain), FP), chain)
+            deadline = time.monotonic() + 10
+            while b.local.find_longest_prefix(FP, hashes_of(chain)) < 3:
+                assert time.monotonic() < deadline, "read-through never reached the local tier"
+                time.sleep(0.05)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                redis_server.kill()
+                assert same_kv(b.read_chunks_parallel(hashes_of(chain), FP), chain)
+
+
+def test_a_snapshot_whose_copy_was_dropped_stays_local_whatever_the_budget(redis_server, tmp_path):
+    """Past the write-back budget a waiting copy is dropped and its snapshot stays local: the local
+    tier's budget, applied after the next copy, must not remove it too."""
+    shared = RedisStore(RedisConfig(redis_server.url, retry_s=0.2))
+    cfg = TierConfig(writeback_bytes=1, cache_bytes=0)
+    with TieredStore(SnapshotStore(tmp_path / "a"), shared, cfg) as st:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            redis_server.kill()
+            ids = [st.put_snapshot(f"doc{i}", FP, make_chain(toks(2, start=100 * i))) for i in range(3)]
+            redis_server.start()
+            deadline = time.monotonic() + 10
+            while not redis_server.client().exists(f"kvflash:snap:{ids[0]}"):
+                assert time.monotonic() < deadline, "the copy never reached Redis once it was back"
+                time.sleep(0.05)
+    with SnapshotStore(tmp_path / "a") as local, RedisStore(redis_server.url) as redis:
+        here, there = {s.id for s in local.list_snapshots()}, {s.id for s in redis.list_snapshots()}
+    assert (here, there) == ({ids[1], ids[2]}, {ids[0]})  # the copied one left the local tier
+
+
 def round_trips(admin) -> tuple[int, int]:
     """(GETs run, read events on client sockets: a request or a pipeline each), by Redis's own
     INFO since the last CONFIG RESETSTAT."""

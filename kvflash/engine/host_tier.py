@@ -263,6 +263,13 @@ class HostTier:
         done.record(self.stream)
         return hosts, done
 
+    def landed(self) -> torch.cuda.Event:
+        """An event after every copy queued on the tier's stream so far (page-outs, `copy_out`): a
+        host slot another thread reads once it is done holds its bytes (CUDA only)."""
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        return done
+
     def _copy_out(self, hosts: list[int], gpu_slots: list[int]) -> None:
         """Pool slots into host slots, one copy per adjacent run (async on the side stream on CUDA);
         the host slots go back to the tier if a copy raises."""

@@ -363,6 +363,8 @@ def _host_copies(kv: PagedKV, indices: range, staged: StagedSnapshot) -> dict[in
         staged.held.append(out[i])
     resident = [i for i in indices if i not in out and kv.seq.chunks[i].gpu is not None]
     slots, done = host.copy_out([kv.seq.chunks[i].gpu for i in resident])
+    if done is None and out and host.cuda:  # a held copy may still be landing (a page-out, or
+        done = host.landed()  # another snapshot's copy_out): its stream orders them all
     staged.held += slots
     staged.copied += [done] if done is not None else []
     staged.taken = len(slots)

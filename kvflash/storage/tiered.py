@@ -77,6 +77,9 @@ class TieredStore:
         self._jobs: deque[_Job] = deque()
         self._spared: set[str] = set()
         """Snapshots whose replacing copy was dropped for the write-back budget: kept shared."""
+        self._local_only: set[str] = set()
+        """Snapshots whose copy was dropped (the write-back budget) or failed: the local tier's
+        budget never removes them, or they would be in neither tier."""
         self._pending = 0
         self._fetched: dict[str, int] = {}
         """Chunks read from the shared tier, to be copied here (their sizes)."""
@@ -146,13 +149,19 @@ class TieredStore:
         tier those it holds, but a chunk leased in the shared tier is read there (`lease`)."""
         here = self._here(hashes)
         with self._cond:
-            here -= {h for h in here if self._leased_shared[h]}
-        local = [i for i, h in enumerate(hashes) if h in here]
-        shared = [i for i, h in enumerate(hashes) if h not in here]
+            leased = {h for h in here if self._leased_shared[h]}
+        local = [i for i, h in enumerate(hashes) if h in here - leased]
+        shared = [i for i, h in enumerate(hashes) if h not in here - leased]
         got: dict[int, T] = {}
-        for tier, positions in ((self.local, local), (self.shared, shared)):
-            if positions:
-                got.update(zip(positions, read(tier, positions), strict=True))
+        if local:
+            got.update(zip(local, read(self.local, local), strict=True))
+        if shared:
+            try:
+                got.update(zip(shared, read(self.shared, shared), strict=True))
+            except SharedUnavailable:
+                if not all(hashes[i] in leased for i in shared):
+                    raise
+                got.update(zip(shared, read(self.local, shared), strict=True))  # copies here, unleased
         return [got[i] for i in range(len(hashes))]
 
     def read_chunks_parallel(
@@ -272,6 +281,7 @@ class TieredStore:
         with self._cond:
             spared = snapshot_id in self._spared
             self._spared.discard(snapshot_id)
+            self._local_only.discard(snapshot_id)
         if not spared:
             self._queue(_Job("rm", [snapshot_id]))
         try:
@@ -321,6 +331,7 @@ class TieredStore:
                     warnings.warn(
                         f"the shared store is behind: snapshot {old.ids[0]} stays local", stacklevel=3
                     )
+                    self._local_only.add(old.ids[0])
                     # the snapshots it replaced stay shared: the shared tier gets nothing newer
                     self._spared.update(old.ids[1:])
                     spared = self._spared
@@ -343,6 +354,7 @@ class TieredStore:
             if job is None:
                 self._keep_here([h for h, _ in run])
                 continue
+            copied = True
             try:
                 self._do(job)
             except SharedUnavailable:
@@ -353,11 +365,14 @@ class TieredStore:
                 continue
             except Exception as e:  # on this thread nobody else would hear of it
                 warnings.warn(f"could not update the shared store: {e}", stacklevel=2)
+                copied = False
             with self._cond:
                 if self._jobs and self._jobs[0] is job:
                     self._jobs.popleft()
                     self._pending -= job.nbytes
-            if job.kind == "copy" and self.cfg.cache_bytes is not None:
+                if job.kind == "copy" and not copied:
+                    self._local_only.add(job.ids[0])
+            if job.kind == "copy" and copied and self.cfg.cache_bytes is not None:
                 self._fit_cache()
 
     def _quiet_left(self) -> float:
@@ -415,12 +430,12 @@ class TieredStore:
 
     def _fit_cache(self) -> None:
         """The local tier pruned to its budget once a copy is done, sparing the snapshots whose
-        copies are still queued: removed here first, they would reach neither tier."""
+        copies are still queued, were dropped or failed: removed here, they would be in neither tier."""
         with self._placing:
             with self._cond:
-                queued = [j.ids[0] for j in self._jobs if j.kind == "copy"]
+                keep = {j.ids[0] for j in self._jobs if j.kind == "copy"} | self._local_only
             try:
-                self.local.prune(max_bytes=self.cfg.cache_bytes, keep=queued)
+                self.local.prune(max_bytes=self.cfg.cache_bytes, keep=keep)
             except Exception as e:  # on this thread nobody else would hear of it
                 warnings.warn(f"could not prune {self.local.where} to its budget: {e}", stacklevel=2)
 
