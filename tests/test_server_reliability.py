@@ -268,10 +268,17 @@ def rss() -> int:
     raise AssertionError("no VmRSS in /proc/self/status")
 
 
-def alive(*types: type) -> int:
-    """Objects of exactly these types that are still reachable after a collection."""
-    gc.collect()
-    return sum(type(o) in types for o in gc.get_objects())
+def alive(*types: type, settle_s: float = 5.0) -> int:
+    """Objects of exactly these types that are still reachable after a collection, once they are
+    gone or `settle_s` has passed: a saver thread counts a snapshot written (`caught_up` returns)
+    a moment before its frame and its executor's work item let go of it."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        gc.collect()
+        n = sum(type(o) in types for o in gc.get_objects())
+        if not n or time.monotonic() > deadline:
+            return n
+        time.sleep(0.05)
 
 
 def wave_requests(wave: int) -> list[dict]:
@@ -321,7 +328,7 @@ def test_waves_of_requests_leave_memory_where_the_first_wave_left_it(lm, tmp_pat
             assert 0 < _metric(text, "host_tier_bytes_allocated") <= host_bytes
             assert stray(server) == (0, 0, 0)
             assert alive(Job, StagedSnapshot, ChunkBlob) == 0
-            assert alive(PagedKV) == len(cache.idle) == len(cache._made)
+            assert alive(PagedKV, settle_s=0) == len(cache.idle) == len(cache._made)
             # each holds a slot, so their count is bounded (no loop variable here: it would keep
             # the last one alive into the next wave's count after the cache let it go)
             assert all(any(ch.gpu is not None or ch.host is not None for ch in kv.seq.chunks)
