@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 import weakref
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from kvflash.engine.sequence import UNKNOWN
 from kvflash.models.loader import LoadedModel
 from kvflash.serve.admission import Held, HeldCache, Holdings, Room
 from kvflash.serve.job import Job
-from kvflash.serve.scheduler import Scheduler, StepTime
+from kvflash.serve.scheduler import Cancelled, Scheduler, SchedulerDown, StepTime, TimedOut
 from kvflash.serve.snapshots import KVSnapshots
 from kvflash.serve.turn import TurnStats, answer
 from kvflash.storage import SnapshotStore
@@ -325,6 +326,110 @@ def test_a_request_that_fails_inside_a_batched_forward_fails_alone(lm) -> None:
         assert isinstance(results[0], KVFlashError) and "policy" in str(results[0])
         assert results[1][0] == alone
         assert run_jobs(sched, [prompt(30, 8)], 3)[0]
+    finally:
+        sched.close()
+
+
+def test_a_request_that_fails_a_batched_step_and_ends_in_its_recovery_fails_no_other(lm) -> None:
+    """The request growing past its budget raises inside the step that decodes its 18th token; the
+    recovery first hands on the 17th, at which its consumer ends it (a stop string, say): the one
+    request left from that step of two is stepped alone, not failed with the other's error."""
+    res = ResidencyConfig(chunk_tokens=16, tail_chunks=1, tau=8, tau_history_div=1 << 30, policy="full")
+    eng = Engine(lm, EngineConfig(pool_tokens=512, residency=res))
+    sched = Scheduler(eng, None, frozenset(), max_batch=2, sequence_tokens=256)
+    seen = [0]
+
+    def stops_at_17(tok: int) -> bool:
+        seen[0] += 1
+        return seen[0] == 17
+
+    try:
+        results, done = {}, threading.Semaphore(0)
+        sched.submit(Job(prompt(30, 6), 30, Sampling(), lambda t: False, **outcome(1, results, done)))
+        sched.submit(Job(prompt(240, 7), 40, Sampling(), stops_at_17, **outcome(0, results, done)))
+        assert done.acquire(timeout=60) and done.acquire(timeout=60)
+    finally:
+        sched.close()
+    assert len(results[0][0]) == 17 and len(results[1][0]) == 30, results
+
+
+def test_a_request_submitted_while_the_scheduler_closes_is_refused_not_left_waiting(lm) -> None:
+    """`close` answers what was submitted before it; a request submitted meanwhile would queue behind
+    the loop's end, so it is refused (SchedulerDown) and nothing is left in flight."""
+    sched = Scheduler(engine(lm), None, frozenset(), max_batch=2)
+    held, results, done = threading.Event(), {}, threading.Semaphore(0)
+    first = Job(prompt(30, 1), 6, Sampling(), lambda t: not held.wait(30), **outcome(0, results, done))
+    sched.submit(first)
+    closing = threading.Thread(target=sched.close)
+    closing.start()
+    deadline = time.monotonic() + 30
+    while not sched._closing:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    with pytest.raises(SchedulerDown):
+        sched.submit(Job(prompt(30, 2), 6, Sampling(), lambda t: False, **outcome(1, results, done)))
+    held.set()
+    closing.join(60)
+    assert done.acquire(timeout=30) and isinstance(results[0], tuple) and 1 not in results
+    assert sched.in_flight == 0 and not sched._thread.is_alive()
+
+
+def test_a_waiting_request_whose_client_left_or_whose_time_is_up_ends_while_it_waits(lm) -> None:
+    """With the batch full, a queued request whose client has gone and one past its time limit end
+    at once (Cancelled, TimedOut), not once a place comes: they count as waiting no longer, and
+    the answer running goes on."""
+    sched = Scheduler(engine(lm), None, frozenset(), max_batch=1)
+    results, done, running = {}, threading.Semaphore(0), [0]
+
+    def slow(tok: int) -> bool:
+        running[0] += 1
+        time.sleep(0.01)
+        return False
+
+    try:
+        sched.submit(Job(prompt(30, 1), 400, Sampling(), slow, **outcome(0, results, done)))
+        while not running[0]:
+            time.sleep(0.01)
+        gone = threading.Event()
+        sched.submit(
+            Job(prompt(30, 2), 4, Sampling(), lambda t: False, gone=gone, **outcome(1, results, done))
+        )
+        sched.submit(
+            Job(prompt(30, 3), 4, Sampling(), lambda t: False, timeout_s=0.3, **outcome(2, results, done))
+        )
+        gone.set()
+        assert done.acquire(timeout=30) and done.acquire(timeout=30)
+        ended_at = running[0]
+        assert isinstance(results[1], Cancelled) and isinstance(results[2], TimedOut), results
+        assert ended_at < 400 and 0 not in results and sched.waiting == 0  # the long answer still runs
+        assert done.acquire(timeout=60) and len(results[0][0]) == 400
+    finally:
+        sched.close()
+
+
+def test_calls_queued_while_the_batch_is_full_are_no_waiting_requests(lm) -> None:
+    """A `call` wakes the loop through its queue; with the batch full it is run between steps, and
+    neither it nor its wake-up counts as a request waiting (which would keep `quiet` clear)."""
+    sched = Scheduler(engine(lm), None, frozenset(), max_batch=1)
+    results, done, ran = {}, threading.Semaphore(0), []
+
+    def slow(tok: int) -> bool:
+        time.sleep(0.01)
+        return False
+
+    try:
+        sched.submit(Job(prompt(30, 1), 200, Sampling(), slow, **outcome(0, results, done)))
+        deadline = time.monotonic() + 30
+        while not sched._running:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        for _ in range(5):
+            sched.call(lambda: ran.append(1))
+        while len(ran) < 5:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert sched.waiting == 0 and sched.in_flight == 1 and sched.quiet.is_set()
+        assert done.acquire(timeout=60)
     finally:
         sched.close()
 

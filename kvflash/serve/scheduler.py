@@ -96,6 +96,8 @@ class TimedOut(KVFlashError):
 
 _WAKE = object()
 """Queued by `Scheduler.call` after its function: a loop waiting for work wakes to run it."""
+SWEEP_S = 0.05
+"""How often the loop looks for waiting requests whose client left or whose time is up."""
 
 MAX_SEQUENCE_TOKENS = 262_144
 """The default budget of a sequence when the pool is larger: a sequence's decode buffers and every
@@ -146,6 +148,12 @@ class Scheduler:
         self.failure: BaseException | None = None
         """What stopped the loop, if anything did."""
         self._queue: queue.Queue[Job | object | None] = queue.Queue()
+        self._unread = 0
+        """Jobs submitted and still in `_queue` (its wake-ups and the close sentinel are no request)."""
+        self._queued: collections.deque[Job] = collections.deque()
+        """Jobs taken from `_queue` in the order they came, not yet admitted: in the loop's hands, so
+        that a job whose client leaves or whose time is up ends while it waits (`_sweep`)."""
+        self._swept = 0.0
         self._calls: collections.deque[Callable[[], None]] = collections.deque()
         """Functions to run on this thread before the next step (`call`)."""
         self._retry: collections.deque[Job] = collections.deque()
@@ -165,6 +173,8 @@ class Scheduler:
         """What the steps left `Ahead` share: the stop ids on the device, pinned memory, an event."""
         self._closed = False
         """The queue has been closed (`close`): the loop ends once nothing is left to answer."""
+        self._closing = False
+        """`close` has begun: a job submitted now would queue behind the loop's end, so it is refused."""
         self._cancel = threading.Event()
         self.quiet = threading.Event()
         """Set while no request waits for its first token (none queued, sent back, deferred or
@@ -191,15 +201,17 @@ class Scheduler:
 
     @property
     def waiting(self) -> int:
-        """Requests submitted and not yet admitted (a snapshot; a wake-up `call` queued counts too)."""
-        return self._queue.qsize() + len(self._retry) + len(self._deferred)
+        """Requests submitted and not yet admitted (a snapshot)."""
+        return self._unread + len(self._queued) + len(self._retry) + len(self._deferred)
 
     def submit(self, job: Job) -> None:
-        """Queues a job; SchedulerDown if the loop has stopped (it would never be answered)."""
+        """Queues a job; SchedulerDown if the loop has stopped or is closing (it would never be
+        answered)."""
         with self._lock:
-            if not self.healthy:
+            if not self.healthy or self._closing:
                 raise SchedulerDown(f"the scheduler has stopped ({self.failure or 'closed'})")
             self.quiet.clear()
+            self._unread += 1
             self._queue.put(job)
 
     def call(self, fn: Callable[[], None]) -> None:
@@ -214,6 +226,8 @@ class Scheduler:
         instead), then stops and frees every sequence."""
         if cancel:
             self._cancel.set()
+        with self._lock:
+            self._closing = True
         self._queue.put(None)
         self._thread.join(timeout)
         if self._thread.is_alive():
@@ -229,6 +243,10 @@ class Scheduler:
             for job in self._held():
                 self._fail(job, down)
         finally:
+            with self._lock:
+                self._closing = True  # what is submitted from now on is refused, not left queued
+            for job in self._held():  # none after a loop that ended as it should
+                self._fail(job, SchedulerDown("the scheduler has stopped"))
             self.quiet.set()  # nothing waits on a stopped loop
             try:
                 self.cache.close()
@@ -237,20 +255,42 @@ class Scheduler:
 
     def _held(self) -> list[Job]:
         """Every job not yet answered: running, filling, sent back and queued."""
-        jobs = [*self._running, *self._filling, *self._retry, *self._deferred]
+        self._take_queued(block=False)
+        jobs = [*self._running, *self._filling, *self._retry, *self._deferred, *self._queued]
         self._running, self._filling, self._deferred = [], [], []
         self._retry.clear()
+        self._queued.clear()
+        return jobs
+
+    def _take_queued(self, block: bool) -> None:
+        """Moves what was submitted into `_queued` (a wake-up does nothing more; the close sentinel
+        sets `_closed`), waiting for the first item where `block`."""
         while True:
             try:
-                job = self._queue.get_nowait()
+                item = self._queue.get(block=block)
             except queue.Empty:
-                return jobs
-            if isinstance(job, Job):
-                jobs.append(job)
+                return
+            block = False
+            if item is None:
+                self._closed = True
+            elif isinstance(item, Job):
+                with self._lock:
+                    self._unread -= 1
+                self._queued.append(item)
 
     def _serve(self) -> None:
-        while self._running or self._filling or self._retry or self._deferred or not self._closed:
+        while (
+            self._running
+            or self._filling
+            or self._retry
+            or self._deferred
+            or self._queued
+            or not self._closed
+        ):
+            idle = not (self._running or self._filling or self._retry or self._deferred or self._queued)
+            self._take_queued(block=idle and not self._closed)
             self._run_calls()
+            self._sweep()
             self._admit()
             if self._filling or self.waiting:
                 self.quiet.clear()
@@ -359,23 +399,23 @@ class Scheduler:
         return None
 
     def _next_job(self) -> Job | None:
-        """A job sent back first, else the next queued one (waiting only when nothing else runs)."""
+        """A job sent back first, else the next queued one."""
         if self._retry:
             return self._retry.popleft()
-        if self._closed:
-            return None
-        while True:
-            idle = not (self._running or self._filling)
-            try:
-                job = self._queue.get(block=idle)
-            except queue.Empty:
-                return None
-            if job is not _WAKE:
-                break
-            if idle:  # woken for a `call`: the loop runs it before it waits again
-                return None
-        self._closed = job is None
-        return job
+        return self._queued.popleft() if self._queued else None
+
+    def _sweep(self) -> None:
+        """Ends the waiting jobs whose client left or whose time is up (every one when the server
+        stops) now, not once a batch place or the pool's room comes: a request given up on should
+        neither wait for its answer's error nor count among those waiting. At most every SWEEP_S."""
+        now = time.perf_counter()
+        if now - self._swept < SWEEP_S:
+            return
+        self._swept = now
+        for waiting in (self._queued, self._retry, self._deferred):
+            for job in [j for j in waiting if j.expired() or j.gone.is_set() or self._cancel.is_set()]:
+                waiting.remove(job)
+                self._ended_early(job)
 
     def _ended_early(self, job: Job) -> bool:
         """Fails a job whose client left or whose time is up, or every job when the server stops,
@@ -464,9 +504,9 @@ class Scheduler:
             if ahead is not None:
                 self._collect(ahead, running)
             self._send()
-            running = [j for j in self._running if not self._ended(j)]
+            rows, running = len(running), [j for j in self._running if not self._ended(j)]
             if not planned:
-                self._running = self._step_each(running, e) if running else []
+                self._running = self._step_each(running, e, rows) if running else []
                 return None
             self._running = self._step(running) if running else []
             for job, piece in planned:
@@ -617,15 +657,16 @@ class Scheduler:
             logits = self.engine.decode_batch([j.kv for j in running], [j.next for j in running])
             argmax = logits.argmax(-1).tolist()
         except Exception as e:
-            return self._step_each(running, e)
+            return self._step_each(running, e, len(running))
         self.steps += 1
         self.batched += len(running)
         rows = zip(running, logits, argmax, strict=True)
         return [j for j, row, top in rows if self._advance(j, row, top)]
 
-    def _step_each(self, running: list[Job], e: Exception) -> list[Job]:
-        """After a batched step raised `e`: a lone job fails with it, else each job steps alone."""
-        if len(running) == 1:
+    def _step_each(self, running: list[Job], e: Exception, rows: int) -> list[Job]:
+        """After a step of `rows` decode rows raised `e`: the job that was its only row fails with
+        it, else each job still running steps alone (the one that failed it may have ended since)."""
+        if rows == 1:
             self._failed(running[0], e)
             return []
         return [j for j in running if self._step_alone(j)]

@@ -282,16 +282,18 @@ class Server:
             return stop.stopped
 
         def on_done(out: list[int], stats: TurnStats, kv: PagedKV) -> None:
-            if not stop.stopped and (tail := stop.push(decoder.flush()) + stop.flush()):
-                relay(tail)
-            finish = "length" if (len(out) >= max_tokens or job.timed_out) and not stop.stopped else "stop"
-            self.metrics.answered("cancelled" if gone.is_set() else finish, stats)
-            relay(Completion(stop.text, finish, len(ids), len(out), stats))
-            if self.snapshots:
-                try:
+            try:  # whatever raises here, the promise of host slots is settled
+                if not stop.stopped and (tail := stop.push(decoder.flush()) + stop.flush()):
+                    relay(tail)
+                finish = (
+                    "length" if (len(out) >= max_tokens or job.timed_out) and not stop.stopped else "stop"
+                )
+                self.metrics.answered("cancelled" if gone.is_set() else finish, stats)
+                relay(Completion(stop.text, finish, len(ids), len(out), stats))
+                if self.snapshots:
                     self._stage(kv, label, len(ids))
-                finally:
-                    settle()
+            finally:
+                settle()
 
         sampling = Sampling(req.temperature, req.top_p, req.sampling_seed())
         job = Job(ids, max_tokens, sampling, on_token, on_done, relay, gone, min_tokens=req.min_tokens,
