@@ -98,6 +98,20 @@ def test_a_restore_that_fills_the_host_tier_leaves_nothing_behind(lm, store) -> 
         eng.host.release(h)
     eng.prefill(kv, ids + [1, 2])  # the cold prefill has the whole pool
     cache.close()
+
+
+def test_admission_reserves_no_host_slots_for_an_eager_restore_the_host_tier_cannot_hold(lm, store) -> None:
+    """The same twelve chunks: a tier of four cannot hold their restore, which would fail at once,
+    so a request for them reserves nothing (else it would wait at the queue's head for slots that
+    can never be free); a tier of sixteen reserves all twelve."""
+    snapshots = KVSnapshots(store, FP)
+    ids = prompt(200, 1)
+    saved(lm, snapshots, ids)
+    for slots, reserved in ((4, 0), (16, 12)):
+        eng = engine(lm, host_bytes=slots * chunk_bytes(CFG, 16, torch.float32))
+        cache = PrefixCache(eng, snapshots, lazy=False)
+        assert cache.eager_restore_chunks(ids + [1, 2], 0) == reserved
+        cache.close()
     assert eng.pool.n_free == eng.pool.n_slots
 
 

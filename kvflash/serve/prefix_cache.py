@@ -233,14 +233,17 @@ class PrefixCache:
         """Host slots `take` would fill for ids by an eager restore (each restored chunk keeps its
         host copy): the stored prefix's chunks where it is longer than the `shared_chunks` that
         other live sequences lend and would be read eagerly, else 0. Admission reserves them. A store
-        that cannot answer now counts none: `take` then finds it so too, and prefills cold."""
+        that cannot answer now counts none: `take` then finds it so too, and prefills cold. So does
+        a restore larger than the whole host tier, which fails at once (HostTierFull): reserved, it
+        would hold the queue's head until nothing else ran, only to prefill cold then."""
         if not self.snapshots:
             return 0
         try:
             _, hashes, lazy = self._stored(ids)
         except Exception:
             return 0
-        return len(hashes) if len(hashes) > shared_chunks and not lazy else 0
+        n = len(hashes) if len(hashes) > shared_chunks and not lazy else 0
+        return n if n <= self.engine.host.max_slots else 0
 
     def _record_hit(self, made: Made) -> None:
         """Counts the hit; an index that cannot take it only warns (the answer does not need it)."""
