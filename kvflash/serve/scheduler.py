@@ -292,10 +292,11 @@ class Scheduler:
             self._run_calls()
             self._sweep()
             self._admit()
-            if self._filling or self.waiting:
-                self.quiet.clear()
-            else:
-                self.quiet.set()
+            with self._lock:  # as `submit` clears it: a job submitted meanwhile is counted waiting
+                if self._filling or self.waiting:
+                    self.quiet.clear()
+                else:
+                    self.quiet.set()
             if self._running or self._filling:
                 t0, self._waited = time.perf_counter(), 0.0
                 kind = self._round()
