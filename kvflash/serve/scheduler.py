@@ -279,16 +279,11 @@ class Scheduler:
                 self._queued.append(item)
 
     def _serve(self) -> None:
-        while (
-            self._running
-            or self._filling
-            or self._retry
-            or self._deferred
-            or self._queued
-            or not self._closed
-        ):
-            idle = not (self._running or self._filling or self._retry or self._deferred or self._queued)
-            self._take_queued(block=idle and not self._closed)
+        while True:
+            held = self._running or self._filling or self._retry or self._deferred or self._queued
+            if not held and self._closed:
+                return
+            self._take_queued(block=not held)
             self._run_calls()
             self._sweep()
             self._admit()
