@@ -35,6 +35,24 @@ def same_kv(got, chain) -> bool:
     )
 
 
+def read_through(store: TieredStore, chain, n: int, timeout_s: float = 10) -> None:
+    """Waits until the local tier holds chain's first n chunks, which read-through copies there in
+    the background."""
+    deadline = time.monotonic() + timeout_s
+    while store.local.find_longest_prefix(FP, hashes_of(chain)) < n:
+        assert time.monotonic() < deadline, "read-through never reached the local tier"
+        time.sleep(0.05)
+
+
+def copied_to(server: RedisServer, *ids: str, timeout_s: float = 10) -> None:
+    """Waits until Redis holds the snapshots `ids`, which a tiered store copies there in the
+    background."""
+    deadline = time.monotonic() + timeout_s
+    while not all(server.client().exists(f"kvflash:snap:{sid}") for sid in ids):
+        assert time.monotonic() < deadline, f"snapshots {ids} never reached Redis"
+        time.sleep(0.05)
+
+
 def blob_keys(server: RedisServer) -> list[bytes]:
     return list(server.client().scan_iter(match="kvflash:blob:*"))
 
@@ -272,10 +290,7 @@ def test_the_tiered_store_reads_through_and_writes_back(redis_server, tmp_path):
         assert b.find_longest_prefix(FP, hashes_of(chain)) == 5
         with b.lease(hashes_of(chain)):
             assert same_kv(b.read_chunks_parallel(hashes_of(chain), FP), chain)
-        deadline = time.monotonic() + 10
-        while b.local.find_longest_prefix(FP, hashes_of(chain)) < 5:
-            assert time.monotonic() < deadline, "read-through never reached the local tier"
-            time.sleep(0.05)
+        read_through(b, chain, 5)
         grown = b.put_snapshot("doc", FP, [*hashes_of(chain), *make_chain(toks(6))[5:]])
         b.rm(sid)
     with RedisStore(redis_server.url) as shared:
@@ -294,10 +309,7 @@ def test_the_tiered_store_serves_locally_while_redis_is_down_and_catches_up(redi
         assert same_kv(st.read_chunks_parallel(hashes_of(chain), FP), chain)
         assert [s.id for s in st.list_snapshots()] == [sid]
         redis_server.start()
-        deadline = time.monotonic() + 10
-        while not redis_server.client().exists(f"kvflash:snap:{sid}"):
-            assert time.monotonic() < deadline, "the snapshot never reached Redis once it was back"
-            time.sleep(0.05)
+        copied_to(redis_server, sid)
     with RedisStore(redis_server.url) as again:
         assert same_kv(again.read_chunks_parallel(hashes_of(chain), FP), chain)
 
@@ -385,10 +397,7 @@ def test_a_snapshot_whose_replacing_copy_was_dropped_stays_shared(tmp_path):
     shared = RedisStore(RedisConfig(redis_server.url, retry_s=0.2))
     with TieredStore(SnapshotStore(tmp_path / "a"), shared, TierConfig(writeback_bytes=1)) as st:
         old = st.put_snapshot("doc", FP, make_chain(toks(2)))
-        deadline = time.monotonic() + 10
-        while not redis_server.client().exists(f"kvflash:snap:{old}"):
-            assert time.monotonic() < deadline, "the first snapshot never reached Redis"
-            time.sleep(0.05)
+        copied_to(redis_server, old)
         redis_server.kill()
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
@@ -431,10 +440,7 @@ def test_chunks_read_through_outlive_the_local_tiers_prunes_under_its_budget(red
     cfg = TierConfig(readthrough_quiet_s=0, cache_bytes=1 << 30)
     with TieredStore(SnapshotStore(tmp_path / "b"), RedisStore(redis_server.url), cfg) as b:
         assert same_kv(b.read_chunks_parallel(hashes_of(chain), FP), chain)
-        deadline = time.monotonic() + 10
-        while b.local.find_longest_prefix(FP, hashes_of(chain)) < 4:
-            assert time.monotonic() < deadline, "read-through never reached the local tier"
-            time.sleep(0.05)
+        read_through(b, chain, 4)
         b.put_snapshot("other", FP, other)  # closing waits for its copy, and the prune after it
     with SnapshotStore(tmp_path / "b") as local:
         assert local.find_longest_prefix(FP, hashes_of(chain)) == 4
@@ -450,10 +456,7 @@ def test_snapshots_waiting_for_their_copy_stay_local_whatever_the_budget(redis_s
             redis_server.kill()
             ids = [st.put_snapshot(f"doc{i}", FP, c) for i, c in enumerate(chains)]
             redis_server.start()
-            deadline = time.monotonic() + 10
-            while not all(redis_server.client().exists(f"kvflash:snap:{sid}") for sid in ids):
-                assert time.monotonic() < deadline, "the copies never reached Redis once it was back"
-                time.sleep(0.05)
+            copied_to(redis_server, *ids)
     with RedisStore(redis_server.url) as shared:
         assert sorted(s.id for s in shared.list_snapshots()) == sorted(ids)
 
@@ -495,10 +498,7 @@ def test_a_restore_leasing_chunks_in_redis_reads_them_there_after_they_reach_the
     with TieredStore(SnapshotStore(tmp_path / "b"), RedisStore(redis_server.url), cfg) as b:
         with b.lease(hashes_of(chain)):
             assert same_kv(b.read_chunks_parallel(hashes_of(chain)[:2], FP), chain[:2])
-            deadline = time.monotonic() + 10
-            while b.local.find_longest_prefix(FP, hashes_of(chain)) < 2:
-                assert time.monotonic() < deadline, "read-through never reached the local tier"
-                time.sleep(0.05)
+            read_through(b, chain, 2)
             local_read = b.local.read_chunks_parallel
 
             def read_after_a_prune(*args, **kwargs):
@@ -521,10 +521,7 @@ def test_a_restore_leasing_chunks_in_redis_reads_their_local_copies_while_redis_
     with TieredStore(SnapshotStore(tmp_path / "b"), shared, TierConfig(readthrough_quiet_s=0)) as b:
         with b.lease(hashes_of(chain)):
             assert same_kv(b.read_chunks_parallel(hashes_of(chain), FP), chain)
-            deadline = time.monotonic() + 10
-            while b.local.find_longest_prefix(FP, hashes_of(chain)) < 3:
-                assert time.monotonic() < deadline, "read-through never reached the local tier"
-                time.sleep(0.05)
+            read_through(b, chain, 3)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 redis_server.kill()
@@ -542,10 +539,7 @@ def test_a_snapshot_whose_copy_was_dropped_stays_local_whatever_the_budget(redis
             redis_server.kill()
             ids = [st.put_snapshot(f"doc{i}", FP, make_chain(toks(2, start=100 * i))) for i in range(3)]
             redis_server.start()
-            deadline = time.monotonic() + 10
-            while not redis_server.client().exists(f"kvflash:snap:{ids[0]}"):
-                assert time.monotonic() < deadline, "the copy never reached Redis once it was back"
-                time.sleep(0.05)
+            copied_to(redis_server, ids[0])
     with SnapshotStore(tmp_path / "a") as local, RedisStore(redis_server.url) as redis:
         here, there = {s.id for s in local.list_snapshots()}, {s.id for s in redis.list_snapshots()}
     assert (here, there) == ({ids[1], ids[2]}, {ids[0]})  # the copied one left the local tier
@@ -619,10 +613,7 @@ def test_chunks_read_through_wait_while_a_restore_reads(redis_server, tmp_path, 
     cfg = TierConfig(readthrough_quiet_s=0)
     with TieredStore(SnapshotStore(tmp_path / "b"), RedisStore(redis_server.url), cfg) as b:
         b.read_chunks_parallel(hashes_of(other), FP)  # the local tier now serves `other`
-        deadline = time.monotonic() + 10
-        while b.local.find_longest_prefix(FP, hashes_of(other)) < 4:
-            assert time.monotonic() < deadline, "read-through never reached the local tier"
-            time.sleep(0.05)
+        read_through(b, other, 4)
         reading, release = threading.Event(), threading.Event()
         local_read = b.local.read_chunks_parallel
 
@@ -640,9 +631,7 @@ def test_chunks_read_through_wait_while_a_restore_reads(redis_server, tmp_path, 
         assert b.local.find_longest_prefix(FP, hashes_of(chain)) == 0, "written during a restore"
         release.set()
         restore.join()
-        while b.local.find_longest_prefix(FP, hashes_of(chain)) < 4:
-            assert time.monotonic() < deadline + 10, "read-through never reached the local tier"
-            time.sleep(0.05)
+        read_through(b, chain, 4)
 
 
 def test_chunks_read_through_wait_for_restores_to_be_quiet(redis_server, tmp_path):
@@ -656,7 +645,5 @@ def test_chunks_read_through_wait_for_restores_to_be_quiet(redis_server, tmp_pat
         t0 = time.monotonic()
         time.sleep(0.5)
         assert b.local.find_longest_prefix(FP, hashes_of(chain)) == 0, "copied before the quiet time"
-        while b.local.find_longest_prefix(FP, hashes_of(chain)) < 3:
-            assert time.monotonic() - t0 < 10, "read-through never reached the local tier"
-            time.sleep(0.05)
+        read_through(b, chain, 3)
         assert time.monotonic() - t0 >= 0.9
