@@ -268,15 +268,16 @@ def rss() -> int:
     raise AssertionError("no VmRSS in /proc/self/status")
 
 
-def alive(*types: type, settle_s: float = 5.0) -> int:
-    """Objects of exactly these types that are still reachable after a collection, once they are
-    gone or `settle_s` has passed: a saver thread counts a snapshot written (`caught_up` returns)
-    a moment before its frame and its executor's work item let go of it."""
+def alive(*types: type, down_to: int | None = None, settle_s: float = 5.0) -> int:
+    """Objects of exactly these types reachable after a collection in the whole process (other
+    tests' module constants included); with `down_to`, once they are that few or `settle_s` has
+    passed: a saver thread counts a snapshot written (`caught_up` returns) a moment before its
+    frame and its executor's work item let go of it."""
     deadline = time.monotonic() + settle_s
     while True:
         gc.collect()
         n = sum(type(o) in types for o in gc.get_objects())
-        if not n or time.monotonic() > deadline:
+        if down_to is None or n <= down_to or time.monotonic() > deadline:
             return n
         time.sleep(0.05)
 
@@ -307,6 +308,7 @@ def test_waves_of_requests_leave_memory_where_the_first_wave_left_it(lm, tmp_pat
     host slots and leases held only by the live sequences kept for reuse, each of which holds a
     slot), and the process's RSS stays within RSS_SLACK of its level after the warm-up wave."""
     host_bytes = 128 << 20  # two blocks of the host tier: full after the first wave
+    before = alive(Job, StagedSnapshot, ChunkBlob)  # e.g. tests/test_storage_fuzz.py's ORIGINAL
     with serving(lm, tmp_path / "store", max_tokens=4, host_bytes=host_bytes) as (url, server):
         api = client(url)
 
@@ -327,8 +329,8 @@ def test_waves_of_requests_leave_memory_where_the_first_wave_left_it(lm, tmp_pat
             assert _metric(text, "snapshots_unsaved") == 0
             assert 0 < _metric(text, "host_tier_bytes_allocated") <= host_bytes
             assert stray(server) == (0, 0, 0)
-            assert alive(Job, StagedSnapshot, ChunkBlob) == 0
-            assert alive(PagedKV, settle_s=0) == len(cache.idle) == len(cache._made)
+            assert alive(Job, StagedSnapshot, ChunkBlob, down_to=before) == before
+            assert alive(PagedKV) == len(cache.idle) == len(cache._made)
             # each holds a slot, so their count is bounded (no loop variable here: it would keep
             # the last one alive into the next wave's count after the cache let it go)
             assert all(any(ch.gpu is not None or ch.host is not None for ch in kv.seq.chunks)
