@@ -150,8 +150,9 @@ class TieredStore:
         here = self._here(hashes)
         with self._cond:
             leased = {h for h in here if self._leased_shared[h]}
-        local = [i for i, h in enumerate(hashes) if h in here - leased]
-        shared = [i for i, h in enumerate(hashes) if h not in here - leased]
+        served = here - leased
+        local = [i for i, h in enumerate(hashes) if h in served]
+        shared = [i for i, h in enumerate(hashes) if h not in served]
         got: dict[int, T] = {}
         if local:
             got.update(zip(local, read(self.local, local), strict=True))
