@@ -407,6 +407,27 @@ def test_a_waiting_request_whose_client_left_or_whose_time_is_up_ends_while_it_w
         sched.close()
 
 
+def test_a_request_timing_out_after_its_first_tokens_says_how_far_it_got(lm) -> None:
+    """A request sent back to prefill after a damaged stored chunk has streamed tokens: if its time
+    runs out before it answers again, its error says how many it answered, not that it ended
+    before its first token; one that answered nothing says so."""
+    sched = Scheduler(engine(lm), None, frozenset(), max_batch=1)
+    results, done = {}, threading.Semaphore(0)
+    try:
+        for i, answered in enumerate((3, 0)):
+            job = Job(
+                prompt(30, i), 8, Sampling(), lambda t: False, timeout_s=0.0, **outcome(i, results, done)
+            )
+            job.gen = Generation(8, Sampler(Sampling(), lm.device))
+            job.gen.out = list(range(answered))
+            assert sched._ended_early(job) and done.acquire(timeout=5)
+    finally:
+        sched.close()
+    assert isinstance(results[0], TimedOut) and "3 tokens into its answer" in str(results[0])
+    assert "first token" not in str(results[0])
+    assert isinstance(results[1], TimedOut) and "before its first token" in str(results[1])
+
+
 def test_calls_queued_while_the_batch_is_full_are_no_waiting_requests(lm) -> None:
     """A `call` wakes the loop through its queue; with the batch full it is run between steps, and
     neither it nor its wake-up counts as a request waiting (which would keep `quiet` clear)."""

@@ -91,7 +91,8 @@ class Cancelled(KVFlashError):
 
 
 class TimedOut(KVFlashError):
-    """The request reached its time limit before its first token."""
+    """The request reached its time limit before its first token (or, sent back to prefill after a
+    damaged stored chunk, before its next one)."""
 
 
 _WAKE = object()
@@ -417,8 +418,11 @@ class Scheduler:
         """Fails a job whose client left or whose time is up, or every job when the server stops,
         before it decodes. The sequence it continued goes back as it found it (`_give_back`)."""
         if job.expired():
-            why = (f"the request reached its time limit of {job.timeout_s:g} s before its first token "
-                   "(kvflash serve --request-timeout)")  # fmt: skip
+            answered = len(job.gen.out) if job.gen else 0
+            when = (f"while prefilling again after a damaged stored chunk, {answered} tokens into its answer"
+                    if answered else "before its first token")  # fmt: skip
+            limit = f"the request reached its time limit of {job.timeout_s:g} s"
+            why = f"{limit} {when} (kvflash serve --request-timeout)"
             end: KVFlashError = TimedOut(why)
         elif job.gone.is_set() or self._cancel.is_set():
             end = Cancelled("the server is stopping" if self._cancel.is_set() else "the client went away")
@@ -723,6 +727,7 @@ class Scheduler:
             warnings.warn(f"a stored chunk is unusable ({e}); prefilling the request again", stacklevel=2)
             self._free(job)
             job.recoveries += 1
+            job.restore_chunks = None  # its context has grown, and the damaged snapshot may be gone
             self._retry.append(job)
             return
         self._fail(job, e)
