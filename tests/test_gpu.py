@@ -16,6 +16,7 @@ from kvflash.kvcache import ContiguousKV
 from kvflash.models.loader import load_model
 from kvflash.serve.metrics import device_readings
 from kvflash.serve.prompt import encode_messages
+from tests.cuda_util import no_device_waits
 
 pytestmark = [
     pytest.mark.gpu,
@@ -335,9 +336,7 @@ def test_pieces_mixed_steps_and_decode_steps_that_seal_chunks_never_wait_for_the
     plans = [eng.plan_prefill(eng.new_sequence(4096), _prompt(lm, n)[0]) for n in (300, 1200)]
     tokens = [1000, 2000]
     eng.decode_batch(decoding, tokens)  # the batch's graphs captured before (a capture waits)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_device_waits():
         pieces = [p.next(128) for p in plans]
         eng.forward(decoding, tokens, pieces)
         for p, piece in zip(plans, pieces, strict=True):
@@ -348,8 +347,6 @@ def test_pieces_mixed_steps_and_decode_steps_that_seal_chunks_never_wait_for_the
         sealed = [kv.seq.n_sealed for kv in decoding]
         for _ in range(eng.cfg.residency.chunk_tokens + 1):
             eng.decode_batch(decoding, tokens)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert all(kv.seq.n_sealed > n for kv, n in zip(decoding, sealed, strict=True))
 
 

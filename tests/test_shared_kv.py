@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
 
@@ -25,6 +25,7 @@ from kvflash.serve.job import Job
 from kvflash.serve.prefix_cache import PrefixCache, Taken
 from kvflash.serve.scheduler import Scheduler
 from kvflash.storage import chain_hashes
+from tests.cuda_util import no_device_waits
 from tests.tiny import tiny_config, tiny_model
 
 C = 16
@@ -432,17 +433,7 @@ def test_on_cuda_sharing_a_documents_chunks_waits_for_no_step_before_it(smollm_c
     already launched: torch's sync debug mode raises at any wait for the stream (a list index into
     a device tensor, and a blocking copy of each host copy, were two). Pool and host copies give
     the same summaries."""
-
-    @contextlib.contextmanager
-    def no_waits() -> Iterator[None]:
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            yield
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-
     doc = haystack_prompts(smollm_cuda, 3000)[0]
-    lender, from_pool, from_host = shared_twice(cuda_engine(smollm_cuda), doc, no_waits)
+    lender, from_pool, from_host = shared_twice(cuda_engine(smollm_cuda), doc, no_device_waits)
     assert torch.equal(from_pool, from_host)
     torch.testing.assert_close(from_pool, lender, rtol=1e-3, atol=1e-3)
