@@ -603,8 +603,10 @@ def decode_launch(head_dim: int, batch: int, kv_bytes: int = 2) -> Launch:
     wave of two programs per SM. An fp8 pool takes 64-token tiles (one chunk a block: its V^T tile
     is then one contiguous run a channel) and four warps, the warpgroup its e4m3 tensor-core dots
     need (eight are far slower), merged in the split kernel from batch 16. Head_dim 64 goes two
-    stages deep over one wave below batch 32 and two from it (three stages, and twice the waves,
-    within a point or two), and at batch 16-31 takes 128-token tiles (two chunks), as its 64-token
+    stages deep over three waves with a thread's registers capped at 160: the stacked program
+    (`decode_heads`) then fits three an SM instead of two (198 registers uncapped), 9-11 points of
+    copy bandwidth more at batch 16 and 64, where uncapped it was best over one or two waves and
+    a cap over fewer waves loses; at batch 16-31 it takes 128-token tiles (two chunks), as its 64-token
     tile costs the fixed work a tile has (the cross-warp max and sum, the weights' trip through
     shared memory) for half of head_dim 128's bytes; at batch 64 they lose. Head_dim 128 splits over
     three waves: a program of one kv-head, two stages deep, reads at 58-90 % of copy as the split
@@ -614,9 +616,10 @@ def decode_launch(head_dim: int, batch: int, kv_bytes: int = 2) -> Launch:
     that serves several kv-heads walks one chunk a block whatever the tile here."""
     if kv_bytes == 1 and head_dim >= 128 and batch >= 16:
         return Launch(BLOCK_TOKENS, 4 if batch >= STACK_FROM_BATCH else 2, 3, True)
+    if kv_bytes == 1 and batch >= 16:
+        return Launch(2 * BLOCK_TOKENS if batch < 32 else BLOCK_TOKENS, 2, 3, True, max_registers=160)
     if kv_bytes == 1:
-        block = 2 * BLOCK_TOKENS if head_dim < 128 and 16 <= batch < 32 else BLOCK_TOKENS
-        return Launch(block, 2, (1 if batch < 32 else 2) if batch >= 16 else WAVES, batch >= 16)
+        return Launch(BLOCK_TOKENS, 2, WAVES, False)
     if head_dim >= 128 and batch >= 16:
         return Launch(BLOCK_TOKENS, 2, 2 if batch < 32 else 6, True)
     if batch >= 16:
