@@ -61,11 +61,21 @@ LONG_CONTEXT = 65536
 """Contexts from here on count as long for the decode target."""
 L2_DEFEAT_BYTES = 512 << 20
 SETTLE_BYTES = 4 << 30
-SETTLE_S = 5.0
-"""After a shape that held more than SETTLE_BYTES, wait SETTLE_S before the next: a batch-1 paged
-decode measured right after tens of GB were freed reads several points of copy bandwidth low, an
-artefact of the harness freeing its buffers, not of a serving engine, which allocates its pool once
-(docs/BENCHMARKS.md: Kernels, "Decode launch rules and why")."""
+SETTLE_S = 1.0
+"""Where more than SETTLE_BYTES were freed, wait SETTLE_S before timing: a batch-1 paged decode
+measured right after tens of GB were freed reads several points of copy bandwidth low (10 at once,
+none after 0.5 s), an artefact of the harness freeing its buffers, not of a serving engine, which
+allocates its pool once (docs/BENCHMARKS.md: Kernels, "Decode launch rules and why"). A shape frees
+that much before its own timing too: an fp8 shape its bf16 pool, any shape its gathered K and V."""
+
+
+def settle() -> None:
+    """Returns freed memory to the device and waits SETTLE_S if more than SETTLE_BYTES were freed
+    since the last call (the peak allocated then less what is allocated now)."""
+    torch.cuda.empty_cache()
+    if torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated() > SETTLE_BYTES:
+        time.sleep(SETTLE_S)
+    torch.cuda.reset_peak_memory_stats()
 
 
 @dataclass
@@ -213,7 +223,6 @@ def bench_decode(model: str, context: int, batch: int, copy_gbps: float, kv: str
     pool, table = paged_pool(copies * batch, n, h_kv, d)
     if fp8:
         pool = to_fp8(pool)
-        torch.cuda.empty_cache()
     k, v = contiguous(to_values(pool) if fp8 else pool, table)
     q = torch.randn(copies * batch, hq, d, dtype=DTYPE, device="cuda")
     n_slots = torch.full((batch,), n, dtype=torch.int32, device="cuda")
@@ -228,6 +237,7 @@ def bench_decode(model: str, context: int, batch: int, copy_gbps: float, kv: str
         ref, backend = sdpa(qi[:, :, None], k[rows], v[rows], causal=False)
         refs.append(ref)
     err = (ours[0]().float() - refs[0]()[:, :, 0].float()).abs().max().item()
+    settle()
     t_ours, t_sdpa = graph_ms(ours), graph_ms(refs)
     rate = gbytes / t_ours * 1e3
     read = read_limit(list(pool.view(copies, -1)))
@@ -351,9 +361,7 @@ def main() -> None:
                 rows.append(bench_decode(model, context, batch, copy_gbps, kv))
             else:
                 rows.append(bench_prefill(model, context))
-            torch.cuda.empty_cache()
-            if rows[-1].gbytes * 1e9 > SETTLE_BYTES:
-                time.sleep(SETTLE_S)
+            settle()
             progress.advance(task)
     console.print(table(rows, copy_gbps))
     if args.fp8:
