@@ -585,7 +585,9 @@ class Launch(NamedTuple):
     """Warps a program."""
     max_registers: int | None = None
     """Registers a thread may take at most (ptxas' maxnreg), None: as many as the compiler wants.
-    Registers set how many programs an SM holds at once, and so the bytes it keeps in flight."""
+    Registers set how many programs an SM holds at once, and so the bytes it keeps in flight. Only
+    a program of several kv-heads (`decode_heads`) takes it: the cap is measured for that program,
+    and a cap above what a smaller program takes raises its count instead."""
 
 
 def decode_launch(head_dim: int, batch: int, kv_bytes: int = 2) -> Launch:
@@ -837,7 +839,7 @@ def paged_decode_attention(
         HD=next_pow2(heads) * d,
         num_warps=num_warps or tuned.warps,
         num_stages=num_stages or tuned.stages,
-        maxnreg=max_registers or tuned.max_registers,
+        maxnreg=max_registers or (tuned.max_registers if heads > 1 else None),
         launch_pdl=pdl,
     )
     if direct or fused:
