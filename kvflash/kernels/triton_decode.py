@@ -608,7 +608,8 @@ def decode_launch(head_dim: int, batch: int, kv_bytes: int = 2) -> Launch:
     stages deep over three waves with a thread's registers capped at 160: the stacked program
     (`decode_heads`) then fits three an SM instead of two (198 registers uncapped), 9-11 points of
     copy bandwidth more at batch 16 and 64, where uncapped it was best over one or two waves and
-    a cap over fewer waves loses; at batch 16-31 it takes 128-token tiles (two chunks), as its 64-token
+    a cap over fewer waves loses (a program of one kv-head runs uncapped over the same three waves,
+    not measured apart); at batch 16-31 it takes 128-token tiles (two chunks), as its 64-token
     tile costs the fixed work a tile has (the cross-warp max and sum, the weights' trip through
     shared memory) for half of head_dim 128's bytes; at batch 64 they lose. Head_dim 128 splits over
     three waves: a program of one kv-head, two stages deep, reads at 58-90 % of copy as the split
