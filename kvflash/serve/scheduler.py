@@ -410,7 +410,7 @@ class Scheduler:
             return
         self._swept = now
         for waiting in (self._queued, self._retry, self._deferred):
-            for job in [j for j in waiting if j.expired() or j.gone.is_set() or self._cancel.is_set()]:
+            for job in [j for j in waiting if self._cut_short(j)]:
                 waiting.remove(job)
                 self._ended_early(job)
 
