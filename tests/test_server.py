@@ -482,11 +482,13 @@ def test_a_field_asking_for_what_kvflash_does_not_do_is_refused_by_name(lm) -> N
             err = r.json()["error"]
             assert [err["param"]] == list(field) and "kvflash" in err["message"], err
         answer = client(url).chat.completions.create(
-            model=MODEL, messages=TURN1, max_tokens=2, logprobs=False, tools=[], tool_choice="none",
-            response_format={"type": "text"},
+            model=MODEL, messages=TURN1, max_tokens=2, temperature=0, logprobs=False, tools=[],
+            tool_choice="none", response_format={"type": "text"},
         )  # fmt: skip
         assert answer.choices[0].message.content
-        text = client(url).completions.create(model=MODEL, prompt=DOC, max_tokens=2, echo=False, best_of=1)
+        text = client(url).completions.create(
+            model=MODEL, prompt=DOC, max_tokens=2, temperature=0, echo=False, best_of=1
+        )
         assert text.choices[0].text
 
 
