@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -14,9 +17,9 @@ from kvflash import KVFlashError
 from kvflash.config import ResidencyConfig
 from kvflash.engine import scoring
 from kvflash.engine.decode_staging import DECODE_FIELDS, Staged, StagingCache
-from kvflash.engine.host_tier import HostTier
+from kvflash.engine.host_tier import BLOCK_SLOTS, HostTier
 from kvflash.engine.paged_kv import PagedKV
-from kvflash.engine.pool import ChunkPool
+from kvflash.engine.pool import ChunkPool, chunk_bytes
 from kvflash.engine.residency import required_chunks
 from kvflash.kvcache import ContiguousKV
 from kvflash.models.rope import Rotary, apply_rotary, inv_frequencies
@@ -287,6 +290,33 @@ def test_host_memory_first_taken_inside_a_forward_takes_page_outs_outside_one() 
     host.page_in(h, 2)
     host.fence()
     assert torch.equal(pool.kv[2].view(torch.int16), pool.kv[1].view(torch.int16))
+
+
+def test_room_wanted_later_waits_for_quiet_and_keeps_nothing_waiting_meanwhile() -> None:
+    """Staging room (`reserve(later=True)`) is pinned only once the quiet event is set. Meanwhile an
+    allocation that finds no free slot grows the tier itself instead of waiting for the grower, and
+    room a prefill wants now (`reserve`) grows at once."""
+    cfg = tiny_config()
+    pool = ChunkPool(cfg, 3, 16, torch.bfloat16, CPU)
+    host = HostTier(pool, 4 * BLOCK_SLOTS * chunk_bytes(cfg, 16, torch.bfloat16))
+    quiet = threading.Event()
+    host.yield_to(quiet, 60.0)
+
+    def grown(n: int) -> bool:
+        with host._grown:
+            return host._grown.wait_for(lambda: host.n_allocated == n, timeout=10)
+
+    host.reserve(3 * BLOCK_SLOTS, later=True)
+    time.sleep(0.1)
+    assert host._growing and host.n_allocated == 0
+    taken = ThreadPoolExecutor(1).submit(host.alloc_many, 2)
+    assert len(taken.result(timeout=10)) == 2 and host.n_allocated == BLOCK_SLOTS
+    host.reserve(2 * BLOCK_SLOTS)
+    assert grown(2 * BLOCK_SLOTS)
+    time.sleep(0.1)
+    assert host.n_allocated == 2 * BLOCK_SLOTS
+    quiet.set()
+    assert grown(3 * BLOCK_SLOTS)
 
 
 def test_scout_scores_from_exact_keys_find_one_sharp_key_that_block_means_miss() -> None:

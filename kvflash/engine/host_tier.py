@@ -7,7 +7,8 @@ batch each way: one stream switch, and one copy per run of slots adjacent in bot
 Pinning host memory is slow, so memory a prefill will need is reserved ahead (`reserve`) and
 allocated by a background thread while the GPU computes; a block's pages are touched by torch's
 threads and then registered with CUDA (`pinned_empty`), which takes about half the time of
-cudaHostAlloc faulting them in one thread (docs/BENCHMARKS.md, Cold prefill).
+cudaHostAlloc faulting them in one thread (docs/BENCHMARKS.md, Cold prefill). Room that is wanted
+later (a server's snapshot staging) waits for a quiet moment (`yield_to`) before it is pinned.
 
 Like the pool's, host slots are counted references, named by chain hash (`ChunkIndex`): a chunk one
 sequence paged out is the copy another pages out or reads from disk, and a slot is free once its last
@@ -17,6 +18,7 @@ reader has released it. A host copy is written once, when it is taken, and never
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 
@@ -28,6 +30,10 @@ from kvflash.engine.pool import ChunkPool, chunk_bytes
 
 BLOCK_SLOTS = 64
 """Host memory grows in blocks of this many chunks, so a large budget costs nothing until used."""
+
+
+QUIET_POLL_S = 0.005
+"""How often growth waiting for a quiet moment looks whether room is wanted at once meanwhile."""
 
 
 class HostTierFull(KVFlashError):
@@ -89,7 +95,15 @@ class HostTier:
         self._pending_out = False
         self._target = 0
         """Slots `reserve` asked for: the background grower allocates blocks until they exist."""
+        self._later = 0
+        """Slots `reserve(later=True)` asked for: grown once `_quiet` is set (`yield_to`)."""
+        self._quiet: threading.Event | None = None
+        self._max_yield_s = 0.0
         self._growing = False
+        """The background grower is running (filling a block, or waiting to)."""
+        self._filling = 0
+        """Blocks the background grower has claimed and is allocating: `alloc_many` waits for them
+        rather than allocating its own, but not for a grower waiting for a quiet moment."""
         self._n_slots = 0
         self._grown = threading.Condition()  # a restore's prefetch thread and the grower allocate too
 
@@ -126,31 +140,69 @@ class HostTier:
             self._free[:0] = range(start + n - 1, start - 1, -1)
             self._grown.notify_all()
 
-    def reserve(self, n_slots: int) -> None:
+    def yield_to(self, quiet: threading.Event, max_wait_s: float) -> None:
+        """Room reserved `later` is pinned once `quiet` is set, waiting up to max_wait_s in all each
+        time the tier grows: pinning touches every page on torch's threads and registers them with
+        the driver, which a server's requests waiting for their first tokens should not share."""
+        self._quiet, self._max_yield_s = quiet, max_wait_s
+
+    def reserve(self, n_slots: int, later: bool = False) -> None:
         """Makes sure host memory for n_slots in all (up to the budget) gets allocated, in the
-        background: the first page-outs of a long prefill then find it ready."""
+        background: the first page-outs of a long prefill then find it ready. `later`: room not
+        needed before the requests in flight have answered (a snapshot's staging), which waits for
+        a quiet moment (`yield_to`); an allocation that finds no free slot meanwhile grows the tier
+        itself."""
+        n_slots = min(n_slots, self.max_slots)
         with self._grown:
-            self._target = max(self._target, min(n_slots, self.max_slots))
-            if self._growing or len(self._blocks) * BLOCK_SLOTS >= self._target:
+            if later:
+                self._later = max(self._later, n_slots)
+            else:
+                self._target = max(self._target, n_slots)
+            if self._growing or len(self._blocks) * BLOCK_SLOTS >= max(self._target, self._later):
                 return
             self._growing = True
         threading.Thread(target=self._grow_ahead, daemon=True, name="kvflash-host-tier").start()
 
     def _grow_ahead(self) -> None:
+        deadline = time.monotonic() + self._max_yield_s
         try:
             while True:
                 with self._grown:
-                    b = self._claim_block() if len(self._blocks) * BLOCK_SLOTS < self._target else None
+                    have = len(self._blocks) * BLOCK_SLOTS
+                    if have >= max(self._target, self._later):
+                        return
+                    now = have < self._target
+                if not now:
+                    self._wait_quiet(deadline)
+                with self._grown:
+                    b = None
+                    if len(self._blocks) * BLOCK_SLOTS < max(self._target, self._later):
+                        b = self._claim_block()
+                    self._filling += b is not None
                 if b is None:
                     return
-                self._fill_block(b)
+                try:
+                    self._fill_block(b)
+                finally:
+                    with self._grown:
+                        self._filling -= 1
+                        self._grown.notify_all()
         except Exception:  # out of host memory: alloc grows (and says so) in the caller's thread
             pass
         finally:
             with self._grown:
                 self._growing = False
-                self._target = 0
+                self._target = self._later = 0
                 self._grown.notify_all()
+
+    def _wait_quiet(self, deadline: float) -> None:
+        """Until `_quiet` is set, the deadline passes or room is reserved that is wanted now."""
+        while self._quiet is not None and not self._quiet.is_set():
+            left = deadline - time.monotonic()
+            with self._grown:
+                if left <= 0 or len(self._blocks) * BLOCK_SLOTS < self._target:
+                    return
+            self._quiet.wait(min(left, QUIET_POLL_S))
 
     def block(self, b: int) -> torch.Tensor:
         """Block b: host slots b * BLOCK_SLOTS on, as one tensor [slots, *chunk shape]."""
@@ -169,7 +221,7 @@ class HostTier:
         out: list[int] = []
         while len(out) < n:
             with self._grown:
-                while not self._free and self._growing:
+                while not self._free and self._filling:
                     self._grown.wait()
                 take = min(n - len(out), len(self._free))
                 if take:

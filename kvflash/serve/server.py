@@ -160,6 +160,7 @@ class Server:
         self.scheduler = Scheduler(engine, snapshots, tokenizer.eos_ids, max_batch, sequence_tokens)
         if snapshots is not None:
             snapshots.store.yield_saves_to(self.scheduler.quiet, SAVE_YIELD_S)
+            engine.host.yield_to(self.scheduler.quiet, SAVE_YIELD_S)
         engine.pool.reset_peak()  # the warm-up's scratch sequences are not the server's use
         self.content_ids = ContentIds(tokenizer)
         self.metrics = ServerMetrics(self.readings)
@@ -298,12 +299,13 @@ class Server:
         sampling = Sampling(req.temperature, req.top_p, req.sampling_seed())
         job = Job(ids, max_tokens, sampling, on_token, on_done, relay, gone, min_tokens=req.min_tokens,
                   pins=prompt.pins, timeout_s=self.request_timeout)  # fmt: skip
-        self._promise_host(chunks)  # host memory to stage the answer's snapshot in, pinned meanwhile
+        self._promise_host(chunks)  # host memory to stage the answer's snapshot in
         try:
             self.scheduler.submit(job)
         except BaseException:
             settle()
             raise
+        self._grow_staging_room(chunks)  # pinned once no request waits for its first token
 
     def _stage(self, kv: PagedKV, label: str, prompt_tokens: int) -> None:
         """Stages an answered sequence's sealed prefix (its new chunks copied) for the saver thread,
@@ -342,22 +344,24 @@ class Server:
 
     def _promise_host(self, chunks: int) -> None:
         """Counts the host slots that requests in flight will stage their snapshots in (`chunks`
-        more, or fewer once one has staged) and has the host tier pin memory for them ahead, up to
-        MAX_UNSAVED snapshots of this size: pinning for each request's own chunks alone would leave
-        concurrent requests staging into a tier without free slots, whose chunks are then copied on
-        the scheduler's thread. No more than MAX_UNSAVED are staged at once, so the slots of those
-        staged and not yet written are part of that room, not beside it: the next burst of requests
-        stages as their writes give them back, and a tier grown for two rooms would pin a second
-        one (touching every page beside the burst's first tokens) that is never used."""
-        if not chunks:
-            return
+        more, or fewer once one has staged)."""
         with self._counts:
             self._staging += chunks
+
+    def _grow_staging_room(self, chunks: int) -> None:
+        """Has the host tier pin memory for the promised staging ahead, up to MAX_UNSAVED snapshots
+        of a request's `chunks`, once no request waits for its first token (`yield_to`):
+        pinning for each request's own chunks alone would leave concurrent requests staging into a
+        tier without free slots, whose chunks are then copied on the scheduler's thread. No more
+        than MAX_UNSAVED are staged at once, so the slots of those staged and not yet written are
+        part of that room, not beside it: the next burst of requests stages as their writes give
+        them back, and a tier grown for two rooms would pin a second one that is never used."""
+        with self._counts:
             want = min(self._staging, MAX_UNSAVED * chunks)
             staged = self._staged_slots
-        if chunks > 0:
+        if want:
             host = self.scheduler.engine.host
-            host.reserve(host.n_used - staged + want)
+            host.reserve(host.n_used - staged + want, later=True)
 
     def readings(self) -> dict[str, tuple[str, str, float]]:
         """The engine's and the scheduler's state for /metrics: name -> (type, help, value)."""

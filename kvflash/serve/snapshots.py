@@ -373,7 +373,7 @@ def _host_copies(kv: PagedKV, indices: range, staged: StagedSnapshot) -> dict[in
         if (key := kv.seq.chunks[i].key) is not None:
             host.publish(key, h)
     if len(slots) < len(resident):  # room for the next snapshot, allocated in the background
-        host.reserve(host.n_used + len(resident) - len(slots))
+        host.reserve(host.n_used + len(resident) - len(slots), later=True)
     return out
 
 
