@@ -91,7 +91,7 @@ def shape_timer(model: str, context: int, batch: int, fp8: bool = False):
         merge, block, warps, stages, waves, heads, regs = setting
         launch = decode_launch(d, batch, kv_bytes)
         block, stages = block or launch.block_tokens, stages or launch.stages
-        heads, _, splits = decode_grid(pool, batch, hq, n, False, q.device, block, heads, waves)
+        heads, _, splits, _ = decode_grid(pool, batch, hq, n, False, q.device, block, heads, waves)
         kw = dict(
             fused=MERGES[merge], n_splits=splits, block_tokens=block, num_warps=warps, num_stages=stages,
             heads=heads, max_registers=regs,

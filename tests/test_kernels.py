@@ -928,6 +928,19 @@ def test_interp_decode_fp8_stacks_kv_heads(case: Decode, fused: bool) -> None:
 
 
 @interp
+def test_only_a_program_of_several_kv_heads_takes_the_register_cap() -> None:
+    """The cap is measured for SmolLM2's stacked program; a one-head program (rotated chunks walk
+    one head at a time) under it would take more registers than it wants, fewer programs an SM."""
+    td = triton_impl("triton_decode")
+    q, *rest = decode_inputs(Decode(16, 3, 3, 64, 64, 4, torch.float32), "cpu")
+    pool = with_fp8_pool((q, *rest))[1]
+    cap = td.decode_launch(64, 16, 1).max_registers
+    assert cap is not None
+    assert td.decode_grid(pool, 16, 9, 4, False, q.device)[::3] == (3, cap)
+    assert td.decode_grid(pool, 16, 9, 4, True, q.device)[::3] == (1, None)
+
+
+@interp
 @pytest.mark.parametrize("case", INTERP_PREFILL_FP8, ids=str)
 def test_interp_prefill_fp8(case: Prefill) -> None:
     check_prefill_fp8(case, "cpu")

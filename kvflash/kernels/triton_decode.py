@@ -586,8 +586,8 @@ class Launch(NamedTuple):
     max_registers: int | None = None
     """Registers a thread may take at most (ptxas' maxnreg), None: as many as the compiler wants.
     Registers set how many programs an SM holds at once, and so the bytes it keeps in flight. Only
-    a program of several kv-heads (`decode_heads`) takes it: the cap is measured for that program,
-    and a cap above what a smaller program takes raises its count instead."""
+    a program of several kv-heads (`decode_heads`) takes it (`decode_grid`): the cap is measured for
+    that program, and a cap above what a smaller program takes raises its count instead."""
 
 
 def decode_launch(head_dim: int, batch: int, kv_bytes: int = 2) -> Launch:
@@ -667,6 +667,8 @@ class Grid(NamedTuple):
     """Chunks a block."""
     splits: int
     """Splits per (sequence, program's kv-heads) (`decode_splits`)."""
+    max_registers: int | None
+    """The launch's register cap where the program serves several kv-heads (`Launch.max_registers`)."""
 
 
 def decode_grid(
@@ -681,8 +683,8 @@ def decode_grid(
     waves: float | None = None,
 ) -> Grid:
     """What a launch over a slot table `width` chunks wide walks: the kv-heads a program serves,
-    the chunks a block and the split count, each the rule's unless given (bench/decode_tune.py
-    sweeps them through here, as the launcher takes them)."""
+    the chunks a block, the split count and the register cap, each the rule's unless given
+    (bench/decode_tune.py sweeps them through here, as the launcher takes them)."""
     h_kv, c, d, kv_bytes = kv_pool.shape[3], chunk_tokens(kv_pool), kv_pool.shape[5], kv_pool.element_size()
     tuned = decode_launch(d, batch, kv_bytes)
     heads = heads or decode_heads(h_kv, hq // h_kv, d, c, kv_bytes, rotated, batch)
@@ -692,7 +694,7 @@ def decode_grid(
     splits = decode_splits(
         triton.cdiv(width, cpi), tile_bytes, batch, h_kv // heads, device, waves or tuned.waves
     )
-    return Grid(heads, cpi, splits)
+    return Grid(heads, cpi, splits, tuned.max_registers if heads > 1 else None)
 
 
 def use_pdl(head_dim: int, device: torch.device) -> bool:
@@ -776,7 +778,7 @@ def paged_decode_attention(
     tuned = decode_launch(d, b, kv_pool.element_size())
     fused = tuned.fused if fused is None else fused
     pdl = use_pdl(d, q.device) if pdl is None else pdl
-    heads, cpi, splits = decode_grid(
+    heads, cpi, splits, regs = decode_grid(
         kv_pool, b, hq, slot_table.shape[1], rot is not None, q.device, block_tokens, heads
     )
     splits = n_splits or splits
@@ -840,7 +842,7 @@ def paged_decode_attention(
         HD=next_pow2(heads) * d,
         num_warps=num_warps or tuned.warps,
         num_stages=num_stages or tuned.stages,
-        maxnreg=max_registers or (tuned.max_registers if heads > 1 else None),
+        maxnreg=max_registers or regs,
         launch_pdl=pdl,
     )
     if direct or fused:
