@@ -125,11 +125,13 @@ class Deferred:
 
 @dataclass(frozen=True)
 class Prompt:
-    """A request's prompt ids, the most tokens its answer may take and the token ranges [lo, hi) it
-    pins."""
+    """A request's prompt ids, the most tokens its answer may take, its snapshot label and the token
+    ranges [lo, hi) it pins. Made off the event loop (`Server.prompt`): the label hashes the
+    document."""
 
     ids: list[int]
     max_tokens: int
+    label: str
     pins: tuple[tuple[int, int], ...] = ()
 
 
@@ -209,7 +211,9 @@ class Server:
         pins: list[tuple[int, int]] = []
         if isinstance(req, CompletionRequest):
             ids = [self.tok.bos_id] * self.tok.add_bos + self.tok.encode_plain(req.prompt)
+            label = prompt_label(req.prompt)
         else:
+            label = conversation_label(req.messages)
             messages, spans = [m.as_template_message() for m in req.messages], {}
             ids = encode_messages(self.tok, messages, known=self.content_ids.known(messages), spans=spans)
             pins = request_pins(self.tok, messages, spans, req.kvflash.pin)
@@ -229,7 +233,7 @@ class Server:
         if pins:
             cfg = self.scheduler.engine.cfg.residency
             check_pins(cfg, self.scheduler.budget, len(chunks_of(pins, cfg.chunk_tokens)))
-        return Prompt(ids, max_tokens, tuple(pins))
+        return Prompt(ids, max_tokens, label, tuple(pins))
 
     def submit(
         self,
@@ -251,7 +255,6 @@ class Server:
             )
         ids, max_tokens = prompt.ids, prompt.max_tokens
         stop, decoder = StopText(req.stop_strings()), StreamDecoder(self.tok)
-        label = conversation_label(req.messages) if isinstance(req, ChatRequest) else prompt_label(req.prompt)
 
         chunks = len(ids) // self.scheduler.engine.cfg.residency.chunk_tokens if self.snapshots else 0
         settled = False
@@ -292,7 +295,7 @@ class Server:
                 self.metrics.answered("cancelled" if gone.is_set() else finish, stats)
                 relay(Completion(stop.text, finish, len(ids), len(out), stats))
                 if self.snapshots:
-                    self._stage(kv, label, len(ids))
+                    self._stage(kv, prompt.label, len(ids))
             finally:
                 settle()
 
