@@ -19,12 +19,15 @@ from kvflash.engine.generate import Generation, Sampler, Sampling, decode
 from kvflash.engine.pool import chunk_bytes
 from kvflash.engine.sequence import UNKNOWN
 from kvflash.models.loader import LoadedModel
+from kvflash.serve import prefix_cache as prefix_cache_module
+from kvflash.serve import scheduler as scheduler_module
 from kvflash.serve.admission import Held, HeldCache, Holdings, Room
 from kvflash.serve.job import Job
+from kvflash.serve.prefix_cache import common_prefix
 from kvflash.serve.scheduler import Cancelled, Scheduler, SchedulerDown, StepTime, TimedOut
 from kvflash.serve.snapshots import KVSnapshots
 from kvflash.serve.turn import TurnStats, answer
-from kvflash.storage import SnapshotStore
+from kvflash.storage import SnapshotStore, chain_hashes
 from tests.tiny import tiny_config, tiny_model
 
 CFG = tiny_config()
@@ -620,6 +623,38 @@ def test_a_request_sharing_a_busy_requests_document_waits_for_its_prefill_and_sh
     (first_ids, first, one), (second_ids, second, two) = stats
     assert [first_ids, second_ids] == prompts and [first, second] == alone
     assert one.source == "cold" and two.source == "shared" and two.restored_tokens == 96  # 6 chunks of 16
+
+
+def test_requests_over_one_document_compare_and_hash_each_prompt_once(lm, monkeypatch) -> None:
+    """Eight prompts of different lengths over one 200-token document, submitted together: seven
+    wait for the first's prefill, then are admitted together. A waiting prompt is compared with a
+    busy one at most once however many rounds it waits, and the chunk keys of each whole-chunk
+    prefix are hashed once (admission and `take` both ask for them): repeated comparisons and
+    hashes of long documents took a server's scheduler most of a second at 32 conversations."""
+    compared: list[tuple[int, int]] = []
+    hashed: list[int] = []
+
+    def compare(a: list[int], b: list[int], block: int = 64) -> int:
+        compared.append((len(a), len(b)))
+        return common_prefix(a, b, block)
+
+    def chain(fp: str, tokens, chunk_tokens: int) -> list[str]:
+        hashed.append(len(tokens))
+        return chain_hashes(fp, tokens, chunk_tokens)
+
+    monkeypatch.setattr(scheduler_module, "common_prefix", compare)
+    monkeypatch.setattr(prefix_cache_module, "chain_hashes", chain)
+    doc = prompt(200, 80)
+    prompts = [doc + prompt(5 + i, 81 + i) for i in range(8)]
+    sched = Scheduler(engine(lm), None, frozenset(), max_batch=8)
+    try:
+        run_jobs(sched, prompts, 2)
+    finally:
+        sched.close()
+    assert compared and len(set(compared)) == len(compared), compared
+    # whole-chunk prefixes: the document's 12 chunks, or 13 with a prompt's own first tokens
+    whole = {tuple(ids[: (len(ids) - 1) // 16 * 16]) for ids in prompts}
+    assert len(hashed) == len(whole), hashed
 
 
 def alone_answers(lm, prompts: list[list[int]], max_tokens: int, pool_tokens: int) -> list[list[int]]:

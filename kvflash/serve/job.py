@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -12,6 +13,8 @@ from kvflash.engine.paged_kv import PagedKV
 from kvflash.engine.step import Prefill
 from kvflash.serve.admission import Room
 from kvflash.serve.turn import TurnStats
+
+_serials = itertools.count()
 
 
 @dataclass
@@ -57,6 +60,12 @@ class Job:
     taken_chunks: int = 0
     """Whole chunks of the live sequence it continued or shared, which earlier turns computed: what
     it gives back if it ends before its first token."""
+    serial: int = field(default_factory=lambda: next(_serials))
+    """Names the job in other jobs' `common_chunks` (a dataclass compared by fields has no hash)."""
+    common_chunks: dict[int, int] = field(default_factory=dict)
+    """Whole chunks its prompt has in common with a busy job's, by that job's serial: prompts do not
+    change, and a job held back by another's prefill is looked at every round
+    (`Scheduler._shares_busy_prefix`)."""
 
     def expired(self) -> bool:
         return self.timeout_s is not None and time.perf_counter() - self.t0 > self.timeout_s

@@ -28,6 +28,10 @@ from kvflash.engine.paged_kv import PagedKV
 from kvflash.serve.snapshots import KVSnapshots, StoredSummaries
 from kvflash.storage import chain_hashes
 
+KEY_MEMO = 8
+"""Prompts whose chunk keys `PrefixCache` keeps (`_keys`): admission and `take` ask for one
+prompt's keys several times, and conversations over one document share their whole chunks."""
+
 
 @dataclass(frozen=True)
 class Taken:
@@ -75,6 +79,8 @@ class PrefixCache:
         """Sequences kept live after their turn, oldest first."""
         self._made: dict[int, Made] = {}
         """Every sequence this cache made and has not freed."""
+        self._recent_keys: dict[tuple[int, ...], list[str]] = {}
+        """Whole-chunk prompt prefixes -> their chain hashes, least recently asked first."""
 
     @property
     def latest(self) -> PagedKV | None:
@@ -177,9 +183,17 @@ class PrefixCache:
         return (best, n) if n > named * c else (None, 0)
 
     def _keys(self, ids: list[int]) -> list[str]:
-        """The chain hashes of ids' whole chunks before its last token (which is always computed)."""
+        """The chain hashes of ids' whole chunks before its last token (which is always computed),
+        hashed once for the last KEY_MEMO prefixes asked for (not to be changed by the caller)."""
         c = self.engine.cfg.residency.chunk_tokens
-        return chain_hashes(self.engine.fingerprint, ids[: (len(ids) - 1) // c * c], c)
+        whole = tuple(ids[: (len(ids) - 1) // c * c])
+        keys = self._recent_keys.pop(whole, None)
+        if keys is None:
+            keys = chain_hashes(self.engine.fingerprint, whole, c)
+        self._recent_keys[whole] = keys
+        if len(self._recent_keys) > KEY_MEMO:
+            del self._recent_keys[next(iter(self._recent_keys))]
+        return keys
 
     def _match(self, ids: list[int]) -> tuple[PagedKV | None, int]:
         """The idle sequence sharing the longest reusable prefix with ids, and its length."""

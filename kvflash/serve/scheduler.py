@@ -376,16 +376,20 @@ class Scheduler:
 
     def _shares_busy_prefix(self, job: Job) -> bool:
         """Whether a job still prefilling has whole chunks in common with the job that it has not
-        sealed yet: once it has, the job shares them instead of computing them beside it."""
+        sealed yet: once it has, the job shares them instead of computing them beside it. A busy
+        job that has sealed as many chunks as the two prompts could share is not compared at all
+        (many conversations over one document admitted together would compare each pair)."""
         c = self.engine.cfg.residency.chunk_tokens
+        most = (len(job.ids) - 1) // c
         head = job.ids[:c]
-        if len(head) < c:
-            return False
         for j in self._filling:
-            if j.ids[:c] == head and j.kv is not None:
-                common = common_prefix(j.ids, job.ids[: len(job.ids) - 1]) // c
-                if j.kv.seq.n_sealed < common:
-                    return True
+            if j.kv is None or j.kv.seq.n_sealed >= min(most, len(j.ids) // c) or j.ids[:c] != head:
+                continue
+            common = job.common_chunks.get(j.serial)
+            if common is None:
+                common = job.common_chunks[j.serial] = common_prefix(j.ids, job.ids[: len(job.ids) - 1]) // c
+            if j.kv.seq.n_sealed < common:
+                return True
         return False
 
     def _next_free_deferred(self) -> Job | None:
