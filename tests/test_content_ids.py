@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 from kvflash.models.loader import load_model
@@ -38,3 +41,27 @@ def test_the_cache_holds_at_most_max_ids_dropping_the_least_recent(tok) -> None:
     cache.known([new])
     assert cache.known([keep])[0] is first_keep
     assert cache.known([drop])[0] is not first_drop  # encoded again
+
+
+def test_a_content_asked_for_by_many_threads_at_once_is_encoded_once(tok, monkeypatch) -> None:
+    """Conversations starting over one document together: the first thread encodes it, the others
+    wait for its ids rather than encoding the same document beside it."""
+    cache = ContentIds(tok)
+    encoded, start = [], threading.Barrier(8)
+    plain = tok.encode_plain
+
+    def counted(text: str) -> list[int]:
+        encoded.append(len(text))
+        return plain(text)
+
+    monkeypatch.setattr(tok, "encode_plain", counted)
+    message = {"role": "system", "content": _doc(4) * 8}
+
+    def ask(_) -> object:
+        start.wait()
+        return cache.known([message])[0]
+
+    with ThreadPoolExecutor(8) as pool:
+        ids = list(pool.map(ask, range(8)))
+    assert len(encoded) == 1 and all(i is ids[0] for i in ids)
+    assert list(ids[0]) == plain(message["content"])
