@@ -309,8 +309,9 @@ def test_room_wanted_later_waits_for_quiet_and_keeps_nothing_waiting_meanwhile()
     host.reserve(3 * BLOCK_SLOTS, later=True)
     time.sleep(0.1)
     assert host._growing and host.n_allocated == 0
-    taken = ThreadPoolExecutor(1).submit(host.alloc_many, 2)
-    assert len(taken.result(timeout=10)) == 2 and host.n_allocated == BLOCK_SLOTS
+    with ThreadPoolExecutor(1) as pool_thread:  # bounded: it must not wait for the yielding grower
+        taken = pool_thread.submit(host.alloc_many, 2).result(timeout=10)
+    assert len(taken) == 2 and host.n_allocated == BLOCK_SLOTS
     host.reserve(2 * BLOCK_SLOTS)
     assert grown(2 * BLOCK_SLOTS)
     time.sleep(0.1)
