@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import statistics
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,13 +26,12 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from bench.engine_turns import turn
 from bench.harness import SMOLLM2, out_dir, pyplot, random_model, save, save_png
 from kvflash.config import EngineConfig, ModelConfig, ResidencyConfig
 from kvflash.engine.engine import Engine
-from kvflash.engine.generate import Sampling
 from kvflash.models.llama import LlamaForCausalLM
 from kvflash.models.loader import LoadedModel
-from kvflash.serve.job import Job
 from kvflash.serve.scheduler import Scheduler
 
 TIMED = ("_admit", "_shares_busy_prefix", "_make_room", "_start", "_round")
@@ -82,39 +79,17 @@ def run(lm: LoadedModel, n: int, doc_tokens: int) -> dict:
     vocab = lm.config.vocab_size
     gen = torch.Generator().manual_seed(n)
     doc = torch.randint(0, vocab, (doc_tokens,), generator=gen).tolist()
+    prompts = [doc + torch.randint(0, vocab, (16 + i % 7,), generator=gen).tolist() for i in range(n)]
     res = ResidencyConfig(chunk_tokens=64, policy="full")
     eng = Engine(lm, EngineConfig(pool_tokens=doc_tokens * 2 + n * 256, residency=res))
     sched = Scheduler(eng, None, frozenset(), max_batch=n)
-    first: dict[int, float] = {}
-    done, errors = threading.Semaphore(0), []
     spent: collections.Counter = collections.Counter()
-
-    def job(i: int, t0: float) -> Job:
-        ids = doc + torch.randint(0, vocab, (16 + i % 7,), generator=gen).tolist()
-
-        def on_token(tok: int) -> bool:
-            first.setdefault(i, time.perf_counter() - t0)
-            return False
-
-        def failed(e: BaseException) -> None:
-            errors.append(repr(e))
-            done.release()
-
-        return Job(ids, 2, Sampling(), on_token, lambda out, st, kv: done.release(), failed)
-
     try:
         with timed(spent):
-            t0 = time.perf_counter()
-            for i in range(n):
-                sched.submit(job(i, t0))
-            for _ in range(n):
-                assert done.acquire(timeout=1800), "a job did not finish"
+            row, _ = turn(sched, prompts, 2)
     finally:
         sched.close()
-    if errors:
-        raise RuntimeError(errors[0])
-    times = sorted(first.values())
-    return {"n": n, "ttft_p50_s": statistics.median(times), "ttft_max_s": times[-1], **dict(spent)}
+    return {"n": n, "ttft_p50_s": row["ttft_p50_s"], "ttft_max_s": row["ttft_max_s"], **dict(spent)}
 
 
 def plot(rows: list[dict], path: Path) -> None:
