@@ -117,9 +117,13 @@ class HostTier:
         water mark, at most `max_slots`."""
         return self._n_slots
 
+    def _claimed(self) -> int:
+        """Under the lock: the slots of the blocks claimed so far, those being allocated included."""
+        return len(self._blocks) * BLOCK_SLOTS
+
     def _claim_block(self) -> int | None:
         """Under the lock: the index of a new block to allocate, or None at the budget."""
-        if len(self._blocks) * BLOCK_SLOTS >= self.max_slots:
+        if self._claimed() >= self.max_slots:
             return None
         self._blocks.append(None)
         return len(self._blocks) - 1
@@ -158,7 +162,7 @@ class HostTier:
                 self._later = max(self._later, n_slots)
             else:
                 self._target = max(self._target, n_slots)
-            if self._growing or len(self._blocks) * BLOCK_SLOTS >= max(self._target, self._later):
+            if self._growing or self._claimed() >= max(self._target, self._later):
                 return
             self._growing = True
         threading.Thread(target=self._grow_ahead, daemon=True, name="kvflash-host-tier").start()
@@ -168,15 +172,14 @@ class HostTier:
         try:
             while True:
                 with self._grown:
-                    have = len(self._blocks) * BLOCK_SLOTS
-                    if have >= max(self._target, self._later):
+                    if self._claimed() >= max(self._target, self._later):
                         return
-                    now = have < self._target
+                    now = self._claimed() < self._target
                 if not now:
                     self._wait_quiet(deadline)
                 with self._grown:
                     b = None
-                    if len(self._blocks) * BLOCK_SLOTS < max(self._target, self._later):
+                    if self._claimed() < max(self._target, self._later):
                         b = self._claim_block()
                     self._filling += b is not None
                 if b is None:
@@ -200,7 +203,7 @@ class HostTier:
         while self._quiet is not None and not self._quiet.is_set():
             left = deadline - time.monotonic()
             with self._grown:
-                if left <= 0 or len(self._blocks) * BLOCK_SLOTS < self._target:
+                if left <= 0 or self._claimed() < self._target:
                     return
             self._quiet.wait(min(left, QUIET_POLL_S))
 
