@@ -21,6 +21,7 @@ from kvflash.engine.engine import Engine
 from kvflash.engine.generate import Generation, Sampler, Sampling, decode
 from kvflash.engine.paged_kv import PagedKV
 from kvflash.models.loader import LoadedModel
+from kvflash.serve.admission import Held, HeldCache
 from kvflash.serve.job import Job
 from kvflash.serve.prefix_cache import PrefixCache, Taken
 from kvflash.serve.scheduler import Scheduler
@@ -131,6 +132,33 @@ def test_parking_and_dropping_one_reader_leaves_what_the_other_reads(lm) -> None
     assert_all_free(eng)
 
 
+def test_a_third_reader_of_a_document_leaves_what_admission_knows_of_the_others(lm) -> None:
+    """Admission's memo walks a sequence's chunks again only when they gain or lose slots, or when a
+    slot starts or stops being shared: a third reader of an already shared document leaves the
+    first two's entries as they were (many conversations over one document would otherwise walk
+    every reader's chunks for each one admitted), while the first reader's own growth and the
+    second's leaving are seen."""
+    doc = ids(6 * C + 3, 13)
+    eng = engine(lm)
+    cache = PrefixCache(eng, None, capacity=None)
+    held_by = HeldCache(eng.pool, eng.host)
+    a, _ = take(cache, doc + ids(5, 14))
+    answer(eng, a, doc + ids(5, 14), 2)
+    b, _ = take(cache, doc + ids(6, 15))
+    before = held_by(a), held_by(b)
+    assert len(before[0].shared_gpu) == 6 and before[0].shared_gpu == before[1].shared_gpu
+    c, _ = take(cache, doc + ids(7, 16))
+    assert (held_by(a), held_by(b)) == before and held_by(a) is before[0] and held_by(b) is before[1]
+    assert held_by(c) == Held.of(c) and held_by(c).shared_gpu == before[0].shared_gpu
+    eng.prefill(a, ids(2 * C, 17))
+    assert held_by(a) == Held.of(a) and len(held_by(a).gpu) > len(before[0].gpu)
+    cache.drop(b)
+    cache.drop(c)
+    assert held_by(a) == Held.of(a) and not held_by(a).shared_gpu
+    cache.drop(a)
+    assert_all_free(eng)
+
+
 def qk_run(lm, disturb: bool) -> list[torch.Tensor]:
     """Two sequences over one 20-chunk document under `qk` with a budget of 8 chunks: the second
     shares what the first holds (its exact chunks, in the pool or the host tier) and answers 12
@@ -213,9 +241,11 @@ def test_no_slot_is_freed_while_a_sequence_reads_it_and_none_leaks(lm, ops) -> N
     """Random takes (sharing a random prefix of one document), growth (prefill, evicting under `qk`
     with a budget of 6 chunks), parks, cuts and drops of up to four sequences: after each, every
     pool and host slot has exactly as many references as sequences hold it, a held slot's bytes
-    are the ones it was sealed with (a chunk's name, its KV up to float summation order), and once
-    all are dropped every slot is free."""
+    are the ones it was sealed with (a chunk's name, its KV up to float summation order), what
+    admission's memo says each sequence holds is what it holds, and once all are dropped every
+    slot is free."""
     eng = engine(lm, "qk", pool_chunks=24, host_chunks=128)
+    held_by = HeldCache(eng.pool, eng.host)
     doc = ids(16 * C, 9)
     seqs: list[PagedKV] = []
     sealed: dict[tuple[str, int, str], torch.Tensor] = {}
@@ -246,6 +276,7 @@ def test_no_slot_is_freed_while_a_sequence_reads_it_and_none_leaks(lm, ops) -> N
         assert all(eng.pool.refs(s) == k for s, k in gpu.items())
         assert eng.pool.n_used == len(gpu) and eng.host.n_used == len(host)
         assert all(eng.host.refs(h) == k for h, k in host.items())
+        assert all(held_by(kv) == Held.of(kv) for kv in seqs)
         held: set[tuple[str, int, str]] = set()
         for kv in seqs:
             for ch in kv.seq.chunks:

@@ -87,7 +87,8 @@ class HostTier:
         self._extra: dict[int, int] = {}
         """Readers beyond the first of each shared slot."""
         self.epoch = 0
-        """Changes whenever a slot gains or loses a reader (as `ChunkPool.epoch`)."""
+        """Changes whenever a slot starts or stops being read by several holders (as
+        `ChunkPool.epoch`)."""
         self._index = ChunkIndex()
         """The host copies of sealed chunks of exact KV, by chain hash (under `_grown`: a restore's
         prefetch thread reads into the tier too)."""
@@ -230,7 +231,6 @@ class HostTier:
                 if take:
                     out += self._free[len(self._free) - take :]
                     del self._free[len(self._free) - take :]
-                    self.epoch += 1
                     continue
                 b = self._claim_block()
             if b is None:
@@ -251,12 +251,13 @@ class HostTier:
     def release_many(self, host_slots: list[int]) -> None:
         """Drops one reference to each slot; the last reader's release frees it (and its name)."""
         with self._grown:
-            self.epoch += 1
             for h in host_slots:
                 extra = self._extra.pop(h, 0)
                 if extra > 1:
                     self._extra[h] = extra - 1
-                elif not extra:
+                elif extra:
+                    self.epoch += 1
+                else:
                     self._index.forget(h)
                     self._free.append(h)
 
@@ -274,15 +275,18 @@ class HostTier:
         with self._grown:
             h = self._index.find(key)
             if h is not None:
-                self._extra[h] = self._extra.get(h, 0) + 1
-                self.epoch += 1
+                self._add_reader(h)
             return h
 
     def hold(self, host_slot: int) -> None:
         """One more reader of a slot in use (a staged snapshot reading a sequence's host copy)."""
         with self._grown:
-            self._extra[host_slot] = self._extra.get(host_slot, 0) + 1
-            self.epoch += 1
+            self._add_reader(host_slot)
+
+    def _add_reader(self, host_slot: int) -> None:
+        extra = self._extra.get(host_slot, 0)
+        self._extra[host_slot] = extra + 1
+        self.epoch += not extra
 
     def refs(self, host_slot: int) -> int:
         return 1 + self._extra.get(host_slot, 0)
@@ -310,7 +314,6 @@ class HostTier:
             take = min(len(gpu_slots), len(self._free))
             hosts = sorted(self._free[len(self._free) - take :])
             del self._free[len(self._free) - take :]
-            self.epoch += 1
         self._copy_out(hosts, gpu_slots[:take])
         if not (self.cuda and hosts):
             return hosts, None

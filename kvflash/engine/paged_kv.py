@@ -370,6 +370,7 @@ class PagedKV:
                 ch.disk = h
             else:
                 ch.host = host_slots[i]
+        self.pager.touch()
         self.exact_chunks = 0 if approximate else None
         self.chain = (fp, list(hashes))
         if fetch is not None:

@@ -8,6 +8,7 @@ tier. Every copy is counted in `moved`, by tier.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable
 
@@ -21,6 +22,8 @@ from kvflash.engine.to_device import on_device
 
 Fetch = Callable[[list[str], list[torch.Tensor]], None]
 """Reads stored chunks (by chain hash) into host-tier slot views, in parallel."""
+_versions = itertools.count(1)
+"""Versions of every pager: one never repeats, whichever threads move chunks at once."""
 
 
 class Pager:
@@ -37,6 +40,12 @@ class Pager:
         """Bytes of chunk KV moved per tier since the sequence began (for stats lines)."""
         self.evicted = 0
         """Chunks sent out of the pool since the sequence began."""
+        self.version = 0
+        """Changes (`touch`) after any of the sequence's chunks gains or loses a slot: what the
+        sequence holds is computed again only then (admission's `HeldCache`)."""
+
+    def touch(self) -> None:
+        self.version = next(_versions)
 
     def evict(self, chunks: list[Chunk]) -> None:
         """Sends chunks to the host tier (those without a host copy yet) in one batch, and frees
@@ -53,6 +62,7 @@ class Pager:
         for ch in chunks:
             self.pool.release(ch.gpu)
             ch.gpu = None
+        self.touch()
 
     def load_to_host(self, chunks: list[Chunk]) -> None:
         """Brings disk-only chunks into the host tier in one parallel read (selection and prefetch)."""
@@ -73,6 +83,7 @@ class Pager:
                 ch.host = h
                 if ch.key is not None:
                     self.host.publish(ch.key, h)
+            self.touch()
             self.moved["disk"] += len(todo) * self.chunk_nbytes
 
     def chunk_kv(self, ch: Chunk) -> torch.Tensor:
@@ -85,6 +96,7 @@ class Pager:
         """Takes a reference to the host copy of a named chunk where the host tier holds one."""
         if ch.key is not None:
             ch.host = self.host.share(ch.key)
+            self.touch()
         return ch.host is not None
 
     def make_resident(self, chunks: list[Chunk]) -> None:
@@ -102,6 +114,7 @@ class Pager:
             ch.gpu = g
             if ch.key is not None:
                 self.pool.index.add(ch.key, g)
+        self.touch()
         paged = [ch for ch in new if ch.host is not None]
         self.host.page_in_many([ch.host for ch in paged], [ch.gpu for ch in paged])
         self.moved["host_to_gpu"] += len(paged) * self.chunk_nbytes
@@ -126,6 +139,7 @@ class Pager:
             else:
                 ch.host = self.host.share(key)
             ch.key, ch.sealed = key, True
+        self.touch()
 
     def summaries(self, chunks: list[Chunk], blocks: int) -> torch.Tensor:
         """[n, *summary_shape] of sealed chunks from their keys: in place in the pool, host copies
@@ -163,3 +177,4 @@ class Pager:
             if ch.host is not None:
                 self.host.release(ch.host)
                 ch.host = None
+        self.touch()

@@ -80,8 +80,9 @@ def slots_for(
 
 class ChunkPool:
     """Slots of `slot_shape` (`[n_layers, 2, Hkv, C, D]`, C + 1 rows for fp8); the epoch changes
-    whenever a slot gains or loses a reader (allocated, shared, released), so anything derived from
-    who holds what (admission's counts) is computed again instead of being trusted.
+    whenever a slot starts or stops being read by several sequences, so that what a sequence holds
+    and shares (admission's counts) is computed again instead of being trusted. A sequence's own
+    slots coming and going are its pager's `version`.
     One more slot than `n_slots`, `pad_slot`, is never given out: the rows that pad a batched decode
     step to the size its CUDA graph was captured for write and read it."""
 
@@ -133,7 +134,6 @@ class ChunkPool:
         """n free slots, ascending (so that a step's page-ins coalesce into runs where they can)."""
         if n > len(self._free):
             raise PoolFull(f"the chunk pool's {self.n_slots} slots are all in use")
-        self.epoch += 1
         out = self._free[len(self._free) - n :]
         del self._free[len(self._free) - n :]
         for slot in out:
@@ -145,15 +145,17 @@ class ChunkPool:
         """One more reader of a slot in use (a sealed chunk another sequence holds)."""
         assert 0 <= slot < self.n_slots and self._refs[slot], f"bad share of slot {slot}"
         self._refs[slot] += 1
-        self.n_shared += self._refs[slot] == 2
-        self.epoch += 1
+        if self._refs[slot] == 2:
+            self.n_shared += 1
+            self.epoch += 1
 
     def release(self, slot: int) -> None:
         """Drops one reader's reference; the last one frees the slot (and its name)."""
         assert 0 <= slot < self.n_slots and self._refs[slot], f"bad release of slot {slot}"
         self._refs[slot] -= 1
-        self.n_shared -= self._refs[slot] == 1
-        self.epoch += 1
+        if self._refs[slot] == 1:
+            self.n_shared -= 1
+            self.epoch += 1
         if self._refs[slot]:
             return
         self.index.forget(slot)

@@ -62,16 +62,17 @@ class Held:
 
 
 class HeldCache:
-    """`Held.of` each sequence, computed again only once a slot of the pool or the host tier has
-    changed readers (their `epoch`s): admitting requests one after another beside the busy and idle
-    sequences would otherwise walk every chunk of every sequence for each request, a cost that grows
-    with the square of the requests that arrive together. One thread's (the scheduler's). It holds
-    the sequences weakly: a sequence freed since keeps no memory alive here."""
+    """`Held.of` each sequence, computed again only once its own chunks gained or lost a slot (its
+    pager's `version`) or a slot started or stopped being shared (the pool's and the host tier's
+    `epoch`s): admitting requests one after another beside the busy and idle sequences would
+    otherwise walk every chunk of every sequence for each request, a cost that grows with the
+    square of the requests that arrive together. One thread's (the scheduler's). It holds the
+    sequences weakly: a sequence freed since keeps no memory alive here."""
 
     def __init__(self, pool: ChunkPool, host: HostTier):
         self.pool, self.host = pool, host
         self._epochs = (-1, -1)
-        self._memo: dict[int, tuple[weakref.ref[PagedKV], Held]] = {}
+        self._memo: dict[int, tuple[weakref.ref[PagedKV], int, Held]] = {}
 
     def __call__(self, kv: PagedKV | None) -> Held | None:
         if kv is None:
@@ -80,11 +81,12 @@ class HeldCache:
         if epochs != self._epochs:
             self._memo.clear()
             self._epochs = epochs
+        version = kv.pager.version  # read before the walk: a move during it is seen next time
         hit = self._memo.get(id(kv))
-        if hit is not None and hit[0]() is kv:
-            return hit[1]
+        if hit is not None and hit[0]() is kv and hit[1] == version:
+            return hit[2]
         held = Held.of(kv)
-        self._memo[id(kv)] = weakref.ref(kv), held
+        self._memo[id(kv)] = weakref.ref(kv), version, held
         return held
 
 
