@@ -30,12 +30,17 @@ from kvflash.models.rope import apply_rotary
 def _attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """q [..., Hq, M, D], k/v [..., Hkv, N, D], mask broadcastable to [..., Hq, M, N]; fp32 out."""
-    g = q.shape[-3] // k.shape[-3]
-    k = k.float().repeat_interleave(g, dim=-3)
-    v = v.float().repeat_interleave(g, dim=-3)
-    scores = (q.float() @ k.transpose(-1, -2)) * scale
-    return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v
+    """q [..., Hq, M, D], k/v [..., Hkv, N, D], mask broadcastable to [..., Hq, M, N]; fp32 out.
+    Each kv-head's query group is one [G * M, D] block against its K and V, which are never
+    repeated per query head (a wide table's gathered KV would take G times its memory)."""
+    *lead, hq, m, d = q.shape
+    hkv, n = k.shape[-3:-1]
+    g = hq // hkv
+    qg = q.float().reshape(*lead, hkv, g * m, d)
+    mask = mask.expand(*lead, hq, m, n).reshape(*lead, hkv, g * m, n)
+    scores = (qg @ k.float().transpose(-1, -2)) * scale
+    out = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v.float()
+    return out.reshape(*lead, hq, m, v.shape[-1])
 
 
 def kv_values(kv: torch.Tensor) -> torch.Tensor:
@@ -112,7 +117,7 @@ def paged_decode_attention(
         kv = kv.float()
         kv[:, :, 0] = shift_keys(kv[:, :, 0].transpose(1, 2), rot[:, None]).transpose(1, 2)
     kv = kv.permute(2, 0, 3, 1, 4, 5).reshape(2, b, kv.shape[3], max_n * c, d)
-    kv = torch.where(valid[None, :, None, :, None], kv, 0)
+    kv.masked_fill_(~valid[None, :, None, :, None], 0)  # kv is a gathered copy, not the pool
     out = _attend(q[:, :, None, :], kv[0], kv[1], valid[:, None, None, :], sm_scale)
     return out[:, :, 0].to(q.dtype)
 
