@@ -16,6 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvflash import kernels
 from kvflash.config import EngineConfig, ResidencyConfig
 from kvflash.engine.engine import Engine
 from kvflash.engine.generate import Generation, Sampler, Sampling, decode
@@ -456,6 +457,41 @@ def test_a_shared_chunks_summaries_are_its_lenders_from_the_pool_and_from_the_ho
     pool or from host copies staged to the device: the same either way, and the lender's."""
     lender, from_pool, from_host = shared_twice(engine(lm), ids(6 * C + 5, 9), contextlib.nullcontext)
     assert torch.equal(from_pool, lender) and torch.equal(from_host, lender)
+
+
+def test_a_sharer_copies_the_summaries_of_a_sequence_holding_the_same_exact_chunks(lm, monkeypatch) -> None:
+    """Taking a document's chunks through the prefix cache copies their summaries from the sequence
+    that prefilled it (no chunk's keys are read again): the lender's, and what reading the keys
+    gives. A lender's summaries are lent only for chunks it holds as exact KV under the same names:
+    not under another fingerprint, not past its chain, not past the chunks it computed before it
+    first evicted."""
+    doc = ids(6 * C + 5, 21)
+    eng = engine(lm)
+    cache = PrefixCache(eng, None, capacity=None)
+    a, _ = take(cache, doc + ids(4, 22))
+    answer(eng, a, doc + ids(4, 22), 2)
+    computed = a.pager.summaries(a.seq.chunks[:6], eng.cfg.residency.summary_blocks)
+    with monkeypatch.context() as m:
+        m.setattr(kernels, "chunk_summaries", lambda *_: pytest.fail("a lent chunk's keys were read"))
+        b, taken = take(cache, doc + ids(7, 23))
+    assert taken.source == "shared" and taken.restored_tokens == 6 * C
+    lent = b.seq.summaries[:6]
+    assert torch.equal(lent, a.seq.summaries[:6]) and torch.equal(lent, computed)
+    keys = a.chain_hashes(a.fingerprint, 6)
+    assert a.summaries_of(a.fingerprint, keys) is not None and a.summaries_of("other", keys) is None
+    assert a.summaries_of(a.fingerprint, keys + ["not-its-own"]) is None
+    cache.drop(a)
+    cache.drop(b)
+
+    qk = engine(lm, "qk", pool_chunks=24)
+    evicting = qk.new_sequence(6 * C)
+    qk.prefill(evicting, ids(14 * C, 24))
+    first = evicting.exact_chunks
+    assert first is not None and 0 < first < evicting.seq.n_sealed
+    names = evicting.chain_hashes(qk.fingerprint, evicting.seq.n_sealed)
+    assert evicting.summaries_of(qk.fingerprint, names[:first]) is not None
+    assert evicting.summaries_of(qk.fingerprint, names[: first + 1]) is None
+    evicting.free()
 
 
 @pytest.mark.gpu

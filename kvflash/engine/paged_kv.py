@@ -9,6 +9,8 @@ holds the whole context it computes what the dense cache computes (invariant 4).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from kvflash import KVFlashError, kernels
@@ -389,13 +391,13 @@ class PagedKV:
             if ch.host is not None:
                 self.host.publish(key, ch.host)
 
-    def share(self, ids: list[int], keys: list[str]) -> int:
+    def share(self, ids: list[int], keys: list[str], lenders: Iterable[PagedKV] = ()) -> int:
         """Takes into this empty sequence the longest run of ids' whole chunks, named by `keys`
         (their chain hashes under `fingerprint`), that some sequence holds as exact KV in the pool
         or the host tier, as references to those slots: the pool slot where the chunk is resident,
         else its host copy. The slots are sealed, so no sequence writes them; each reader evicts or
-        drops its own reference. Summaries are computed again from the keys. Returns the tokens
-        taken."""
+        drops its own reference. Summaries are copied from the first of `lenders` that has them
+        (`summaries_of`), else computed again from the keys. Returns the tokens taken."""
         assert not len(self.seq), "share needs an empty sequence"
         c, fp = self.cfg.chunk_tokens, self.fingerprint
         n = shared_run(keys, self.pool.index.find, self.host.find)
@@ -404,10 +406,26 @@ class PagedKV:
         self.seq.ensure_chunks(n * c)
         self.seq.tokens.extend(ids[: n * c])
         self.pager.take_shared(self.seq.chunks, keys[:n])
-        self.seq.set_summaries(self.pager.summaries(self.seq.chunks, self.cfg.summary_blocks))
+        lent = next((s for kv in lenders if (s := kv.summaries_of(fp, keys[:n])) is not None), None)
+        if lent is not None:
+            self.seq.set_summaries(lent.clone())
+        else:
+            self.seq.set_summaries(self.pager.summaries(self.seq.chunks, self.cfg.summary_blocks))
         self.chain = (fp, keys[:n])
         self.selector.dirty = True
         return n * c
+
+    def summaries_of(self, fp: str, keys: list[str]) -> torch.Tensor | None:
+        """Its summaries of the chunks named by `keys` (chain hashes under fp: the first len(keys)
+        chunks of a prompt) where it holds them as exact KV: the same tokens at the same places,
+        so the same keys and summaries. None where it does not."""
+        n, (own_fp, chain) = len(keys), self.chain
+        held = self.seq.summaries
+        if not n or own_fp != fp or len(chain) < n or chain[n - 1] != keys[n - 1] or held is None:
+            return None
+        if held.shape[0] < n or self.seq.n_sealed < n or (self.approximate and n > self.exact_chunks):
+            return None
+        return held[:n]
 
     def truncate(self, n_chunks: int) -> None:
         """Keeps the first n_chunks chunks (sealed) and drops every later token, giving back the

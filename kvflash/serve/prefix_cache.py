@@ -105,7 +105,7 @@ class PrefixCache:
         kv = self._new()
         taken = Taken(kv)
         try:
-            if reuse and kv.share(ids, self._keys(ids)):
+            if reuse and kv.share(ids, self._keys(ids), (m.kv for m in self._made.values())):
                 host = sum(ch.gpu is None for ch in kv.seq.chunks) * kv.cfg.chunk_tokens
                 taken = Taken(kv, "shared", len(kv.seq), host)
         except BaseException:
