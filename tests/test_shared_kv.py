@@ -453,8 +453,9 @@ def shared_twice(
 
 
 def test_a_shared_chunks_summaries_are_its_lenders_from_the_pool_and_from_the_host_tier(lm) -> None:
-    """A sequence that shares chunks computes their summaries again from the keys, in place in the
-    pool or from host copies staged to the device: the same either way, and the lender's."""
+    """A sequence that shares chunks with no lender to copy their summaries from computes them again
+    from the keys, in place in the pool or from host copies staged to the device: the same either
+    way, and the lender's."""
     lender, from_pool, from_host = shared_twice(engine(lm), ids(6 * C + 5, 9), contextlib.nullcontext)
     assert torch.equal(from_pool, lender) and torch.equal(from_host, lender)
 
