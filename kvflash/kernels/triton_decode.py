@@ -75,7 +75,8 @@ during capture, where a new allocation would belong to the graph's private pool.
 _counters: dict[torch.device, torch.Tensor] = {}
 MAX_GROUP_ROWS = 16
 """The query rows of a program's dots at the least (Triton's least N), whatever its group: fp8
-programs stack kv-heads until their queries fill it (`decode_heads`)."""
+programs stack kv-heads until their queries fill it (`decode_heads`). An unrotated fp8 program's
+dots take its queries' two e4m3 terms side by side, so half as many queries fill them."""
 MAX_STACKED_ROWS = 256
 """Rows of stacked kv-heads one fp8 program's tiles hold at most (`decode_heads`): two 64-token tiles
 of 256 x 64 bytes (K and V^T) a stage."""
@@ -83,6 +84,11 @@ STACK_FROM_BATCH = 32
 """Sequences from which an fp8 program of head_dim 128 serves two kv-heads (`decode_heads`)."""
 
 E4M3_MAX = tl.constexpr(FP8_MAX)
+MAX_PAIRED_ACC = tl.constexpr(4096)
+"""fp32 elements of an fp8 program's output tile acc^T [HD, 2G] (32 registers a thread at four warps)
+up to which the weights' two e4m3 terms share one dot (`_side_by_side`); above it (SmolLM2's three
+stacked kv-heads: 256 x 32) the doubled tile costs more registers than the second read of V^T saves,
+and each term takes a dot of its own."""
 FP8_P_UP = tl.constexpr(256.0)
 """What an fp8 pool's probability weights are multiplied by before their e4m3 dot, and the output
 divided by after: a power of two, so exact, that keeps a weight within e4m3's range (448) and lifts
@@ -151,6 +157,7 @@ def _decode_split_kernel(
     blk_hi = tl.minimum(blk_lo + per_split, n_blocks)
 
     GH: tl.constexpr = G * HEADS  # the query heads of the program's HEADS kv-heads
+    PAIRED: tl.constexpr = HD * 2 * BLOCK_G <= MAX_PAIRED_ACC  # fp8: `_attend_fp8_block`
     tl.static_assert(HEADS == 1 or (FP8 and CPI == 1 and not SHIFTED))
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, D)
@@ -165,8 +172,7 @@ def _decode_split_kernel(
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + q_cols, mask=own, other=0.0)
     q_down = tl.full([BLOCK_G], 1.0, tl.float32)
     if FP8 and SHIFTED:  # each chunk's keys meet the query turned by it (`_shifted_qk`)
-        q_hi = 0.0
-        q_lo = 0.0
+        q_terms = 0.0
     elif FP8:  # the query as two e4m3 terms, scaled by row so that the larger fills e4m3's range
         q = q.to(tl.float32)
         amax = tl.max(tl.abs(q), 1)
@@ -174,12 +180,10 @@ def _decode_split_kernel(
         q_down = 1.0 / up
         x = q * up[:, None]
         hi = _nearest_e4m3(x, F32_DOT)
-        q_hi = tl.trans(hi)
-        q_lo = tl.trans(_nearest_e4m3(x - hi.to(tl.float32), F32_DOT))
+        q_terms = _side_by_side(tl.trans(hi), tl.trans(_nearest_e4m3(x - hi.to(tl.float32), F32_DOT)))
     else:
         q = q.to(kv_ptr.dtype.element_ty)
-        q_hi = 0.0
-        q_lo = 0.0
+        q_terms = 0.0
     if F32_DOT:
         q = q.to(tl.float32)
     if SHIFTED:  # one chunk a block (CPI == 1): its keys move by their chunk's rotation
@@ -199,7 +203,7 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
     if FP8:  # transposed: keys run down the dots' M (`_attend_fp8_block`), which sums by key
         l_i = tl.zeros([CPI * C, BLOCK_G], tl.float32)
-        acc = tl.zeros([HD, BLOCK_G], tl.float32)
+        acc = tl.zeros([HD, 2 * BLOCK_G if PAIRED else BLOCK_G], tl.float32)
     else:
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, D], tl.float32)
@@ -208,17 +212,19 @@ def _decode_split_kernel(
     last = n_blocks - 1
     for blk in range(blk_lo, tl.minimum(blk_hi, last)):
         m_i, l_i, acc = _attend(
-            q, q_hi, q_lo, q_down, qa, qb, m_i, l_i, acc, blk, n, lv, table_ptr + b * stride_tb, rot_row,
+            q, q_terms, q_down, qa, qb, m_i, l_i, acc, blk, n, lv, table_ptr + b * stride_tb, rot_row,
             k_base, sc_base, qk_scale, stride_slot, stride_kv, stride_head, stride_tok,
-            G, BLOCK_G, C, CPI, D, F32_DOT, PREC, SHIFTED, FP8, HEADS, HD, False,
+            G, BLOCK_G, C, CPI, D, F32_DOT, PREC, SHIFTED, FP8, HEADS, HD, PAIRED, False,
         )  # fmt: skip
     if (blk_lo <= last) & (blk_hi > last):
         m_i, l_i, acc = _attend(
-            q, q_hi, q_lo, q_down, qa, qb, m_i, l_i, acc, last, n, lv, table_ptr + b * stride_tb, rot_row,
+            q, q_terms, q_down, qa, qb, m_i, l_i, acc, last, n, lv, table_ptr + b * stride_tb, rot_row,
             k_base, sc_base, qk_scale, stride_slot, stride_kv, stride_head, stride_tok,
-            G, BLOCK_G, C, CPI, D, F32_DOT, PREC, SHIFTED, FP8, HEADS, HD, True,
+            G, BLOCK_G, C, CPI, D, F32_DOT, PREC, SHIFTED, FP8, HEADS, HD, PAIRED, True,
         )  # fmt: skip
     if FP8:
+        if PAIRED:  # the weights' two terms' columns
+            acc = _sum_halves(acc)
         if HEADS > 1:  # each query's output: its own head's D rows (the others met other heads' V)
             acc = tl.where(r[:, None] // D == g[None, :] // G, acc, 0.0)
             acc = tl.sum(tl.reshape(acc, [HD // D, D, BLOCK_G]), 0)
@@ -252,18 +258,18 @@ def _decode_split_kernel(
 
 @triton.jit
 def _attend(
-    q, q_hi, q_lo, q_down, qa, qb, m_i, l_i, acc, blk, n, lv, table_row, rot_row, k_base, sc_base,
+    q, q_terms, q_down, qa, qb, m_i, l_i, acc, blk, n, lv, table_row, rot_row, k_base, sc_base,
     qk_scale, stride_slot, stride_kv, stride_head, stride_tok,
     G: tl.constexpr, BLOCK_G: tl.constexpr, C: tl.constexpr, CPI: tl.constexpr, D: tl.constexpr,
     F32_DOT: tl.constexpr, PREC: tl.constexpr, SHIFTED: tl.constexpr, FP8: tl.constexpr,
-    HEADS: tl.constexpr, HD: tl.constexpr, MASKED: tl.constexpr,
+    HEADS: tl.constexpr, HD: tl.constexpr, PAIRED: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
     """One block of CPI chunks folded into the running maximum `m_i`, sum `l_i` and output `acc`."""
     if FP8:
         m_i, l_i, acc = _attend_fp8_block(
-            q_hi, q_lo, q_down, qa, qb, m_i, l_i, acc, blk, n, lv, table_row, rot_row, k_base, sc_base,
+            q_terms, q_down, qa, qb, m_i, l_i, acc, blk, n, lv, table_row, rot_row, k_base, sc_base,
             qk_scale, stride_slot, stride_kv, stride_head, stride_tok,
-            G, BLOCK_G, C, CPI, D, F32_DOT, PREC, SHIFTED, HEADS, HD, MASKED,
+            G, BLOCK_G, C, CPI, D, F32_DOT, PREC, SHIFTED, HEADS, HD, PAIRED, MASKED,
         )  # fmt: skip
     else:
         m_i, l_i, acc = _attend_block(
@@ -351,19 +357,20 @@ def _chunk_offsets(
 
 @triton.jit
 def _attend_fp8_block(
-    q_hi, q_lo, q_down, qa, qb, m_i, l_i, acc, blk, n, lv, table_row, rot_row, k_base, sc_base,
+    q_terms, q_down, qa, qb, m_i, l_i, acc, blk, n, lv, table_row, rot_row, k_base, sc_base,
     qk_scale, stride_slot, stride_kv, stride_head, stride_tok,
     G: tl.constexpr, BLOCK_G: tl.constexpr, C: tl.constexpr, CPI: tl.constexpr, D: tl.constexpr,
     F32_DOT: tl.constexpr, PREC: tl.constexpr, SHIFTED: tl.constexpr, HEADS: tl.constexpr,
-    HD: tl.constexpr, MASKED: tl.constexpr,
+    HD: tl.constexpr, PAIRED: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
     """A block of an fp8 pool, transposed: keys are the dots' M, so that both tiles reach e4m3
     tensor-core dots as they are stored (K [T, D] and V^T [D, T], both contiguous along the dots'
     inner dimension), with no widening in shared memory. S^T = K q^T takes the query as two e4m3
-    terms (`q_hi` + `q_lo`, [D, G], scaled up by row; `q_down` undoes it), about bf16's precision;
-    the weights W^T = P^T x FP8_P_UP (x each token's V scale over the block's largest, for blocks
-    of several chunks) meet V^T as two e4m3 terms as well, and acc^T [D, G] takes the block's
-    V scale once. `l_i` [T, G] sums the unscaled weights by key, over the keys once after the loop:
+    terms side by side (`q_terms` [D, 2G]: a value and its remainder, scaled up by row; `q_down`
+    undoes it), about bf16's precision; the weights W^T = P^T x FP8_P_UP (x each token's V scale
+    over the block's largest, for blocks of several chunks) meet V^T as two e4m3 terms side by side
+    as well, and acc^T [D, 2G] (the terms' columns, added after the loop) takes the block's V
+    scale once. `l_i` [T, G] sums the unscaled weights by key, over the keys once after the loop:
     a sum across the keys each tile would cross the warps (shared memory and barriers) as the
     maximum must. `acc` carries FP8_P_UP, which the caller divides out with the sum. With
     `F32_DOT` (the interpreter) the same e4m3 terms meet fp32 dots."""
@@ -410,14 +417,8 @@ def _attend_fp8_block(
         k = tl.load(k_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
     if HEADS == 1:
         v = tl.load(v_cols[None, :] + d[:, None] * C, mask=valid[None, :], other=0.0)  # V^T [D, T]
-    if F32_DOT:  # the same e4m3 terms, their dots in fp32
-        v = v.to(tl.float32)
-    if F32_DOT and not SHIFTED:
-        k = k.to(tl.float32)
-        qk = tl.dot(k, q_hi.to(tl.float32), input_precision=PREC)
-        qk = tl.dot(k, q_lo.to(tl.float32), qk, input_precision=PREC)
-    elif not SHIFTED:
-        qk = tl.dot(k, q_lo, tl.dot(k, q_hi))  # [T, G]
+    if not SHIFTED:
+        qk = _sum_halves(_dot(k, q_terms, None, F32_DOT, PREC))  # [T, G]
     scale = qk_scale * q_down
     if CPI == 1:  # a scalar, or with HEADS each query's head's
         scale = scale * k_sc
@@ -435,18 +436,48 @@ def _attend_fp8_block(
         vs = tl.max(v_sc, 0)
         w = p * (v_sc * (FP8_P_UP / tl.maximum(vs, 1.0e-30)))[:, None]
     if CPI * C < 32:  # an e4m3 dot needs 32 keys: fewer meet V^T widened, the weights in fp16
-        w = w.to(tl.float16)
-        part = tl.dot(v, w.to(tl.float32), input_precision=PREC) if F32_DOT else tl.dot(v.to(tl.float16), w)
+        w_hi = w.to(tl.float16)
+        w_lo = tl.zeros_like(w_hi)
+        if not F32_DOT:
+            v = v.to(tl.float16)
     else:
         w_hi = _nearest_e4m3(w, F32_DOT)
         w_lo = _nearest_e4m3(w - w_hi.to(tl.float32), F32_DOT)
-        if F32_DOT:
-            part = tl.dot(v, w_hi.to(tl.float32), input_precision=PREC)
-            part = tl.dot(v, w_lo.to(tl.float32), part, input_precision=PREC)
-        else:
-            part = tl.dot(v, w_lo, tl.dot(v, w_hi))
-    acc = acc * alpha[None, :] + part * vs
+    if PAIRED:  # acc^T holds both terms' columns (`_side_by_side`), added after the loop
+        part = _dot(v, _side_by_side(w_hi, w_lo), None, F32_DOT, PREC)
+        alpha = _side_by_side(alpha[None, :], alpha[None, :])
+        if HEADS > 1:  # each query's head's scale, for the columns of both terms
+            vs = _side_by_side(vs, vs)
+    else:
+        part = _dot(v, w_lo, _dot(v, w_hi, None, F32_DOT, PREC), F32_DOT, PREC)
+        alpha = alpha[None, :]
+    acc = acc * alpha + part * vs
     return m_new, l_i, acc
+
+
+@triton.jit
+def _dot(a, b, acc, F32_DOT: tl.constexpr, PREC: tl.constexpr):
+    """acc + a b, a tensor-core dot of e4m3 (or fp16) operands; with `F32_DOT` (the interpreter)
+    of the same values in fp32."""
+    if F32_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=PREC)
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _side_by_side(a, b):
+    """Two [R, N] terms as one [R, 2N] dot operand, a's columns then b's: one dot then reads the
+    large operand (K or V^T) from shared memory once for both terms, and the two results stay in
+    one thread's registers (a wgmma accumulator's columns c and c + N, N >= 8, are the same
+    thread's), where `_sum_halves` adds them."""
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (a.shape[0], 2 * a.shape[1]))
+
+
+@triton.jit
+def _sum_halves(x):
+    """The two [R, N] halves of x [R, 2N] added: the terms `_side_by_side` put side by side."""
+    a, b = tl.split(tl.permute(tl.reshape(x, (x.shape[0], 2, x.shape[1] // 2)), (0, 2, 1)))
+    return a + b
 
 
 @triton.jit
@@ -825,7 +856,7 @@ def paged_decode_attention(
         s_tok,
         splits,
         G=g,
-        BLOCK_G=max(MAX_GROUP_ROWS, next_pow2(g * heads)),
+        BLOCK_G=max(MAX_GROUP_ROWS // (2 if is_fp8(kv_pool) and rot is None else 1), next_pow2(g * heads)),
         C=c,
         CPI=cpi,
         D=d,
