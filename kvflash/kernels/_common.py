@@ -49,6 +49,11 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def prev_pow2(n: int) -> int:
+    """The largest power of two <= n (n >= 1)."""
+    return 1 << (n.bit_length() - 1)
+
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 """Largest finite e4m3fn."""

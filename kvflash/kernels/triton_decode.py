@@ -46,6 +46,8 @@ from kvflash.kernels._common import (
     is_fp8,
     next_pow2,
     pool_strides,
+    pow2,
+    prev_pow2,
     sm_count,
 )
 from kvflash.kernels.triton_copy import to_e4m3
@@ -78,8 +80,8 @@ MAX_GROUP_ROWS = 16
 programs stack kv-heads until their queries fill it (`decode_heads`). An unrotated fp8 program's
 dots take its queries' two e4m3 terms side by side, so half as many queries fill them."""
 MAX_STACKED_ROWS = 256
-"""Rows of stacked kv-heads one fp8 program's tiles hold at most (`decode_heads`): two 64-token tiles
-of 256 x 64 bytes (K and V^T) a stage."""
+"""Rows of stacked kv-heads one fp8 program's tiles hold at most (`decode_heads`): 64-token tiles of
+256 x 64 bytes (K and V^T) a stage."""
 STACK_FROM_BATCH = 32
 """Sequences from which an fp8 program of head_dim 128 serves two kv-heads (`decode_heads`)."""
 
@@ -137,6 +139,7 @@ def _decode_split_kernel(
     FP8: tl.constexpr,
     HEADS: tl.constexpr,
     HD: tl.constexpr,
+    HR: tl.constexpr,
 ):
     if PDL:
         # Launched before the previous kernel ends (programmatic dependent launch): wait for its
@@ -157,33 +160,32 @@ def _decode_split_kernel(
     blk_hi = tl.minimum(blk_lo + per_split, n_blocks)
 
     GH: tl.constexpr = G * HEADS  # the query heads of the program's HEADS kv-heads
-    PAIRED: tl.constexpr = HD * 2 * BLOCK_G <= MAX_PAIRED_ACC  # fp8: `_attend_fp8_block`
+    PAIRED: tl.constexpr = (HD + HR) * 2 * BLOCK_G <= MAX_PAIRED_ACC  # fp8: `_attend_fp8_block`
     tl.static_assert(HEADS == 1 or (FP8 and CPI == 1 and not SHIFTED))
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, D)
-    r = tl.arange(0, HD)
     heads = h * GH + g
-    if HEADS > 1:  # block-diagonal: each query in its kv-head's D of the HD rows that stack the heads
-        own = (g < GH)[:, None] & (r[None, :] // D == g[:, None] // G)
-        q_cols = (r % D)[None, :]
+    q_row = q_ptr + b * stride_qb + heads[:, None] * stride_qh
+    if HEADS > 1:  # block-diagonal: each query in its kv-head's D of the rows that stack the heads
+        q = _stacked_query(q_row, 0, g, G, GH, D, HD)
     else:
-        own = (g < G)[:, None]
-        q_cols = d[None, :]
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + q_cols, mask=own, other=0.0)
+        q = tl.load(q_row + d[None, :], mask=(g < G)[:, None], other=0.0)
     q_down = tl.full([BLOCK_G], 1.0, tl.float32)
-    if FP8 and SHIFTED:  # each chunk's keys meet the query turned by it (`_shifted_qk`)
-        q_terms = 0.0
-    elif FP8:  # the query as two e4m3 terms, scaled by row so that the larger fills e4m3's range
+    q_terms = 0.0
+    q_terms2 = 0.0
+    if FP8 and not SHIFTED:  # the query as two e4m3 terms, scaled by row: the larger fills e4m3
         q = q.to(tl.float32)
         amax = tl.max(tl.abs(q), 1)
+        if HR > 0:  # the heads past the first HD rows: a second stack of HR rows
+            q2 = _stacked_query(q_row, HD, g, G, GH, D, HR).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(q2), 1))
         up = E4M3_MAX / tl.where(amax > 0, amax, E4M3_MAX)  # 1 for a padding row of zeros
         q_down = 1.0 / up
-        x = q * up[:, None]
-        hi = _nearest_e4m3(x, F32_DOT)
-        q_terms = _side_by_side(tl.trans(hi), tl.trans(_nearest_e4m3(x - hi.to(tl.float32), F32_DOT)))
-    else:
+        q_terms = _e4m3_terms(q * up[:, None], F32_DOT)
+        if HR > 0:
+            q_terms2 = _e4m3_terms(q2 * up[:, None], F32_DOT)
+    elif not FP8:
         q = q.to(kv_ptr.dtype.element_ty)
-        q_terms = 0.0
     if F32_DOT:
         q = q.to(tl.float32)
     if SHIFTED:  # one chunk a block (CPI == 1): its keys move by their chunk's rotation
@@ -201,9 +203,12 @@ def _decode_split_kernel(
     if FP8:
         sc_base = sc_ptr + (layer_off + h * HEADS * stride_head) // 4  # the scale view starts C rows in
     m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
+    acc2 = 0.0
     if FP8:  # transposed: keys run down the dots' M (`_attend_fp8_block`), which sums by key
         l_i = tl.zeros([CPI * C, BLOCK_G], tl.float32)
         acc = tl.zeros([HD, 2 * BLOCK_G if PAIRED else BLOCK_G], tl.float32)
+        if HR > 0:
+            acc2 = tl.zeros([HR, 2 * BLOCK_G if PAIRED else BLOCK_G], tl.float32)
     else:
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, D], tl.float32)
@@ -211,23 +216,26 @@ def _decode_split_kernel(
     # blocks before it without masks (a mask costs a compare and a select a score), then that one.
     last = n_blocks - 1
     for blk in range(blk_lo, tl.minimum(blk_hi, last)):
-        m_i, l_i, acc = _attend(
-            q, q_terms, q_down, qa, qb, m_i, l_i, acc, blk, n, lv, table_ptr + b * stride_tb, rot_row,
-            k_base, sc_base, qk_scale, stride_slot, stride_kv, stride_head, stride_tok,
-            G, BLOCK_G, C, CPI, D, F32_DOT, PREC, SHIFTED, FP8, HEADS, HD, PAIRED, False,
+        m_i, l_i, acc, acc2 = _attend(
+            q, q_terms, q_terms2, q_down, qa, qb, m_i, l_i, acc, acc2, blk, n, lv, table_ptr + b * stride_tb,
+            rot_row, k_base, sc_base, qk_scale, stride_slot, stride_kv, stride_head, stride_tok,
+            G, BLOCK_G, C, CPI, D, F32_DOT, PREC, SHIFTED, FP8, HEADS, HD, HR, PAIRED, False,
         )  # fmt: skip
     if (blk_lo <= last) & (blk_hi > last):
-        m_i, l_i, acc = _attend(
-            q, q_terms, q_down, qa, qb, m_i, l_i, acc, last, n, lv, table_ptr + b * stride_tb, rot_row,
-            k_base, sc_base, qk_scale, stride_slot, stride_kv, stride_head, stride_tok,
-            G, BLOCK_G, C, CPI, D, F32_DOT, PREC, SHIFTED, FP8, HEADS, HD, PAIRED, True,
+        m_i, l_i, acc, acc2 = _attend(
+            q, q_terms, q_terms2, q_down, qa, qb, m_i, l_i, acc, acc2, last, n, lv, table_ptr + b * stride_tb,
+            rot_row, k_base, sc_base, qk_scale, stride_slot, stride_kv, stride_head, stride_tok,
+            G, BLOCK_G, C, CPI, D, F32_DOT, PREC, SHIFTED, FP8, HEADS, HD, HR, PAIRED, True,
         )  # fmt: skip
     if FP8:
         if PAIRED:  # the weights' two terms' columns
             acc = _sum_halves(acc)
+            if HR > 0:
+                acc2 = _sum_halves(acc2)
         if HEADS > 1:  # each query's output: its own head's D rows (the others met other heads' V)
-            acc = tl.where(r[:, None] // D == g[None, :] // G, acc, 0.0)
-            acc = tl.sum(tl.reshape(acc, [HD // D, D, BLOCK_G]), 0)
+            acc = _own_rows(acc, 0, g, G, D)
+            if HR > 0:
+                acc += _own_rows(acc2, HD, g, G, D)
         acc = tl.trans(acc)
         l_i = tl.sum(l_i, 0)
     seen = l_i > 0
@@ -258,25 +266,25 @@ def _decode_split_kernel(
 
 @triton.jit
 def _attend(
-    q, q_terms, q_down, qa, qb, m_i, l_i, acc, blk, n, lv, table_row, rot_row, k_base, sc_base,
-    qk_scale, stride_slot, stride_kv, stride_head, stride_tok,
+    q, q_terms, q_terms2, q_down, qa, qb, m_i, l_i, acc, acc2, blk, n, lv, table_row, rot_row, k_base,
+    sc_base, qk_scale, stride_slot, stride_kv, stride_head, stride_tok,
     G: tl.constexpr, BLOCK_G: tl.constexpr, C: tl.constexpr, CPI: tl.constexpr, D: tl.constexpr,
     F32_DOT: tl.constexpr, PREC: tl.constexpr, SHIFTED: tl.constexpr, FP8: tl.constexpr,
-    HEADS: tl.constexpr, HD: tl.constexpr, PAIRED: tl.constexpr, MASKED: tl.constexpr,
+    HEADS: tl.constexpr, HD: tl.constexpr, HR: tl.constexpr, PAIRED: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
     """One block of CPI chunks folded into the running maximum `m_i`, sum `l_i` and output `acc`."""
     if FP8:
-        m_i, l_i, acc = _attend_fp8_block(
-            q_terms, q_down, qa, qb, m_i, l_i, acc, blk, n, lv, table_row, rot_row, k_base, sc_base,
-            qk_scale, stride_slot, stride_kv, stride_head, stride_tok,
-            G, BLOCK_G, C, CPI, D, F32_DOT, PREC, SHIFTED, HEADS, HD, PAIRED, MASKED,
+        m_i, l_i, acc, acc2 = _attend_fp8_block(
+            q_terms, q_terms2, q_down, qa, qb, m_i, l_i, acc, acc2, blk, n, lv, table_row, rot_row, k_base,
+            sc_base, qk_scale, stride_slot, stride_kv, stride_head, stride_tok,
+            G, BLOCK_G, C, CPI, D, F32_DOT, PREC, SHIFTED, HEADS, HD, HR, PAIRED, MASKED,
         )  # fmt: skip
     else:
         m_i, l_i, acc = _attend_block(
             q, qa, qb, m_i, l_i, acc, blk, n, lv, table_row, rot_row, k_base, qk_scale, stride_slot,
             stride_kv, stride_tok, C, CPI, D, F32_DOT, PREC, SHIFTED, MASKED,
         )  # fmt: skip
-    return m_i, l_i, acc
+    return m_i, l_i, acc, acc2
 
 
 @triton.jit
@@ -357,11 +365,11 @@ def _chunk_offsets(
 
 @triton.jit
 def _attend_fp8_block(
-    q_terms, q_down, qa, qb, m_i, l_i, acc, blk, n, lv, table_row, rot_row, k_base, sc_base,
-    qk_scale, stride_slot, stride_kv, stride_head, stride_tok,
+    q_terms, q_terms2, q_down, qa, qb, m_i, l_i, acc, acc2, blk, n, lv, table_row, rot_row, k_base,
+    sc_base, qk_scale, stride_slot, stride_kv, stride_head, stride_tok,
     G: tl.constexpr, BLOCK_G: tl.constexpr, C: tl.constexpr, CPI: tl.constexpr, D: tl.constexpr,
     F32_DOT: tl.constexpr, PREC: tl.constexpr, SHIFTED: tl.constexpr, HEADS: tl.constexpr,
-    HD: tl.constexpr, PAIRED: tl.constexpr, MASKED: tl.constexpr,
+    HD: tl.constexpr, HR: tl.constexpr, PAIRED: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
     """A block of an fp8 pool, transposed: keys are the dots' M, so that both tiles reach e4m3
     tensor-core dots as they are stored (K [T, D] and V^T [D, T], both contiguous along the dots'
@@ -377,24 +385,17 @@ def _attend_fp8_block(
     t = tl.arange(0, CPI * C)
     d = tl.arange(0, D)
     valid = _block_valid(blk, n, lv, C, CPI, MASKED)
-    r = tl.arange(0, HD)
     g = tl.arange(0, BLOCK_G)
+    k2 = 0.0
+    v2 = 0.0
     if CPI == 1:  # one slot: tile addresses the compiler sees as contiguous, in 16-byte copies
         slot_off = tl.load(table_row + blk).to(tl.int64) * stride_slot
         k_rows = k_base + slot_off + t * stride_tok
         v_cols = k_base + stride_kv + slot_off + t
-        if HEADS > 1:  # HEADS kv-heads stacked along the dots' inner dimension (HD rows)
-            head = (r // D < HEADS)[None, :]
-            k = tl.load(
-                k_rows[:, None] + ((r // D) * stride_head + r % D)[None, :],
-                mask=valid[:, None] & head,
-                other=0.0,
-            )
-            v = tl.load(
-                v_cols[None, :] + ((r // D) * stride_head + (r % D) * C)[:, None],
-                mask=valid[None, :] & tl.trans(head),
-                other=0.0,
-            )  # V^T [HD, T]
+        if HEADS > 1:  # HEADS kv-heads stacked along the dots' inner dimension (HD + HR rows)
+            k, v = _stacked_tiles(k_rows, v_cols, valid, 0, stride_head, C, D, HD)
+            if HR > 0:
+                k2, v2 = _stacked_tiles(k_rows, v_cols, valid, HD, stride_head, C, D, HR)
             sc_col = sc_base + (slot_off + (g // G) * stride_head) // 4  # each query's own head's
             k_sc = tl.load(sc_col, mask=g < G * HEADS, other=0.0)
             vs = tl.load(sc_col + stride_kv // 4, mask=g < G * HEADS, other=0.0)[None, :]
@@ -418,7 +419,10 @@ def _attend_fp8_block(
     if HEADS == 1:
         v = tl.load(v_cols[None, :] + d[:, None] * C, mask=valid[None, :], other=0.0)  # V^T [D, T]
     if not SHIFTED:
-        qk = _sum_halves(_dot(k, q_terms, None, F32_DOT, PREC))  # [T, G]
+        qk = _dot(k, q_terms, None, F32_DOT, PREC)
+        if HR > 0:
+            qk = _dot(k2, q_terms2, qk, F32_DOT, PREC)
+        qk = _sum_halves(qk)  # [T, G]
     scale = qk_scale * q_down
     if CPI == 1:  # a scalar, or with HEADS each query's head's
         scale = scale * k_sc
@@ -444,15 +448,63 @@ def _attend_fp8_block(
         w_hi = _nearest_e4m3(w, F32_DOT)
         w_lo = _nearest_e4m3(w - w_hi.to(tl.float32), F32_DOT)
     if PAIRED:  # acc^T holds both terms' columns (`_side_by_side`), added after the loop
-        part = _dot(v, _side_by_side(w_hi, w_lo), None, F32_DOT, PREC)
         alpha = _side_by_side(alpha[None, :], alpha[None, :])
         if HEADS > 1:  # each query's head's scale, for the columns of both terms
             vs = _side_by_side(vs, vs)
     else:
-        part = _dot(v, w_lo, _dot(v, w_hi, None, F32_DOT, PREC), F32_DOT, PREC)
         alpha = alpha[None, :]
-    acc = acc * alpha + part * vs
-    return m_new, l_i, acc
+    acc = acc * alpha + _weighted(v, w_hi, w_lo, F32_DOT, PREC, PAIRED) * vs
+    if HR > 0:
+        acc2 = acc2 * alpha + _weighted(v2, w_hi, w_lo, F32_DOT, PREC, PAIRED) * vs
+    return m_new, l_i, acc, acc2
+
+
+@triton.jit
+def _weighted(v, w_hi, w_lo, F32_DOT: tl.constexpr, PREC: tl.constexpr, PAIRED: tl.constexpr):
+    """V^T times the weights' two terms: side by side in one dot (`PAIRED`), or a dot each, added."""
+    if PAIRED:
+        part = _dot(v, _side_by_side(w_hi, w_lo), None, F32_DOT, PREC)
+    else:
+        part = _dot(v, w_lo, _dot(v, w_hi, None, F32_DOT, PREC), F32_DOT, PREC)
+    return part
+
+
+@triton.jit
+def _stacked_query(q_row, row0, g, G: tl.constexpr, GH: tl.constexpr, D: tl.constexpr, R: tl.constexpr):
+    """Rows row0 .. row0 + R of a stack of kv-heads, D rows each, as the block-diagonal query
+    [BLOCK_G, R]: query g holds its values in its own kv-head's D columns, zeros elsewhere."""
+    r = row0 + tl.arange(0, R)
+    own = (g < GH)[:, None] & (r[None, :] // D == g[:, None] // G)
+    return tl.load(q_row + (r % D)[None, :], mask=own, other=0.0)
+
+
+@triton.jit
+def _stacked_tiles(
+    k_rows, v_cols, valid, row0, stride_head, C: tl.constexpr, D: tl.constexpr, R: tl.constexpr
+):
+    """K [T, R] and V^T [R, T] of rows row0 .. row0 + R of a block's stacked kv-heads, D rows a head."""
+    r = row0 + tl.arange(0, R)
+    at = (r // D) * stride_head
+    k = tl.load(k_rows[:, None] + (at + r % D)[None, :], mask=valid[:, None], other=0.0)
+    v = tl.load(v_cols[None, :] + (at + (r % D) * C)[:, None], mask=valid[None, :], other=0.0)
+    return k, v
+
+
+@triton.jit
+def _own_rows(acc, row0, g, G: tl.constexpr, D: tl.constexpr):
+    """acc^T [R, BLOCK_G] of rows row0 .. row0 + R of the stacked heads, each query's own head's D
+    rows kept (the others met other heads' V) and summed into [D, BLOCK_G]."""
+    r = row0 + tl.arange(0, acc.shape[0])
+    acc = tl.where(r[:, None] // D == g[None, :] // G, acc, 0.0)
+    return tl.sum(tl.reshape(acc, [acc.shape[0] // D, D, acc.shape[1]]), 0)
+
+
+@triton.jit
+def _e4m3_terms(x, F32_DOT: tl.constexpr):
+    """x [G, R] (fp32 within ±448) as its two e4m3 terms, a value and its remainder, transposed
+    side by side: [R, 2G]."""
+    hi = _nearest_e4m3(x, F32_DOT)
+    return _side_by_side(tl.trans(hi), tl.trans(_nearest_e4m3(x - hi.to(tl.float32), F32_DOT)))
 
 
 @triton.jit
@@ -680,13 +732,17 @@ def decode_heads(
     a smaller share, and stacking pays from STACK_FROM_BATCH sequences, where a program of one head
     reads well only at some split counts (`decode_launch`). Unrotated chunks of BLOCK_TOKENS only
     (one chunk a block, so each head's scales are a scalar); the heads a program takes divide the
-    pool's, stacked at most MAX_STACKED_ROWS deep."""
+    pool's, MAX_STACKED_ROWS rows at most, as two stacks of a power of two heads each (3 = 2 + 1:
+    tile sizes are powers of two, and a padding head would cost the dots a quarter of their work)."""
     if kv_bytes != 1 or rotated or chunk != BLOCK_TOKENS or (head_dim >= 128 and batch < STACK_FROM_BATCH):
         return 1
     fits = (
         p
         for p in range(h_kv, 0, -1)
-        if h_kv % p == 0 and p * group <= MAX_GROUP_ROWS and next_pow2(p) * head_dim <= MAX_STACKED_ROWS
+        if h_kv % p == 0
+        and p * group <= MAX_GROUP_ROWS
+        and p * head_dim <= MAX_STACKED_ROWS
+        and (p == prev_pow2(p) or pow2(p - prev_pow2(p)))  # the second stack: none, or a power of two
     )
     return next(fits)
 
@@ -870,7 +926,8 @@ def paged_decode_attention(
         SHIFTED=rot is not None,
         FP8=is_fp8(kv_pool),
         HEADS=heads,
-        HD=next_pow2(heads) * d,
+        HD=prev_pow2(heads) * d,
+        HR=(heads - prev_pow2(heads)) * d,
         num_warps=num_warps or tuned.warps,
         num_stages=num_stages or tuned.stages,
         maxnreg=max_registers or regs,
