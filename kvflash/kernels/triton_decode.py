@@ -12,19 +12,20 @@ writes the output itself. bench/decode_tune.py times both merges side by side. W
 rotation, one chunk per tile.
 
 An fp8 pool's blocks are walked transposed (`_attend_fp8_block`): keys are the dots' M, the query
-group their N, so that the K tile [T, D] and the V tile, stored channel-major within its block
-(V^T [D, T]), are both contiguous along the dots' inner dimension: Hopper's e4m3 tensor-core dots
-(wgmma, one warpgroup of four warps) take them from shared memory as cp.async copied them in. The
-query and the weights meet them as two e4m3 terms each (a value and its remainder), about bf16's
-precision; the scales of a block of one chunk join the exponent's multiply-add (K) and the
-accumulator's update (V). Widened to fp16 instead, each e4m3 byte crossed shared memory four times
-(copied in, read as a pair, written as fp16, read by the dot): shared memory, not HBM, bound it.
-Only a sequence's last block can hold unlisted chunks or unwritten tokens, so the blocks before it
-run without masks. An fp8 program of head_dim 64 serves several kv-heads at once (`decode_heads`):
-their K and V^T tiles stacked along the dots' inner dimension, the queries block-diagonal, so one
-softmax over a [T, 16] tile serves them all.
+group their N, so that the K tile [T, D] and the V tile, stored channel-major within its block (V^T
+[D, T]), are both contiguous along the dots' inner dimension: Hopper's e4m3 tensor-core dots (wgmma,
+one warpgroup of four warps) take them from shared memory as cp.async copied them in. The query and
+the weights meet them as two e4m3 terms each (a value and its remainder), about bf16's precision,
+the two side by side in one operand so that a dot reads its tile once; the scales of a block of one
+chunk join the exponent's multiply-add (K) and the accumulator's update (V). Widened to fp16
+instead, each e4m3 byte crossed shared memory four times (copied in, read as a pair, written as
+fp16, read by the dot): shared memory, not HBM, bound it. Only a sequence's last block can hold
+unlisted chunks or unwritten tokens, so the blocks before it run without masks. An fp8 program of
+head_dim 64 serves several kv-heads at once (`decode_heads`): their K and V^T tiles stacked along
+the dots' inner dimension (two stacks where their count is not a power of two: 3 = 2 + 1), the
+queries block-diagonal, so one softmax over a [T, 16] tile serves them all.
 
-One module of some 600 lines: the split kernel, the two ways of merging its splits and the launch
+One module of some 900 lines: the split kernel, the two ways of merging its splits and the launch
 rule that picks the split count and tile are tuned together (bench/decode_tune.py times them as one).
 """
 
