@@ -881,11 +881,12 @@ INTERP_DECODE_FP8 = [
     Decode(2, 3, 3, 64, 16, 9, torch.bfloat16, splits=1, seed=1),
     Decode(1, 2, 3, 64, 64, 3, torch.bfloat16, seed=2),  # one chunk a tile: the scales are scalars
 ]
-INTERP_DECODE_FP8_STACKED = [  # kv-heads a program (`decode_heads`): all three, a pad row block; four; two
+INTERP_DECODE_FP8_STACKED = [  # kv-heads a program (`decode_heads`): three (2 + 1); four; two; six (4 + 2)
     Decode(2, 3, 3, 64, 64, 5, torch.bfloat16, splits=2),
     Decode(3, 4, 2, 64, 64, 4, torch.float32, splits=1),
     Decode(1, 2, 8, 64, 64, 3, torch.bfloat16, seed=3),
     Decode(32, 4, 4, 128, 64, 3, torch.bfloat16, splits=2, seed=4),  # head_dim 128: two, from batch 32
+    Decode(2, 6, 2, 32, 64, 4, torch.bfloat16, splits=2, seed=5),
 ]
 INTERP_PREFILL_FP8 = [
     Prefill(37, 21, 2, 3, 64, 16, 2, torch.float32),
@@ -921,10 +922,20 @@ def test_interp_decode_fp8(case: Decode, fused: bool) -> None:
 @pytest.mark.parametrize("case", INTERP_DECODE_FP8_STACKED, ids=str)
 def test_interp_decode_fp8_stacks_kv_heads(case: Decode, fused: bool) -> None:
     """An fp8 program serves several kv-heads (their queries block-diagonal, each output its own
-    head's rows) as the twin attends each head alone: head_dim 64, and 128 from batch 32."""
+    head's rows) as the twin attends each head alone: head_dim 32 and 64, and 128 from batch 32."""
     td = triton_impl("triton_decode")
     assert td.decode_heads(case.h_kv, case.group, case.d, case.c, 1, rotated=False, batch=case.batch) > 1
     check_decode_fp8(case, "cpu", fused)
+
+
+@interp
+def test_a_program_stacks_kv_heads_in_at_most_two_stacks_of_a_power_of_two() -> None:
+    """Tiles are powers of two: seven heads (4 + 3) would need a third stack, so a program takes one
+    of them; six take two stacks (4 + 2), three (SmolLM2's) 2 + 1."""
+    decode_heads = triton_impl("triton_decode").decode_heads
+    assert decode_heads(7, 2, 32, 64, 1, rotated=False, batch=16) == 1
+    assert decode_heads(6, 2, 32, 64, 1, rotated=False, batch=16) == 6
+    assert decode_heads(3, 3, 64, 64, 1, rotated=False, batch=16) == 3
 
 
 @interp
