@@ -90,8 +90,9 @@ E4M3_MAX = tl.constexpr(FP8_MAX)
 MAX_PAIRED_ACC = tl.constexpr(4096)
 """fp32 elements of an fp8 program's output tile acc^T [HD, 2G] (32 registers a thread at four warps)
 up to which the weights' two e4m3 terms share one dot (`_side_by_side`); above it (SmolLM2's three
-stacked kv-heads: 256 x 32) the doubled tile costs more registers than the second read of V^T saves,
-and each term takes a dot of its own."""
+stacked kv-heads: 192 x 32) the doubled tile costs more registers than the second read of V^T saves
+(under the launch's register cap its loop took 455 instructions a tile against 431 with a dot a
+term), and each term takes a dot of its own."""
 FP8_P_UP = tl.constexpr(256.0)
 """What an fp8 pool's probability weights are multiplied by before their e4m3 dot, and the output
 divided by after: a power of two, so exact, that keeps a weight within e4m3's range (448) and lifts
