@@ -5,17 +5,17 @@ Decode attention is bound by memory, or by whatever stands between memory and th
 instruction issue, or shared memory, which each tile crosses at least once (copied in by cp.async)
 and again each time a dot reads it (an fp8 tile widened to fp16 through shared memory crossed it
 four times). This records the launch `paged_decode_attention` makes for a batch of BATCH sequences
-of CONTEXT tokens (fused merge, unrotated keys), or the one `prefill_attention` makes for a step of
-PREFILL_QUERIES queries after PREFILL_CONTEXT tokens (`--kernels prefill`, its own warps and
-stages), and compiles it for sm_90 with the installed Triton
-as that launch would be specialised (`kvflash.kernels.hopper`: pointers and strides divisible by 16,
-without which the compiler vectorises and pipelines nothing), disassembles the cubin with the
-nvdisasm Triton bundles, finds the loop over blocks (the largest backward branch around the
-tensor-core instructions) and counts, per warp and tile: all instructions, those by family, and
-shared-memory bytes by instruction (cp.async writes, loads, stores, ldmatrix), which over the tile's
-KV bytes is the shared traffic a byte of KV costs. Shared memory serves 128 B a clock an SM; HBM
-about 16-20 B a clock an SM, so past ~6 bytes of shared traffic a KV byte, shared memory, not HBM,
-bounds a tile.
+(`--batch`: the launch rules change with it, an fp8 program of head_dim 128 serving two kv-heads
+from batch 32) of CONTEXT tokens (fused merge, unrotated keys), or the one `prefill_attention` makes
+for a step of PREFILL_QUERIES queries after PREFILL_CONTEXT tokens (`--kernels prefill`, its own
+warps and stages), and compiles it for sm_90 with the installed Triton as that launch would be
+specialised (`kvflash.kernels.hopper`: pointers and strides divisible by 16, without which the
+compiler vectorises and pipelines nothing), disassembles the cubin with the nvdisasm Triton bundles,
+finds the loop over blocks (the largest backward branch around the tensor-core instructions) and
+counts, per warp and tile: all instructions, those by family, and shared-memory bytes by instruction
+(cp.async writes, loads, stores, ldmatrix), which over the tile's KV bytes is the shared traffic a
+byte of KV costs. Shared memory serves 128 B a clock an SM; HBM about 16-20 B a clock an SM, so past
+~6 bytes of shared traffic a KV byte, shared memory, not HBM, bounds a tile.
 
 The counts are the installed Triton's: the GPU machine's may differ (the JSON names the version).
 
@@ -97,15 +97,21 @@ def _pool(model: str, kv: str) -> torch.Tensor:
 
 
 def decode_loop(
-    model: str, kv: str, warps: int, stages: int, stack: bool, max_registers: int | None = None
+    model: str,
+    kv: str,
+    warps: int,
+    stages: int,
+    stack: bool,
+    max_registers: int | None = None,
+    batch: int = BATCH,
 ) -> tuple[Loop, list[str]]:
     """The decode launcher's own launch at this shape, 64-token tiles, these warps and stages;
     `stack` lets the program serve the kv-heads `decode_heads` gives it (else one);
     `max_registers` caps the registers a thread (the launch's maxnreg)."""
     d, group, h_kv = SHAPES[model]
-    q = torch.zeros(BATCH, h_kv * group, d, dtype=torch.bfloat16)
-    table = torch.zeros(BATCH, CONTEXT // CHUNK, dtype=torch.int32)
-    listed = torch.full((BATCH,), CONTEXT // CHUNK, dtype=torch.int32)
+    q = torch.zeros(batch, h_kv * group, d, dtype=torch.bfloat16)
+    table = torch.zeros(batch, CONTEXT // CHUNK, dtype=torch.int32)
+    listed = torch.full((batch,), CONTEXT // CHUNK, dtype=torch.int32)
     with launches_as_on_hopper() as launches:
         triton_decode.paged_decode_attention(
             q, _pool(model, kv), 1, table, listed, listed, d**-0.5, fused=True, block_tokens=CHUNK,
@@ -231,6 +237,7 @@ def main() -> None:
     ap.add_argument("--kv", nargs="+", choices=["bf16", "fp8"], default=["bf16", "fp8"])
     ap.add_argument("--warps", nargs="+", type=int, default=[2, 4], help="decode's (prefill: its own)")
     ap.add_argument("--stages", type=int, default=2, help="decode's (prefill: its own)")
+    ap.add_argument("--batch", type=int, default=BATCH, help="decode's sequences (prefill: one)")
     ap.add_argument(
         "--stack", nargs="+", choices=["rule", "one"], default=["rule"],
         help="kv-heads a program: the launcher's (decode_heads), or one",
@@ -253,7 +260,9 @@ def main() -> None:
                         if stack == "one" and "rule" in args.stack and measured[-1][0].heads == 1:
                             continue  # the rule's row serves one kv-head already
                         for regs in args.max_registers:
-                            loop = decode_loop(model, kv, warps, args.stages, stack == "rule", regs or None)
+                            loop = decode_loop(
+                                model, kv, warps, args.stages, stack == "rule", regs or None, args.batch
+                            )
                             measured.append(loop)
             if "prefill" in args.kernels:
                 measured.append(prefill_loop(model, kv))
@@ -272,7 +281,12 @@ def main() -> None:
                       f"{r.instructions_per_kib:.0f}", f"{sum(r.shared_traffic.values()):,}",
                       f"{r.traffic_per_kv_byte:.1f}")  # fmt: skip
     Console().print(table)
-    meta = {"triton": triton.__version__, "target": "sm_90", "decode_stages": args.stages}
+    meta = {
+        "triton": triton.__version__,
+        "target": "sm_90",
+        "decode_stages": args.stages,
+        "decode_batch": args.batch,
+    }
     write_json(out / "kernel_sass.json", {"meta": meta, "rows": [asdict(r) for r in rows]})
     plot(rows, out / "kernel_sass.png")
 
