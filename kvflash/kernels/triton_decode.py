@@ -744,7 +744,7 @@ def decode_heads(
         if h_kv % p == 0
         and p * group <= MAX_GROUP_ROWS
         and p * head_dim <= MAX_STACKED_ROWS
-        and (p == prev_pow2(p) or pow2(p - prev_pow2(p)))  # the second stack: none, or a power of two
+        and (pow2(p) or pow2(p - prev_pow2(p)))  # one stack, or a second of a power of two
     )
     return next(fits)
 
