@@ -1014,52 +1014,6 @@ def test_gpu_decode_fp8(case: Decode, fused: bool) -> None:
     check_decode_fp8(case, "cuda", fused, shifted=True)
 
 
-if HAVE_TRITON:
-    import triton
-    import triton.language as tl
-
-    from kvflash.kernels import triton_decode as _td
-
-    @triton.jit
-    def _terms_dot_kernel(x_ptr, k_ptr, w_ptr, v_ptr, s_ptr, a_ptr, G: tl.constexpr, D: tl.constexpr):
-        """The fp8 decode loop's two dots on one 64-token tile: K [T, D] times the query x [G, D] as
-        its e4m3 terms side by side (S^T [T, 2G]), V^T [D, T] times the weights w [T, G] so (A^T
-        [D, 2G])."""
-        g, d, c, t = tl.arange(0, G), tl.arange(0, D), tl.arange(0, 2 * G), tl.arange(0, 64)
-        q_terms = _td._e4m3_terms(tl.load(x_ptr + g[:, None] * D + d[None, :]), False)
-        s = tl.dot(tl.load(k_ptr + t[:, None] * D + d[None, :]), q_terms)
-        tl.store(s_ptr + t[:, None] * (2 * G) + c[None, :], s)
-        w = tl.load(w_ptr + t[:, None] * G + g[None, :])
-        w_hi = w.to(tl.float8e4nv)
-        w_lo = (w - w_hi.to(tl.float32)).to(tl.float8e4nv)
-        a = _td._weighted(tl.load(v_ptr + d[:, None] * 64 + t[None, :]), w_hi, w_lo, False, "tf32", True)
-        tl.store(a_ptr + d[:, None] * (2 * G) + c[None, :], a)
-
-
-@pytest.mark.parametrize("g, d", [(8, 128), (8, 64), (16, 64)])
-@on_gpu
-def test_gpu_e4m3_terms_side_by_side_meet_a_dot_as_they_are(g: int, d: int) -> None:
-    """Each half of a dot over two e4m3 terms side by side is that term's product (e4m3 products
-    are exact; wgmma's fp8 sums keep about 1e-4 of the largest): on sm_90 Triton 3.6 turned the
-    query's terms, joined as e4m3, into products off by more than their own size."""
-    dev = "cuda"
-    gen = torch.Generator(device=dev).manual_seed(g + d)
-    x = (torch.randn(g, d, device=dev, generator=gen) * 100).clamp(-440, 440)
-    k = torch.randn(64, d, device=dev, generator=gen).to(FP8)
-    w = torch.rand(64, g, device=dev, generator=gen) * 256
-    v_t = torch.randn(d, 64, device=dev, generator=gen).to(FP8)
-    s = torch.empty(64, 2 * g, device=dev)
-    a = torch.empty(d, 2 * g, device=dev)
-    _terms_dot_kernel[(1,)](x, k, w, v_t, s, a, g, d, num_warps=4)
-
-    def terms(y: torch.Tensor) -> torch.Tensor:
-        hi = y.to(FP8).float()
-        return torch.cat([hi, (y - hi).to(FP8).float()], 1)
-
-    for got, want in ((s, k.float() @ terms(x.T.contiguous())), (a, v_t.float() @ terms(w))):
-        torch.testing.assert_close(got, want, atol=1e-3 * want.abs().max().item(), rtol=0)
-
-
 @pytest.mark.parametrize("case", GPU_PREFILL_FP8, ids=str)
 @on_gpu
 def test_gpu_prefill_fp8(case: Prefill) -> None:

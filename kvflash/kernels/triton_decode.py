@@ -524,8 +524,8 @@ def _side_by_side(a, b):
     large operand (K or V^T) from shared memory once for both terms, and the two results stay in
     one thread's registers (a wgmma accumulator's columns c and c + N, N >= 8, are the same
     thread's), where `_sum_halves` adds them. The terms are joined as fp32 and narrowed back
-    (exact): Triton 3.6 compiles a join of two e4m3 tiles that a wgmma then reads as its operand
-    to wrong products on sm_90 (`test_gpu_e4m3_terms_side_by_side_meet_a_dot_as_they_are`)."""
+    (exact): Triton 3.6 compiled the query's two e4m3 terms, joined as e4m3, into a wgmma operand
+    that gave wrong products on sm_90 (`test_gpu_decode_fp8`, where the interpreter passed)."""
     j = tl.join(a.to(tl.float32), b.to(tl.float32))
     return tl.reshape(tl.permute(j, (0, 2, 1)), (a.shape[0], 2 * a.shape[1])).to(a.dtype)
 
