@@ -901,6 +901,8 @@ GPU_DECODE_FP8 = [
     Decode(16, 3, 3, 64, 16, 1024, torch.bfloat16, seed=4),  # four chunks a tile
     Decode(3, 4, 4, 128, 32, 700, torch.bfloat16, seed=5),  # two chunks a tile, below batch 16
     Decode(40, 8, 4, 128, 64, 700, torch.bfloat16, seed=6),  # two kv-heads a program
+    Decode(16, 2, 8, 64, 64, 1024, torch.bfloat16, seed=7),  # two kv-heads of eight queries, one stack
+    Decode(16, 6, 2, 32, 64, 1024, torch.bfloat16, seed=8),  # six kv-heads, two stacks (4 + 2)
 ]
 GPU_PREFILL_FP8 = [
     Prefill(4096, 0, 8, 4, 128, 64, 0, torch.bfloat16),
