@@ -3,8 +3,9 @@ their answers and timings side by side.
 
 Turn 1 prefills the ~8K-token document cold and snapshots its KV; turn 2, a new process, restores it
 from disk and prefills only its question. Both keep POOL_TOKENS of KV resident and attend with `qk`
-over it: with the whole document resident (full attention) SmolLM2-135M answers both questions
-wrongly, with `qk` over a 2K pool it answers both (docs/BENCHMARKS.md, "First impressions").
+over it: with the whole document resident (full attention) SmolLM2-135M answers the first
+question wrongly, with `qk` over a 2K pool it answers both (docs/BENCHMARKS.md, "First
+impressions", has the other facts the document holds and how a restored turn answers each).
 
   python demo/run.py [--store DIR]
 """
@@ -22,7 +23,10 @@ from rich.console import Console
 from rich.table import Table
 
 DOC = Path(__file__).with_name("harbor_chronicle.txt")
-QUESTIONS = ("Who built the lighthouse of Port Elden, and when?", "What is the Copper Oven famous for?")
+QUESTIONS = (
+    "Who built the lighthouse of Port Elden, and when?",
+    "How many arches does the stone bridge over the river Fenn have?",
+)
 POOL_TOKENS = 2048
 MAX_TOKENS = 48
 
