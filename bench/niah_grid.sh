@@ -25,6 +25,8 @@ arm_flags() {
     sink8) echo --policy sink --budget-frac 0.125 ;;
     restore-full) echo --policy full --mode restore ;;
     restore-qk8) echo --policy qk --budget-frac 0.125 --mode restore ;;
+    lazy-qk8) echo --policy qk --budget-frac 0.125 --mode lazy ;;
+    lazy-qk8-r8) echo --policy qk --budget-frac 0.125 --mode lazy --scout-reads 8 ;;
     *) echo "unknown arm $1" >&2; return 1 ;;
   esac
 }

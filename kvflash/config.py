@@ -138,6 +138,11 @@ class ResidencyConfig:
     scout_rounds: int = 2
     """Scout passes over a long prompt's last step before the real one: the first runs on the floor
     alone, each later one with the chunks the previous one chose, whose queries then see them."""
+    scout_reads: int = 0
+    """Chunks each of a question's scouts reads from the store to score them from their keys (a lazy
+    restore's chunks are on disk, scored otherwise from their summaries, which underrate a needle):
+    the disk-only chunks whose summaries score highest, up to this many a scout. Each read costs
+    what a selected chunk does, and stays in the host tier; 0 reads only the chunks selected."""
 
     def __post_init__(self) -> None:
         from kvflash import KVFlashError
@@ -152,7 +157,10 @@ class ResidencyConfig:
             raise KVFlashError(f"cache order {self.cache_order!r} needs positions within the cache")
         if self.keep_margin < 0:
             raise KVFlashError(f"keep_margin {self.keep_margin} must be non-negative")
-        if self.chunk_tokens < 1 or min(self.sink_chunks, self.tail_chunks, self.scout_rounds) < 0:
+        if (
+            self.chunk_tokens < 1
+            or min(self.sink_chunks, self.tail_chunks, self.scout_rounds, self.scout_reads) < 0
+        ):
             raise KVFlashError("chunk_tokens must be positive; sink, tail and scout counts non-negative")
         if self.summary_blocks < 1 or self.chunk_tokens % self.summary_blocks:
             raise KVFlashError(

@@ -31,7 +31,7 @@ def test_every_engine_command_takes_the_same_engine_options() -> None:
     engine = set(FLAGS.values())
     assert engine == {
         "--model", "--dtype", "--kv-dtype", "--device", "--pool-tokens", "--host-bytes", "--policy",
-        "--absolute-positions", "--cache-order", "--step-tokens", "--cuda-graphs",
+        "--absolute-positions", "--cache-order", "--scout-reads", "--step-tokens", "--cuda-graphs",
     }  # fmt: skip
     assert list(OPTIONS) == [f.name for f in dataclasses.fields(EngineOptions)]
     for command in ENGINE_COMMANDS:
@@ -50,17 +50,19 @@ def test_a_command_receives_its_flags_as_one_engine_options(monkeypatch) -> None
     monkeypatch.setattr("kvflash.cli.bench_cmd.load_model", stop)
     args = ["bench", "--lengths", "1K", "--out", "/tmp/kvflash-never", "--pool-tokens", "512",
             "--host-bytes", "4096", "--policy", "lru", "--absolute-positions", "--no-cuda-graphs",
-            "--kv-dtype", "fp16", "--device", "cpu", "--dtype", "fp32", "--step-tokens", "256"]  # fmt: skip
+            "--kv-dtype", "fp16", "--device", "cpu", "--dtype", "fp32", "--step-tokens", "256",
+            "--scout-reads", "8"]  # fmt: skip
     result = CliRunner().invoke(app, args)
     assert str(result.exception) == "stop before loading"
     assert seen["opts"] == EngineOptions(
         dtype="fp32", kv_dtype="fp16", device="cpu", pool_tokens="512", host_bytes=4096, policy="lru",
-        absolute_positions=True, step_tokens=256, cuda_graphs=False,
+        absolute_positions=True, step_tokens=256, cuda_graphs=False, scout_reads=8,
     )  # fmt: skip
     cfg = seen["cfg"]
     assert (cfg.pool_tokens, cfg.host_bytes, cfg.kv_dtype, cfg.cuda_graphs) == (512, 4096, "fp16", False)
     assert cfg.prefill_step_tokens == 256
     assert cfg.residency.policy == "lru" and not cfg.residency.cache_positions
+    assert cfg.residency.scout_reads == 8
 
 
 @pytest.mark.parametrize(

@@ -298,6 +298,24 @@ def test_lazy_restore_under_a_small_budget_reads_only_what_it_selects(lm, tmp_pa
     assert sb.resident_chunks <= 8
 
 
+def test_a_lazy_scout_that_reads_every_chunk_selects_as_an_eager_restore(lm, tmp_path) -> None:
+    """Read for the scout and scored from their keys (`scout_reads`), a lazy restore's chunks are
+    selected as a restore that read them all selects them; the reads count as disk bytes."""
+    doc, seen = document(n_sentences=60), {}
+    with SnapshotStore(tmp_path) as store:
+        turns(Session(engine(lm, pool_tokens=512), [doc], store), [Q1])
+        for name, lazy, reads in (("eager", False, 0), ("lazy", True, 0), ("reads", True, 1000)):
+            cfg = EngineConfig(pool_tokens=512, residency=ResidencyConfig(scout_reads=reads))
+            sess = Session(Engine(lm, cfg), [doc], store, lazy=lazy)
+            sess.snapshots.prefetch = False
+            _, stats = sess.ask(Q2, 1)
+            seen[name] = sorted(ch.index for ch in sess.kv.resident()), stats
+            sess.close()
+    assert seen["reads"][1].source == "lazy" and seen["eager"][1].source == "disk"
+    assert seen["reads"][0] == seen["eager"][0]
+    assert seen["reads"][1].bytes_moved["disk"] > seen["lazy"][1].bytes_moved["disk"]
+
+
 def test_kv_computed_under_eviction_never_stands_in_for_exact_kv(lm, tmp_path) -> None:
     doc = document(n_sentences=60)
     with SnapshotStore(tmp_path) as store:

@@ -45,6 +45,11 @@ CacheOrderOpt = typer.Option(
     help="Order of the resident chunks' positions within the cache: document, or score (the "
     "best-scoring chunk just before the recent ones, the first chunks placed by score too).",
 )  # fmt: skip
+ScoutReadsOpt = typer.Option(
+    0, "--scout-reads", min=0,
+    help="Chunks of a lazily restored document each scout of a question reads from the store to score "
+    "them from their keys, the ones its summaries score highest (0: read only the chunks selected).",
+)  # fmt: skip
 StepTokensOpt = typer.Option(
     None, "--step-tokens", min=64,
     help="Most prompt tokens one forward computes, of one prompt or several (default: 32768 on CUDA, "
@@ -69,6 +74,7 @@ class EngineOptions:
     policy: str = "qk"
     absolute_positions: bool = False
     cache_order: str = "document"
+    scout_reads: int = 0
     step_tokens: int | None = None
     cuda_graphs: bool = True
 
@@ -82,7 +88,10 @@ class EngineOptions:
         from kvflash.config import EngineConfig, ResidencyConfig
 
         res = ResidencyConfig(
-            policy=self.policy, cache_positions=not self.absolute_positions, cache_order=self.cache_order
+            policy=self.policy,
+            cache_positions=not self.absolute_positions,
+            cache_order=self.cache_order,
+            scout_reads=self.scout_reads,
         )
         given = {
             "host_bytes": self.host_bytes,
@@ -107,6 +116,7 @@ OPTIONS: dict[str, Any] = {
     "policy": PolicyOpt,
     "absolute_positions": AbsolutePositionsOpt,
     "cache_order": CacheOrderOpt,
+    "scout_reads": ScoutReadsOpt,
     "step_tokens": StepTokensOpt,
     "cuda_graphs": GraphsOpt,
 }

@@ -312,8 +312,21 @@ class PagedKV:
         qs, n = torch.stack(plan.queries), plan.n_cand  # [L, t, Hq, D]
         if plan.exact:
             chunks = self.seq.chunks[:n]
+            if plan.scout:
+                self._read_likely(qs, chunks, plan.cand_rot)
             return self.scorer.exact(qs, chunks, self.seq.summaries, plan.cand_rot, from_host=plan.scout)
         return self.scorer.estimated(qs, self.seq.summaries[:n], plan.cand_rot)
+
+    def _read_likely(self, qs: torch.Tensor, chunks: list[Chunk], rot: torch.Tensor | None) -> None:
+        """Reads into the host tier the `scout_reads` disk-only chunks whose summaries score highest,
+        so that the scout scores them from their keys (`ResidencyConfig.scout_reads`)."""
+        disk = [ch for ch in chunks if ch.gpu is None and ch.host is None and ch.disk is not None]
+        if not disk or not self.cfg.scout_reads:
+            return
+        index = on_device([ch.index for ch in disk], torch.long, self.device)
+        estimate = self.scorer.estimated(qs, self.seq.summaries[index], None if rot is None else rot[index])
+        best = estimate.topk(min(self.cfg.scout_reads, len(disk))).indices.tolist()
+        self.load_to_host([disk[i] for i in best])
 
     def _seal(self, chunks: list[Chunk]) -> None:
         slots = on_device([ch.gpu for ch in chunks], torch.int32, self.device)
