@@ -320,8 +320,10 @@ class PagedKV:
     def _read_likely(self, qs: torch.Tensor, chunks: list[Chunk], rot: torch.Tensor | None) -> None:
         """Reads into the host tier the `scout_reads` disk-only chunks whose summaries score highest,
         so that the scout scores them from their keys (`ResidencyConfig.scout_reads`)."""
+        if not self.cfg.scout_reads:
+            return
         disk = [ch for ch in chunks if ch.gpu is None and ch.host is None and ch.disk is not None]
-        if not disk or not self.cfg.scout_reads:
+        if not disk:
             return
         index = on_device([ch.index for ch in disk], torch.long, self.device)
         estimate = self.scorer.estimated(qs, self.seq.summaries[index], None if rot is None else rot[index])
