@@ -2,9 +2,10 @@
 
 The document is the first --tokens tokens of Python's language reference (`document.py`). Turn 1 is
 a `kvflash ask` process over a new snapshot store (cold prefill, then the snapshot); turn 2 is a new
-`kvflash ask` process with another question, restoring from that store. Each process's wall time is
-timed from outside; TTFT, where the KV came from and the bytes moved per tier come from its `--json`
-stats. The peer, in the same run after the processes, is HF transformers on the same prompt ids
+`kvflash ask` process with another question, restoring from that store (lazily; --scout-reads N
+has its question's scouts read the N disk-only chunks their summaries rank highest). Each process's
+wall time is timed from outside; TTFT, where the KV came from and the bytes moved per tier come from
+its `--json` stats. The peer, in the same run after the processes, is HF transformers on the same prompt ids
 with the same weights (the whole prompt in one forward, KV on the GPU): its TTFT counts the
 tokenisation of the prompt as kvflash's does. --rounds repeats both turns, each round over a new
 store. Prints one table, writes JSON and a PNG.
@@ -42,10 +43,10 @@ QUESTIONS = (
 )
 
 
-def ask_process(doc: Path, question: str, store: Path, args) -> dict:
+def ask_process(doc: Path, question: str, store: Path, args, extra: tuple[str, ...] = ()) -> dict:
     """One `kvflash ask` process: its wall time and its stats."""
     cmd = [sys.executable, "-m", "kvflash.cli.app", "ask", str(doc), question, "--store", str(store),
-           "--pool-tokens", str(args.pool_tokens), "-n", str(args.max_tokens), "--json"]  # fmt: skip
+           "--pool-tokens", str(args.pool_tokens), "-n", str(args.max_tokens), "--json", *extra]  # fmt: skip
     if args.model:
         cmd += ["--model", args.model]
     t0 = time.perf_counter()
@@ -113,6 +114,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--model", default=None, help="GGUF or HF directory (default: the default model)")
+    ap.add_argument("--scout-reads", type=int, default=0, help="turn 2's `kvflash ask --scout-reads`")
     ap.add_argument("--out", default="out/ask")
     args = ap.parse_args()
     require_cuda("ask", "the GPU path")
@@ -127,7 +129,8 @@ def main() -> None:
             console.print(f"round {r}: turn 1 (cold) ...")
             cold = ask_process(doc, QUESTIONS[0], Path(store), args)
             console.print(f"round {r}: turn 2 (a new process) ...")
-            turn2 = ask_process(doc, QUESTIONS[1], Path(store), args)
+            reads = ("--scout-reads", str(args.scout_reads))
+            turn2 = ask_process(doc, QUESTIONS[1], Path(store), args, reads)
         rows.append({"round": r, "cold": cold, "turn2": turn2})
     hf = hf_llama(lm)
     hf_prefill_s(hf, list(range(256)))  # its first forward pays cuBLAS and kernel selection
