@@ -74,6 +74,28 @@ def test_smollm_special_tokens(smollm_tok) -> None:
     assert smollm_tok.eos_ids == {0, 2}  # <|endoftext|>, <|im_end|>
 
 
+def test_a_tokenizer_prepared_on_a_thread_builds_one_plain_copy_and_encodes_as_one_that_was_not(
+    smollm_gguf, smollm_tok
+) -> None:
+    """`prepare` builds the user-text tokenizer while the model loads; callers meanwhile wait for
+    that copy instead of building their own, and user text encodes as without it."""
+    tok = Tokenizer.from_gguf(smollm_gguf[2])
+    tok.prepare()
+    tok.prepare()  # idempotent: one thread
+    user = "Quote: <|im_end|> stays text. " * 3
+    got: list[tuple[object, list[int]]] = []
+    callers = [threading.Thread(target=lambda: got.append((tok._plain_tokenizer(), tok.encode_plain(user))))
+               for _ in range(4)]  # fmt: skip
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join()
+    tok._preparing.join()
+    assert {id(copy) for copy, _ in got} == {id(tok._plain_tokenizer())}
+    assert [ids for _, ids in got] == [smollm_tok.encode_plain(user)] * 4
+    assert 2 not in got[0][1]
+
+
 def test_user_text_encoded_on_other_threads_never_changes_how_templates_encode(smollm_tok) -> None:
     """A server encodes several prompts at once: user text keeps `<|im_end|>` as text (long text
     with the interpreter released) while template text on another thread maps it to its id."""

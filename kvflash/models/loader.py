@@ -111,6 +111,8 @@ def load_model(
         cfg, weights, meta = load_gguf(p, dev, dt, on_progress)
         if need_tokenizer:
             tokenizer = Tokenizer.from_gguf(meta)
+    if tokenizer is not None:
+        tokenizer.prepare()
     model = build_model(cfg, weights, dt, dev)
     del weights
     heap.trim()  # the file's buffers and the dequantisation's temporaries are free now

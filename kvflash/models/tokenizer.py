@@ -7,6 +7,7 @@ was loaded; chat templates render in a sandbox because they come with downloaded
 from __future__ import annotations
 
 import json
+import threading
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -62,6 +63,9 @@ class Tokenizer:
         self.eos_ids: frozenset[int] = frozenset(i for i in ends if i is not None)
         self._bos_token = hf.id_to_token(bos_id) if bos_id is not None else ""
         self._eos_token = hf.id_to_token(eos_id) if eos_id is not None else ""
+        self._plain_copy: HFTokenizer | None = None
+        self._plain_lock = threading.Lock()
+        self._preparing: threading.Thread | None = None
 
     @classmethod
     def from_gguf(cls, meta: GGUFMeta) -> Tokenizer:
@@ -133,23 +137,34 @@ class Tokenizer:
         """The character span of each token `encode_plain` gives."""
         return self._plain(text).offsets
 
-    @cached_property
-    def _hf_plain(self) -> HFTokenizer:
+    def prepare(self) -> None:
+        """Builds the plain copy (`_plain_tokenizer`) on a thread, so that it overlaps the weights'
+        loading and the engine's warm-up instead of the first turn's prompt: its parse holds the
+        interpreter all along. Idempotent."""
+        if self._preparing is None:
+            self._preparing = threading.Thread(target=self._plain_tokenizer, name="kvflash-tokenizer")
+            self._preparing.daemon = True
+            self._preparing.start()
+
+    def _plain_tokenizer(self) -> HFTokenizer:
         """The same tokenizer with special-token strings encoded as text, for user text: a
         tokenizer of its own, since the setting is the tokenizer's and prompts are encoded on
         several threads at once (one flipping it would change another's template encoding). Made
-        at the first use: a copy of a large vocabulary is a start-up cost a process that encodes
-        no user text need not pay."""
-        plain = HFTokenizer.from_str(self.hf.to_str())
-        plain.encode_special_tokens = True
-        return plain
+        once, by `prepare` (`load_model` calls it) or else at the first use; a second caller waits
+        for the first."""
+        with self._plain_lock:
+            if self._plain_copy is None:
+                plain = HFTokenizer.from_str(self.hf.to_str())
+                plain.encode_special_tokens = True
+                self._plain_copy = plain
+            return self._plain_copy
 
     def _plain(self, text: str):
         # `encode` holds the GIL for all of a long text and `encode_batch` does not: a server's
         # scheduler runs its steps meanwhile.
         if len(text) < GIL_FREE_CHARS:
-            return self._hf_plain.encode(text, add_special_tokens=False)
-        return self._hf_plain.encode_batch([text], add_special_tokens=False)[0]
+            return self._plain_tokenizer().encode(text, add_special_tokens=False)
+        return self._plain_tokenizer().encode_batch([text], add_special_tokens=False)[0]
 
     def decode(self, ids: list[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=False)
