@@ -408,8 +408,8 @@ def plot_decode(rows: list[dict], copy_gbps: float, path: str) -> None:
         ax.set_xscale("log", base=2)
         ax.set_title(model)
         ax.set_xlabel("context (tokens)")
+        ax.legend(fontsize=7)  # each model's own lines: their shapes differ
     axes[0].set_ylabel("% of copy bandwidth")
-    axes[-1].legend(fontsize=7)
     fig.tight_layout()
     save_png(fig, path)
 
