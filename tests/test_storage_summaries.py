@@ -129,21 +129,50 @@ def test_a_grown_chain_reads_its_prefix_from_the_file_of_the_snapshot_it_extends
     assert calls == {"get_summaries": 1} and same(got, store.chunk_summaries(hashes_of(longer), FP))
 
 
-def test_a_save_takes_the_summaries_its_restore_read_instead_of_reading_them_again(store, tmp_path) -> None:
-    """A session's next save passes the summaries its restore read (`known`): the new chain's file
-    is written without a read of the old one, and holds what a save that reads it writes."""
+def frames(path) -> list[bytes]:
+    """Each entry's summary frame in a version 2 file, as stored."""
+    data = path.read_bytes()
+    h = summaries.parse_summaries_header(data[:SUMMARIES_HEADER_SIZE], len(data), path.stem)
+    ends, _ = summaries.check_table(h, data[SUMMARIES_HEADER_SIZE : h.tokens_at], path.stem)
+    starts = [h.summaries_at, *ends[:-1].tolist()]
+    return [data[a:b] for a, b in zip(starts, ends.tolist(), strict=True)]
+
+
+def test_a_save_extending_a_stored_chain_copies_its_summaries_frames_as_stored(tmp_path) -> None:
+    """A turn's save extends the chain it restored: the new chain's file takes the stored file's
+    entries byte for byte (here written at another zstd level, so a compression again would differ)
+    and compresses only the chunks the save wrote; it reads as the chunk files do."""
+    first, longer = make_chain(toks(6)), make_chain(toks(9))
+    assert summaries.summary_frame(first[0].summary, -7) != summaries.summary_frame(first[0].summary, 19)
+    root = tmp_path / "store"
+    with SnapshotStore(root, workers=2, level=-7) as st:
+        st.put_snapshot("turn 1", FP, first)
+    with SnapshotStore(root, workers=2, level=19, backend=Counting(root)) as st:
+        st.put_snapshot("turn 2", FP, [*hashes_of(first), *longer[6:]])
+        assert st.backend.calls == {"get_summaries": 2}  # the new file's header, the old file's head
+        old, new = frames(sums_path(st, first[-1].chain_hash)), frames(sums_path(st, longer[-1].chain_hash))
+        assert new[:6] == old
+        assert new[6:] == [summaries.summary_frame(b.summary, 19) for b in longer[6:]]
+        got, calls = reads(st, hashes_of(longer))
+        assert calls == {"get_summaries": 1} and same(got, st.chunk_summaries(hashes_of(longer), FP))
+        assert st.verify().summaries == []
+
+
+def test_a_save_whose_stored_file_is_gone_takes_the_summaries_its_restore_read(store, tmp_path) -> None:
+    """A session's next save passes the summaries its restore read (`known`): where the file of the
+    chain it extends is gone, the new file is written from them, without a read of the chunk files,
+    and holds what a save that copies the stored file writes."""
     first, longer = make_chain(toks(6)), make_chain(toks(9))
     store.put_snapshot("turn 1", FP, first)
     known = store.read_summaries(hashes_of(first), FP)
+    sums_path(store, first[-1].chain_hash).unlink()
     store.backend.calls.clear()
     store.put_snapshot("turn 2", FP, [*hashes_of(first), *longer[6:]], known=known)
-    assert store.backend.calls == {"get_summaries": 1}  # the header of the file the save would write
+    assert store.backend.calls == {"get_summaries": 2}  # the new file's header, the missing file
     root = tmp_path / "other"
-    with SnapshotStore(root, workers=2, backend=Counting(root)) as other:  # the same save, reading
+    with SnapshotStore(root, workers=2, backend=Counting(root)) as other:  # the same save, copying
         other.put_snapshot("turn 1", FP, first)
-        other.backend.calls.clear()
         other.put_snapshot("turn 2", FP, [*hashes_of(first), *longer[6:]])
-        assert other.backend.calls == {"get_summaries": 2}
         want = sums_path(other, longer[-1].chain_hash).read_bytes()
     assert sums_path(store, longer[-1].chain_hash).read_bytes() == want
 

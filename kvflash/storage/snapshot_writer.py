@@ -26,7 +26,7 @@ from kvflash.storage.errors import ChunkMissing, InvalidChunk, StoreError
 from kvflash.storage.format import check_file, encode_chunk
 from kvflash.storage.names import check_fingerprint, check_hash, check_label, check_snapshot_id
 from kvflash.storage.records import ChunkRow, Snapshot
-from kvflash.storage.summaries import check_summaries_file, entry_crc, pack_head, summary_frame
+from kvflash.storage.summaries import HeadRead, check_summaries_file, entry_crc, pack_head, summary_frame
 from kvflash.storage.summary_reader import SummaryReader
 from kvflash.storage.workers import StoreWorkers, WorkerFailed
 
@@ -180,48 +180,65 @@ class SnapshotWriter:
         known: Sequence[ChunkSummary] = (),
     ) -> None:
         """Writes the summaries file of a chain being saved, unless one of it is stored (appending
-        its name to `out` first). A chunk this save wrote gives its own token ids and summary, a
-        `known` one those read before, every other those its chunk file holds (read back, from the
-        summaries file of a snapshot the chain extends where there is one): the file holds what the
-        chunk files hold. Best effort, as the file only spares reads: without it the snapshot
-        restores per chunk."""
+        its name to `out` first). The chunks before the first this save wrote come, as stored, from
+        the summaries file of a snapshot whose chain starts with them where there is one (a turn's
+        save extends the chain it restored: its summaries are not compressed again). Past them a
+        chunk this save wrote gives its own token ids and summary, a `known` one those read before,
+        every other those its chunk file holds (read back): the file holds what the chunk files
+        hold. Best effort, as the file only spares reads: without it the snapshot restores per
+        chunk."""
         last = hashes[-1]
         try:
             if self.summaries.has_summaries(fp, hashes):
                 return
             new = set(written)
+            head = next((i for i, h in enumerate(hashes) if h in new), len(hashes))
+            stored = self.summaries.stored_frames(hashes[:head], fp) if head else None
+            first = len(stored.hashes) if stored is not None else 0
             entries = {
                 i: (x.tokens, x.summary)
                 for i, x in enumerate(items)
-                if isinstance(x, ChunkBlob) and x.chain_hash in new
+                if i >= first and isinstance(x, ChunkBlob) and x.chain_hash in new
             }
             for i, k in enumerate(known[: len(hashes)]):
-                if i not in entries and k.chain_hash == hashes[i]:
+                if i >= first and i not in entries and k.chain_hash == hashes[i]:
                     entries[i] = (k.tokens, k.summary)
-            old = [i for i in range(len(hashes)) if i not in entries]
+            old = [i for i in range(first, len(hashes)) if i not in entries]
             if old:
                 read = self.summaries.read_summaries([hashes[i] for i in old], fp)
                 entries.update((i, (s.tokens, s.summary)) for i, s in zip(old, read, strict=True))
-            parts = self.summaries_parts(fp, last, [entries[i] for i in range(len(hashes))])
+            parts = self.summaries_parts(fp, last, [entries[i] for i in range(first, len(hashes))], stored)
             out.append(last)
             self.backend.put_summaries(last, parts)
         except StoreError as e:
             warnings.warn(f"snapshot saved without its summaries file: {e}", stacklevel=4)
 
     def summaries_parts(
-        self, fp: str, last: str, entries: list[tuple[list[int], torch.Tensor]]
+        self,
+        fp: str,
+        last: str,
+        entries: list[tuple[list[int], torch.Tensor]],
+        stored: HeadRead | None = None,
     ) -> list[bytes | memoryview]:
-        """The summaries file of a chain ending at `last`, as parts to write; the entries' checksums
+        """The summaries file of a chain ending at `last`, as parts to write: the `stored` head's
+        entries as they were read (`SummaryReader.stored_frames`), then `entries`, whose checksums
         and frames are made on the pool."""
         tokens = [token_bytes(t) for t, _ in entries]
         rows = [_f32_bytes(s) for _, s in entries]
-        shape = tuple(entries[0][1].shape)
-        if any(len(t) != len(tokens[0]) for t in tokens) or any(s.shape != shape for _, s in entries):
+        if stored is not None:
+            c, shape = stored.header.chunk_tokens, stored.header.summary_shape
+        else:
+            c, shape = len(entries[0][0]), tuple(entries[0][1].shape)
+        if any(len(t) != 4 * c for t in tokens) or any(tuple(s.shape) != shape for _, s in entries):
             raise InvalidChunk("the chain's chunks differ in length or summary shape")
         crcs = self.threads.map(lambda i: entry_crc(tokens[i], rows[i]), len(entries))
         frames = self.threads.map(lambda i: summary_frame(entries[i][1], self.level), len(entries))
         lens = [len(f) for f in frames]
-        return [pack_head(fp, last, len(entries[0][0]), shape, crcs, lens), *tokens, *frames]
+        if stored is not None:
+            n = len(stored.hashes)
+            crcs, lens = [*stored.crcs[:n].tolist(), *crcs], [*stored.frame_lens(), *lens]
+            tokens, frames = [stored.tokens, *tokens], [stored.frames, *frames]
+        return [pack_head(fp, last, c, shape, crcs, lens), *tokens, *frames]
 
     def copy_in(
         self,

@@ -280,17 +280,29 @@ class HeadRead:
     """A read of the first len(hashes) entries of a summaries file: `plan` (a backend's ReadPlan)
     lays out the destinations from the head (`head_len`: the header and, in version 2, the first
     entries' frame ends), the summaries of version 1 going straight into `rows`; the checks then
-    run on what was read."""
+    run on what was read. With `frames_only`, a version 2 file's frames are read as they are, for a
+    copy (`frame_lens`), and nothing is decoded; a version 1 file, which has none, is refused."""
 
-    def __init__(self, name: str, fingerprint: str, hashes: Sequence[str], out: torch.Tensor | None):
+    def __init__(
+        self,
+        name: str,
+        fingerprint: str,
+        hashes: Sequence[str],
+        out: torch.Tensor | None,
+        frames_only: bool = False,
+    ):
         self.name, self.fingerprint, self.hashes, self.out = name, fingerprint, hashes, out
+        self.frames_only = frames_only
         self.head_len = SUMMARIES_HEADER_SIZE + 8 * len(hashes)
 
     def plan(self, head: memoryview, size: int) -> list[tuple[int, memoryview]]:
         n, out = len(self.hashes), self.out
         h = self.header = parse_summaries_header(head, size, self.name)
         check_identity(h, self.name, self.fingerprint, n, None if out is None else out.shape[1:])
-        self.rows = out if out is not None else torch.empty((n, *h.summary_shape))
+        if self.frames_only and not h.compressed:
+            raise ChunkMismatch(self.name, f"version {h.version}: no frames to copy")
+        if not self.frames_only:
+            self.rows = out if out is not None else torch.empty((n, *h.summary_shape))
         self.tables, self.tokens = bytearray(h.tables_len), bytearray(n * h.tokens_len)
         if h.compressed:
             if len(head) < self.head_len:
@@ -312,6 +324,11 @@ class HeadRead:
         if self.header.compressed and not np.array_equal(self.ends[: len(self.hashes)], self.head_ends):
             raise ChunkCorrupt(self.name, "the summaries file changed while it was read")
         return check_chain(self.header, self.tokens, self.hashes, self.name)
+
+    def frame_lens(self) -> list[int]:
+        """Each read entry's frame length, once `check_tokens` has passed."""
+        n = len(self.hashes)
+        return np.diff(self.ends[:n], prepend=np.uint64(self.header.summaries_at)).tolist()
 
     def check_entries(self, lo: int, hi: int) -> None:
         """Entries lo..hi-1: decoded (version 2) into their rows, then checked."""

@@ -82,6 +82,24 @@ class SummaryReader:
         parents = [ROOT_HASH, *hashes[:-1]]
         return [ChunkSummary(i, h, parents[i], tokens[i], read.rows[i]) for i, h in enumerate(hashes)]
 
+    def stored_frames(self, hashes: Sequence[str], expect_fingerprint: str) -> HeadRead | None:
+        """The first len(hashes) entries of a version 2 summaries file whose chain starts with
+        `hashes`, as stored: tables and token ids checked (as `chain_summaries` checks them), frames
+        not decoded. A save of a chain that extends them copies them instead of compressing the
+        same summaries again; each frame keeps zstd's checksum of its content, which every reader of
+        the new file checks. None where no such file serves."""
+        if not hashes or not NATIVE:
+            return None
+        for last in self.index.chains_through(check_hash(hashes[-1]), len(hashes) - 1)[:SUMMARIES_TRIES]:
+            read = HeadRead(last, expect_fingerprint, hashes, None, frames_only=True)
+            try:
+                self.backend.get_summaries(last, read.head_len, read.plan)
+                read.check_tokens()
+            except ChunkError:
+                continue
+            return read
+        return None
+
     def chunk_summaries(
         self, hashes: Sequence[str], expect_fingerprint: str, out: torch.Tensor | None = None
     ) -> list[ChunkSummary]:
