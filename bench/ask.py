@@ -5,9 +5,9 @@ a `kvflash ask` process over a new snapshot store (cold prefill, then the snapsh
 `kvflash ask` process with another question, restoring from that store (lazily; --scout-reads N
 has its question's scouts read the N disk-only chunks their summaries rank highest). Each process's
 wall time is timed from outside; TTFT, where the KV came from and the bytes moved per tier come from
-its `--json` stats. The peer, in the same run after the processes, is HF transformers on the same prompt ids
-with the same weights (the whole prompt in one forward, KV on the GPU): its TTFT counts the
-tokenisation of the prompt as kvflash's does. --rounds repeats both turns, each round over a new
+its `--json` stats. The peer, in the same run after the processes, is HF transformers on the same
+prompt ids with the same weights (the whole prompt in one forward, KV on the GPU): its TTFT counts
+the tokenisation of the prompt as kvflash's does. --rounds repeats both turns, each round over a new
 store. Prints one table, writes JSON and a PNG.
 
   python -m bench.ask --tokens 131072 --pool-tokens 8192 --out out/ask
