@@ -114,6 +114,8 @@ def test_another_arm_in_the_same_directory_is_refused(tmp_path) -> None:
         Grid(small(tmp_path, policy="qk", budget_frac=0.25, mode="restore"))
     with pytest.raises(KVFlashError, match=r"cache_order 'document' -> 'score'"):
         Grid(small(tmp_path, policy="qk", budget_frac=0.25, cache_order="score"))
+    with pytest.raises(KVFlashError, match=r"scout_reads 0 -> 8"):
+        Grid(small(tmp_path, policy="qk", budget_frac=0.25, scout_reads=8))
     saved = tmp_path / "arm" / "config.json"
     kept = saved.read_text()
     saved.write_text("[1, 2]")
@@ -121,7 +123,7 @@ def test_another_arm_in_the_same_directory_is_refused(tmp_path) -> None:
         Grid(small(tmp_path, policy="qk", budget_frac=0.25))
     saved.write_text(kept)
     old = json.loads(saved.read_text())
-    del old["cache_order"]  # saved before the field existed: the document's order
+    del old["cache_order"], old["scout_reads"]  # saved before the fields existed: their defaults
     saved.write_text(json.dumps(old))
     Grid(small(tmp_path, policy="qk", budget_frac=0.25))
 
@@ -150,6 +152,9 @@ def test_pool_sizes() -> None:
     assert NiahConfig(policy="qk", budget_frac=1 / 8, cache_order="score").label == (
         "qk @ 1/8 of length, cold, score order"
     )
+    lazy = NiahConfig(policy="qk", pool_tokens=4096, mode="lazy", scout_reads=16)
+    assert lazy.label == "qk @ 4096 tok, lazy, 16 scout reads"
+    assert lazy.engine_config().residency.scout_reads == 16
 
 
 @pytest.mark.parametrize(

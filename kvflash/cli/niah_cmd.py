@@ -83,7 +83,8 @@ def niah(
     cfg = NiahConfig(
         lengths=parse_lengths(lengths), depths=parse_depths(depths), trials=trials,
         pool_tokens=pool_tokens, budget_frac=budget_frac, policy=engine.policy, mode=mode,
-        cache_positions=not engine.absolute_positions, cache_order=engine.cache_order, codec=codec,
+        cache_positions=not engine.absolute_positions, cache_order=engine.cache_order,
+        scout_reads=engine.scout_reads, codec=codec,
         template=template, haystack=str(haystack.resolve()) if haystack else None,
         needle=needle, question=question, seed=seed, max_tokens=max_tokens, pin_needle=pin_needle,
         out=str(out),

@@ -42,8 +42,9 @@ ROW_FIELDS = ("length", "depth", "trial", "hit", "ttft_s")
 NEUTRAL_QUESTION = "Summarise the document in one sentence."
 """Asked by the session that stores the document in restore modes: it only needs the prefill."""
 ARM_FIELDS = (
-    "pool_tokens", "budget_frac", "policy", "mode", "cache_positions", "cache_order", "codec", "template",
-    "haystack", "needle", "question", "seed", "max_tokens", "model", "dtype", "kv_dtype", "pin_needle",
+    "pool_tokens", "budget_frac", "policy", "mode", "cache_positions", "cache_order", "scout_reads", "codec",
+    "template", "haystack", "needle", "question", "seed", "max_tokens", "model", "dtype", "kv_dtype",
+    "pin_needle",
 )  # fmt: skip
 """Settings that change answers: a resumed run must agree on all of them (the grid may grow)."""
 LENGTH_TOLERANCE = 0.03
@@ -66,6 +67,8 @@ class NiahConfig:
     """ResidencyConfig.cache_positions: off attends at absolute positions (the A/B arm)."""
     cache_order: str = "document"
     """ResidencyConfig.cache_order."""
+    scout_reads: int = 0
+    """ResidencyConfig.scout_reads: what a lazily restored question's scouts read to score from keys."""
     codec: str = "lossless"
     """The snapshot codec in restore modes: lossless, or fp8 to check that its error spares the needle."""
     template: str = "passcode"
@@ -158,14 +161,18 @@ class NiahConfig:
         codec = f", {self.codec}" if self.codec != "lossless" and self.mode != "cold" else ""
         absolute = ", absolute positions" if not self.cache_positions and self.policy != "full" else ""
         order = ", score order" if self.cache_order == "score" and self.policy != "full" else ""
+        reads = f", {self.scout_reads} scout reads" if self.scout_reads and self.policy != "full" else ""
         pinned = ", needle pinned" if self.pin_needle else ""
         kv = f", {self.kv_dtype} KV" if self.kv_dtype != "auto" else ""
-        return f"{pool}, {self.mode}{codec}{absolute}{order}{pinned}{kv}"
+        return f"{pool}, {self.mode}{codec}{absolute}{order}{reads}{pinned}{kv}"
 
     def engine_config(self) -> EngineConfig:
         """The engine of this arm's trials but for its pool (`pool_for`)."""
         res = ResidencyConfig(
-            policy=self.policy, cache_positions=self.cache_positions, cache_order=self.cache_order
+            policy=self.policy,
+            cache_positions=self.cache_positions,
+            cache_order=self.cache_order,
+            scout_reads=self.scout_reads,
         )
         return EngineConfig(residency=res, kv_dtype=self.kv_dtype)
 
@@ -320,6 +327,7 @@ class Grid:
         new = self.cfg.arm()
         old.setdefault("codec", "lossless")  # saved before these fields existed
         old.setdefault("cache_order", "document")
+        old.setdefault("scout_reads", 0)
         diff = [k for k in ARM_FIELDS if old.get(k) != new[k]]
         if diff:
             detail = ", ".join(f"{k} {old.get(k)!r} -> {new[k]!r}" for k in diff)
