@@ -316,6 +316,44 @@ def test_shared_chunks_are_stored_once(store, monkeypatch) -> None:
     assert store.verify().ok
 
 
+class Listing(LocalDirBackend):
+    """The disk backend, counting the walks over every file of the store (`_entries`)."""
+
+    def __init__(self, root):
+        super().__init__(root)
+        self.walks = 0
+
+    def _entries(self):
+        self.walks += 1
+        return super()._entries()
+
+
+def test_rm_reads_and_sweeps_only_the_snapshot_it_removes(tmp_path) -> None:
+    """A session's every save removes the snapshot it replaces: `rm` walks no file of the store but
+    its own and asks the index of that snapshot's chunks alone, yet frees exactly what the
+    whole-store policy frees and reports the store's remaining bytes; an orphan a crash left stays
+    for the next prune."""
+    root = tmp_path / "store"
+    with SnapshotStore(root, backend=Listing(root)) as st:
+        for d in range(3):
+            st.put_snapshot(f"doc {d}", FP, make_chain(toks(5, start=1000 * (d + 1))))
+        a = st.put_snapshot("a", FP, make_chain(toks(4)))
+        b = st.put_snapshot("b", FP, make_chain(toks(2) + toks(2, start=500)))  # shares 2 with a
+        sa, sb = st.get_snapshot(a), st.get_snapshot(b)
+        orphan = make_chain(toks(1, start=9000))[0]
+        st.backend.put(orphan.chain_hash, format.encode_chunk(orphan, codec.Codec.LOSSLESS, 1)[:2])
+        st.backend.walks = 0
+        report = st.rm(a)
+        assert st.backend.walks == 0
+        assert report.chunks == 2 and report.swept_files == 1  # a's own two chunks and its file
+        assert report.remaining_bytes == st.du().stored_bytes
+        assert not st.backend.exists(sa.chunk_hashes[3]) and all(map(st.backend.exists, sb.chunk_hashes))
+        assert not st.backend.path(sa.chunk_hashes[-1], ".kvs").exists()
+        assert [st.index.all_chunk_rows()[h].refcount for h in sb.chunk_hashes] == [1, 1, 1, 1]
+        assert st.backend.exists(orphan.chain_hash) and st.prune().swept_files == 1
+        assert st.verify().ok
+
+
 @pytest.mark.parametrize("save_threads", [None, 2])
 def test_a_save_encodes_at_most_save_threads_chunks_at_once(tmp_path, monkeypatch, save_threads) -> None:
     """A server's saves run beside its scheduler: `save_threads` bounds the store threads a save keeps

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import socket
 import sqlite3
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 from kvflash.storage.errors import ChunkCorrupt, ChunkMissing, SnapshotNotFound
@@ -191,6 +191,16 @@ class Index:
             )
         }
 
+    def ends_a_chain(self, chunk_hash: str) -> bool:
+        """Whether some snapshot's chain ends with this chunk (`chain_ends`, asked of one)."""
+        return bool(
+            self.db.query(
+                "SELECT 1 FROM snapshot_chunks sc JOIN snapshots s ON s.id = sc.snapshot_id "
+                "AND sc.position = s.n_chunks - 1 WHERE sc.hash = ? LIMIT 1",
+                (chunk_hash,),
+            )
+        )
+
     def set_pinned(self, snapshot_id: str, pinned: bool) -> None:
         with self.db.write() as c:
             n = c.execute("UPDATE snapshots SET pinned = ? WHERE id = ?", (int(pinned), snapshot_id)).rowcount
@@ -211,28 +221,47 @@ class Index:
         dry_run: bool,
         now: float,
         owner_alive: Callable[[str], bool | None],
+        only: str | None = None,
     ) -> PruneDecision:
         """Runs a removal policy on a consistent view and applies it in the same transaction, so no
         lease or save can slip in between the decision and the deletion. Files are the caller's to
         unlink after this returns; a crash in between leaves orphan files, never dangling rows.
 
         The snapshots' member lists are the truth about references: refcounts that disagree with
-        them are recomputed first, and no chunk a snapshot lists is deleted whatever its refcount."""
+        them are recomputed first, and no chunk a snapshot lists is deleted whatever its refcount.
+        `only`: the policy decides about that snapshot alone (`rm`), so the view holds its row, its
+        chunks' rows and the member lists' entries of its chunks, not the whole store's: a session's
+        save removes the snapshot it replaces at a cost of that snapshot's size, however many others
+        the store holds."""
         with self.db.read() if dry_run else self.db.write() as c:
             dead, gone = self._dead_leases(c, now, owner_alive)
             if not dry_run:
                 c.executemany("DELETE FROM leases WHERE id = ?", [(lid,) for lid in dead])
             leased = {h for lid, h in c.execute("SELECT lease_id, hash FROM lease_chunks") if lid not in dead}
-            inp = PruneInput(
-                snapshots=[_snapshot_info(r) for r in c.execute(_snapshot_query())],
-                members=self.members(),
-                chunks=self.all_chunk_rows(),
-                leased=leased,
-            )
-            decision = decide(inp).sized(inp.chunks)
+            if only is None:
+                inp = PruneInput(
+                    snapshots=[_snapshot_info(r) for r in c.execute(_snapshot_query())],
+                    members=self.members(),
+                    chunks=self.all_chunk_rows(),
+                    leased=leased,
+                )
+                decision = decide(inp).sized(inp.chunks)
+            else:
+                inp = _one_snapshot_view(c, only, leased)
+                stored = c.execute("SELECT COALESCE(SUM(stored_bytes), 0) FROM chunks").fetchone()[0]
+                decision = decide(inp).sized(inp.chunks, stored)
             decision.gone_owners = gone
             if not dry_run:
-                c.execute(f"UPDATE chunks SET refcount = ({_REFS}) WHERE refcount != ({_REFS})")
+                if only is None:
+                    c.execute(f"UPDATE chunks SET refcount = ({_REFS}) WHERE refcount != ({_REFS})")
+                else:
+                    for batch in _batches(list(inp.chunks)):
+                        marks = ",".join("?" * len(batch))
+                        c.execute(
+                            f"UPDATE chunks SET refcount = ({_REFS}) WHERE hash IN ({marks}) "
+                            f"AND refcount != ({_REFS})",
+                            batch,
+                        )
                 c.executemany("DELETE FROM snapshots WHERE id = ?", [(s,) for s in decision.snapshots])
                 c.executemany(
                     "DELETE FROM chunks WHERE hash = ? AND hash NOT IN (SELECT hash FROM snapshot_chunks) "
@@ -355,6 +384,35 @@ _PUT_CHUNK = (
     "stored_bytes = excluded.stored_bytes, raw_bytes = excluded.raw_bytes"
 )
 """A chunk row for a file just written and checked: one there already is that file's now."""
+
+
+def _batches(items: list[str]) -> Iterator[list[str]]:
+    for i in range(0, len(items), _BATCH):
+        yield items[i : i + _BATCH]
+
+
+def _one_snapshot_view(c: sqlite3.Connection, snapshot_id: str, leased: set[str]) -> PruneInput:
+    """What a policy about one snapshot sees: its row, its chunks' rows, and the member lists'
+    entries of its chunks (each snapshot listing one, the reference counts `_plan_rm` takes)."""
+    snaps = [_snapshot_info(r) for r in c.execute(_snapshot_query("WHERE s.id = ?"), (snapshot_id,))]
+    own = [
+        r[0]
+        for r in c.execute(
+            "SELECT hash FROM snapshot_chunks WHERE snapshot_id = ? ORDER BY position", (snapshot_id,)
+        )
+    ]
+    members: dict[str, list[str]] = {snapshot_id: own}
+    rows: dict[str, ChunkRow] = {}
+    for batch in _batches(own):
+        marks = ",".join("?" * len(batch))
+        for sid, h in c.execute(
+            f"SELECT snapshot_id, hash FROM snapshot_chunks WHERE hash IN ({marks}) AND snapshot_id != ?",
+            (*batch, snapshot_id),
+        ):
+            members.setdefault(sid, []).append(h)
+        for r in c.execute(f"SELECT {_CHUNK_COLS} FROM chunks WHERE hash IN ({marks})", batch):
+            rows[r[0]] = ChunkRow(*r)
+    return PruneInput(snapshots=snaps, members=members, chunks=rows, leased=leased)
 
 
 def _snapshot_query(where: str = "") -> str:

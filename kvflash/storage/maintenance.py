@@ -18,7 +18,7 @@ from kvflash.storage.chunk_reader import ChunkReader
 from kvflash.storage.context import StoreContext
 from kvflash.storage.errors import ChunkError, StoreError
 from kvflash.storage.names import check_snapshot_id, is_hash
-from kvflash.storage.records import ChunkRow, PruneDecision, PruneInput
+from kvflash.storage.records import ChunkRow, PruneDecision, PruneInput, Snapshot
 from kvflash.storage.snapshot_writer import SnapshotWriter
 from kvflash.storage.summary_reader import SummaryReader
 
@@ -97,9 +97,12 @@ class Maintenance:
     # removal
 
     def rm(self, snapshot_id: str) -> PruneReport:
-        """Removes one snapshot and the chunks only it held (those leased stay until released)."""
-        self.index.snapshot(check_snapshot_id(snapshot_id))
-        return self._remove(partial(_plan_rm, snapshot_id=snapshot_id), dry_run=False)
+        """Removes one snapshot and the chunks only it held (those leased stay until released), and
+        its chain's summaries file where no snapshot left ends there. It reads and sweeps nothing
+        else of the store (orphans a crash left go at the next prune): a session's every save
+        removes the snapshot it replaces."""
+        snap = self.index.snapshot(check_snapshot_id(snapshot_id))
+        return self._remove(partial(_plan_rm, snapshot_id=snapshot_id), dry_run=False, only=snap)
 
     def prune(
         self,
@@ -116,16 +119,21 @@ class Maintenance:
         policy = partial(_plan_prune, max_bytes=max_bytes, cutoff=cutoff, keep=frozenset(keep))
         return self._remove(policy, dry_run)
 
-    def _remove(self, decide: Callable[[PruneInput], PruneDecision], dry_run: bool) -> PruneReport:
+    def _remove(
+        self, decide: Callable[[PruneInput], PruneDecision], dry_run: bool, only: Snapshot | None = None
+    ) -> PruneReport:
+        """`only`: the snapshot `decide` is about alone (`rm`): the index decides on a view of it,
+        and its summaries file is the only one that may go."""
         if self.read_only and not dry_run:
             raise StoreError(f"the snapshot store {self.where} is read-only: nothing removed")
         alive = self.coordination.owner_alive
+        one = None if only is None else only.id
         with self.coordination.removing():
             if dry_run:
-                decision = self.index.remove(decide, True, time.time(), alive)
+                decision = self.index.remove(decide, True, time.time(), alive, one)
             else:
                 decision = self.coordination.with_reserve(
-                    lambda: self.index.remove(decide, False, time.time(), alive)
+                    lambda: self.index.remove(decide, False, time.time(), alive, one)
                 )
             swept = 0
             if not dry_run:
@@ -133,7 +141,11 @@ class Maintenance:
                 for h in decision.chunks:
                     if h not in still and is_hash(h):  # a malformed row names no file
                         self.backend.delete(h)
-                swept = self._sweep_orphans()
+                if only is None:
+                    swept = self._sweep_orphans()
+                elif decision.snapshots and self._unused_file(last := only.chunk_hashes[-1]):
+                    self.backend.delete_summaries(last)
+                    swept = 1
                 self.coordination.after_removal(decision.gone_owners)
         return PruneReport(
             dry_run=dry_run,
@@ -143,6 +155,11 @@ class Maintenance:
             remaining_bytes=decision.remaining_bytes,
             swept_files=swept,
         )
+
+    def _unused_file(self, last: str) -> bool:
+        """Whether the summaries file named by a removed chain's last chunk serves no snapshot left
+        (a malformed row names no file)."""
+        return is_hash(last) and not self.index.ends_a_chain(last)
 
     def _sweep_orphans(self) -> int:
         """Files no row names: left by a crash between a file and its row, or a row and its unlink;

@@ -86,10 +86,12 @@ class PruneDecision:
     remaining_bytes: int = 0
     """Stored bytes of the chunks removed and of those left, by the rows the decision was made on."""
 
-    def sized(self, rows: dict[str, ChunkRow]) -> PruneDecision:
-        """This decision with its byte counts, from the rows it was made on (`PruneInput.chunks`)."""
+    def sized(self, rows: dict[str, ChunkRow], stored_bytes: int | None = None) -> PruneDecision:
+        """This decision with its byte counts, from the rows it was made on (`PruneInput.chunks`);
+        `stored_bytes`, the store's total, where those rows are not all of it."""
         self.freed_bytes = sum(rows[h].stored_bytes for h in self.chunks if h in rows)
-        self.remaining_bytes = sum(r.stored_bytes for r in rows.values()) - self.freed_bytes
+        total = sum(r.stored_bytes for r in rows.values()) if stored_bytes is None else stored_bytes
+        self.remaining_bytes = total - self.freed_bytes
         return self
 
 

@@ -344,6 +344,9 @@ class RedisIndex:
         got = self._pipe(lambda p: [p.lindex(self.keys.members(s), -1) for s in ids]) if ids else []
         return {h.decode() for h in got if h is not None}
 
+    def ends_a_chain(self, chunk_hash: str) -> bool:
+        return chunk_hash in self.chain_ends()
+
     def set_pinned(self, snapshot_id: str, pinned: bool) -> None:
         key = self.keys.snap(snapshot_id)
         if not self.link.call(lambda c: self._set_field(keys=[key], args=["pinned", str(int(pinned))])):
@@ -362,10 +365,12 @@ class RedisIndex:
         dry_run: bool,
         now: float,
         owner_alive: Callable[[str], bool | None],
+        only: str | None = None,
     ) -> PruneDecision:
         """Decides on one read of the index, then applies the decision in one script that keeps
         anything pinned, leased or listed since. Leases live by their heartbeat here (their owners
-        may be on other machines, whose locks no server can see), so `owner_alive` is not asked."""
+        may be on other machines, whose locks no server can see), so `owner_alive` is not asked.
+        The read is the whole index's, also for a decision about `only` one snapshot."""
         snaps = self.snapshots()
         leased = {h.decode() for h in self.link.call(lambda c: self._leased(args=[self.p]))}
         inp = PruneInput(snaps, self._members([s.id for s in snaps]), self.all_chunk_rows(), leased)
