@@ -1,11 +1,11 @@
-"""Fuzzing the chunk-file parsers (kvflash/storage/format.py, kvflash/storage/codec.py): every
-mutation of a valid file, each of whose bytes lies in a checksummed region, is refused with a
-ChunkError by `verify`'s full check; a restore, which leaves the payload to the zstd frame's own
-checksum, refuses it or decodes exactly the original chunk (a flip of a frame-header bit zstd
-ignores changes nothing it reads). The same for summaries files (kvflash/storage/summaries.py),
-whose every byte is checked both by `verify`'s full check and by a restore's read of all its
-entries. Nothing a file holds makes a parser crash, hang or allocate past a bound. Each property
-runs a few hundred examples in `make test` and many thousands under `make test-reliability`."""
+"""Fuzzing the chunk-file parsers (kvflash/storage/format.py, kvflash/storage/codec.py): every mutation of a
+valid file, each of whose bytes lies in a checksummed region, is refused with a ChunkError by `verify`'s
+full check; a restore, which checks the decompressed bytes against the header's raw crc instead of the
+stored bytes against theirs, refuses it or decodes exactly the original chunk (a flip of a frame-header
+bit zstd ignores changes nothing it reads). The same for summaries files (kvflash/storage/summaries.py),
+whose every byte is checked both by `verify`'s full check and by a restore's read of all its entries.
+Nothing a file holds makes a parser crash, hang or allocate past a bound. Each property runs a few hundred
+examples in `make test` and many thousands under `make test-reliability`."""
 
 from __future__ import annotations
 
@@ -123,6 +123,18 @@ def multi_byte_mutations(codec, edits, restore) -> None:
         buf[at % len(buf)] ^= xor
     if bytes(buf) != data:  # edits that cancel out leave the valid file
         _refused(bytes(buf), h, stored_crc=not restore, codec=codec)
+
+
+def test_a_restore_refuses_a_frame_whose_damaged_block_sizes_hide_its_checksum() -> None:
+    """Edits (found by `multi_byte_mutations`) after which zstd's stream reader yields all of the
+    fp8 payload's raw bytes, wrong, and stops at the end of its input short of the frame's checksum:
+    the header's raw crc refuses them."""
+    data, h = FILES[Codec.FP8]
+    buf = bytearray(data)
+    for at, xor in [(1637, 196), (523, 15), (677, 140), (526, 109), (771, 229)]:
+        buf[at] ^= xor
+    with pytest.raises(ChunkError, match="raw checksum mismatch"):
+        decode_chunk(bytes(buf), h, FP, stored_crc=False)
 
 
 def truncations_and_extensions(codec, cut, tail) -> None:

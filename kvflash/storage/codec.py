@@ -198,9 +198,11 @@ def decode(
         raise ValueError(f"zstd: {e}") from None
     if n != raw_len or more:
         raise ValueError(f"the zstd frame holds {'more' if more else n} bytes, expected {raw_len}")
-    # zstd checks a frame's own content checksum (XXH64) while decompressing, cheaper than a second
-    # pass of crc32 over the raw bytes; frames written before it existed use the header's raw crc.
-    if not frame.has_checksum and zlib.crc32(raw) != raw_crc:
+    # The header's raw crc is checked whatever the frame says: zstd checks a frame's own content
+    # checksum only once it reaches the frame's end, and the stream reader stops silently where its
+    # input ends, so a frame whose block sizes were damaged can yield all raw_len bytes, wrong,
+    # without reaching its checksum.
+    if zlib.crc32(raw) != raw_crc:
         raise ValueError("raw checksum mismatch")
     held = held_shape(dtype, shape)
     kv_raw = raw[: raw_len - n_extra]
@@ -236,14 +238,6 @@ def unpack_planes(frame: bytes | memoryview, out: torch.Tensor) -> None:
     if len(raw) != n:
         raise ValueError(f"a frame of {len(raw)} bytes, expected {n}")
     _merge_planes(memoryview(raw), _as_uint(out))
-
-
-def frame_checksummed(payload: bytes | memoryview) -> bool:
-    """Whether the payload's zstd frame declares a content checksum (False if no frame parses)."""
-    try:
-        return zstandard.get_frame_parameters(payload).has_checksum
-    except zstandard.ZstdError:
-        return False
 
 
 def _scratch(name: str, n: int) -> memoryview:

@@ -350,16 +350,15 @@ def decode_chunk(
     """A whole chunk file -> ChunkBlob, after checking every checksum and the chain hash. The KV is
     decoded into `out` when given (which then sets the expected dtype, and shape: `codec.kv_shape`).
 
-    `stored_crc=False` (restores) skips the crc32 over the stored payload when its zstd frame carries
-    a content checksum: damage there then fails decompression or that checksum, so the chunk is still
-    refused, for one pass over the payload less (about a tenth of a restore's decode CPU). `verify`
-    checks both.
+    `stored_crc=False` (restores) skips the crc32 over the stored payload: damage there then fails
+    decompression or the raw crc (`codec.decode` checks it always), so the chunk is still refused,
+    for one pass over the payload less. `verify` checks both.
 
     `with_summary=False` (restores, which take summaries from the summaries file) leaves the blob's
     summary None. A version 3 file's summary is then not rebuilt from the key means, so its meta crc
     (token ids, then that summary) goes unchecked; safe, since what it covers is checked otherwise:
     the token ids against the chain hash, the KV and residual the summary is rebuilt from by the
-    frame's checksum (or the raw crc). `verify` rebuilds the summary and checks it."""
+    raw crc. `verify` rebuilds the summary and checks it."""
     if out is not None:
         expect_shape, expect_dtype = codec.kv_shape(out), out.dtype
     h = parse_header(buf, len(buf), chunk_hash)
@@ -368,7 +367,7 @@ def decode_chunk(
     meta_end = HEADER_SIZE + h.meta_len
     tokens, summary = decode_meta(h, view[HEADER_SIZE:meta_end], chunk_hash, with_summary=with_summary)
     payload = view[meta_end:]
-    if (stored_crc or not codec.frame_checksummed(payload)) and zlib.crc32(payload) != h.stored_crc:
+    if stored_crc and zlib.crc32(payload) != h.stored_crc:
         raise ChunkCorrupt(chunk_hash, "payload checksum mismatch")
     extra = bytearray(h.extra_len) if h.summary_in_payload else None
     rebuild = with_summary and h.summary_in_payload
