@@ -143,8 +143,8 @@ class Maintenance:
                         self.backend.delete(h)
                 if only is None:
                     swept = self._sweep_orphans()
-                elif decision.snapshots and self._unused_file(last := only.chunk_hashes[-1]):
-                    self.backend.delete_summaries(last)
+                elif decision.snapshots and self._unused_file(last := only.chunk_hashes[-1:]):
+                    self.backend.delete_summaries(last[0])
                     swept = 1
                 self.coordination.after_removal(decision.gone_owners)
         return PruneReport(
@@ -156,10 +156,11 @@ class Maintenance:
             swept_files=swept,
         )
 
-    def _unused_file(self, last: str) -> bool:
-        """Whether the summaries file named by a removed chain's last chunk serves no snapshot left
-        (a malformed row names no file)."""
-        return is_hash(last) and not self.index.ends_a_chain(last)
+    def _unused_file(self, last: tuple[str, ...]) -> bool:
+        """Whether a removed chain's summaries file, named by its last chunk (`last`: that hash, or
+        none where the snapshot listed no chunk), serves no snapshot left; a malformed row names no
+        file."""
+        return bool(last) and is_hash(last[0]) and not self.index.ends_a_chain(last[0])
 
     def _sweep_orphans(self) -> int:
         """Files no row names: left by a crash between a file and its row, or a row and its unlink;
