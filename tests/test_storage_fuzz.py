@@ -170,6 +170,16 @@ def _summaries_refused(data: bytes) -> None:
     assert peak < ALLOC_BOUND + 4 * len(data), f"refusing a {len(data)}-byte file allocated {peak} bytes"
 
 
+@pytest.mark.parametrize("at, xor", [(851, 0x04), (1326, 0x10)])
+def test_a_summaries_frame_whose_ignored_header_bits_changed_is_refused(at: int, xor: int) -> None:
+    """Edits (found by `summaries_mutations`) to a frame's header descriptor that zstd reads past:
+    its content-checksum flag cleared (the checksum then goes unread), its unused bit set. The
+    summaries decode the same, but the file is not what was written: both reads refuse it."""
+    buf = bytearray(SUMMARIES)
+    buf[at] ^= xor
+    _summaries_refused(bytes(buf))
+
+
 def test_the_valid_summaries_file_is_read() -> None:
     assert check_summaries_file(SUMMARIES, CHAIN[-1], FP, CHAIN).n_chunks == 3
 

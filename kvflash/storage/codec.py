@@ -38,6 +38,8 @@ store)."""
 FP8_MAX = 448.0
 """Largest finite float8_e4m3fn."""
 FP8 = torch.float8_e4m3fn
+_FHD_UNUSED = 0x10
+"""The unused bit of a zstd frame's header descriptor (the byte after the magic number)."""
 
 
 class Codec(IntEnum):
@@ -227,16 +229,23 @@ def decode(
 
 def unpack_planes(frame: bytes | memoryview, out: torch.Tensor) -> None:
     """A frame of byte planes (`split_planes`) into `out`, a contiguous CPU tensor of the size the
-    frame must declare (ValueError otherwise, or on any zstd error)."""
+    frame must declare (ValueError otherwise, or on any zstd error). The frame must be as
+    `compress_parts` writes it, so that no byte of it goes unchecked: its content checksum declared
+    (and so verified), the descriptor bits zstd ignores clear, and nothing after its end (zstd's
+    one-shot decompress ignores all three)."""
     n = out.numel() * out.element_size()
     try:
-        if zstandard.get_frame_parameters(frame).content_size != n:
+        params = zstandard.get_frame_parameters(frame)
+        if params.content_size != n:
             raise ValueError(f"a frame that does not declare {n} bytes")
-        raw = _decompressor().decompress(frame, max_output_size=n)
+        if not params.has_checksum or frame[4] & _FHD_UNUSED:
+            raise ValueError("a frame header its writer never writes")
+        reader = _decompressor().decompressobj()
+        raw = reader.decompress(frame)
     except zstandard.ZstdError as e:
         raise ValueError(f"zstd: {e}") from None
-    if len(raw) != n:
-        raise ValueError(f"a frame of {len(raw)} bytes, expected {n}")
+    if len(raw) != n or not reader.eof or reader.unused_data:
+        raise ValueError(f"a frame of {len(raw)} bytes, expected {n}, or bytes past its end")
     _merge_planes(memoryview(raw), _as_uint(out))
 
 
