@@ -52,8 +52,7 @@ class Index:
         out: dict[str, ChunkRow] = {}
         hashes = list(hashes)
         with self.db.read() as c:
-            for i in range(0, len(hashes), _BATCH):
-                batch = hashes[i : i + _BATCH]
+            for batch in _batches(hashes):
                 marks = ",".join("?" * len(batch))
                 for r in c.execute(f"SELECT {_CHUNK_COLS} FROM chunks WHERE hash IN ({marks})", batch):
                     out[r[0]] = ChunkRow(*r)
@@ -64,8 +63,7 @@ class Index:
         would say), without building their rows: a lookup asks it of a whole prompt's chunks."""
         out: set[str] = set()
         with self.db.read() as c:
-            for i in range(0, len(hashes), _BATCH):
-                batch = hashes[i : i + _BATCH]
+            for batch in _batches(hashes):
                 marks = ",".join("?" * len(batch))
                 query = (
                     f"SELECT hash FROM chunks WHERE hash IN ({marks}) AND fingerprint = ? "
@@ -86,8 +84,7 @@ class Index:
     def record_hit(self, hashes: list[str], now: float) -> None:
         """A committed restore: its chunks and every snapshot ending a shared prefix there move up."""
         with self.db.write(BEST_EFFORT_BUSY_S) as c:
-            for i in range(0, len(hashes), _BATCH):
-                batch = hashes[i : i + _BATCH]
+            for batch in _batches(hashes):
                 marks = ",".join("?" * len(batch))
                 c.execute(f"UPDATE chunks SET last_used = ? WHERE hash IN ({marks})", (now, *batch))
             c.execute(
@@ -126,8 +123,7 @@ class Index:
             if snapshot_id and c.execute(taken, (snapshot_id,)).fetchone():
                 return snapshot_id
             c.executemany(_PUT_CHUNK, [_row_values(r, now) for r in new_rows])
-            for i in range(0, len(hashes), _BATCH):
-                batch = hashes[i : i + _BATCH]
+            for batch in _batches(hashes):
                 marks = ",".join("?" * len(batch))
                 found = {r[0] for r in c.execute(f"SELECT hash FROM chunks WHERE hash IN ({marks})", batch)}
                 if missing := [h for h in batch if h not in found]:
@@ -275,8 +271,7 @@ class Index:
     def add_lease(self, lease_id: str, owner: str, hashes: list[str], now: float) -> None:
         """Marks chunks as in use by a restore; every one must still be stored, or nothing is leased."""
         with self.db.write(BEST_EFFORT_BUSY_S) as c:
-            for i in range(0, len(hashes), _BATCH):
-                batch = hashes[i : i + _BATCH]
+            for batch in _batches(hashes):
                 marks = ",".join("?" * len(batch))
                 found = {r[0] for r in c.execute(f"SELECT hash FROM chunks WHERE hash IN ({marks})", batch)}
                 if missing := [h for h in batch if h not in found]:
@@ -386,7 +381,8 @@ _PUT_CHUNK = (
 """A chunk row for a file just written and checked: one there already is that file's now."""
 
 
-def _batches(items: list[str]) -> Iterator[list[str]]:
+def _batches(items: Sequence[str]) -> Iterator[Sequence[str]]:
+    """Runs of at most _BATCH items: SQLite bounds the parameters of one statement."""
     for i in range(0, len(items), _BATCH):
         yield items[i : i + _BATCH]
 
